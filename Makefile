@@ -1,0 +1,41 @@
+# pykvq: the two commands are `make demo` and `make test`.
+#
+#   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2, answer a question with a q4_0 cache
+#   make test   the same set-up, then pytest
+#
+# Options: CMAKE_ARGS="-DPYKVQ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"  JOBS=16  PYTEST_ARGS="-k kld"
+PY      ?= python3
+VENV    ?= .venv
+BUILD   ?= build
+JOBS    ?= $(shell nproc)
+VPY     := $(VENV)/bin/python
+
+.PHONY: demo test setup fetch build clean distclean
+
+demo: setup build
+	$(VPY) -m pykvq demo
+
+test: setup build
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+setup: $(VENV)/.pykvq-setup
+
+fetch:
+	$(PY) third_party/fetch.py
+
+# torch first, by exact version: pip then takes the local CPU wheel rather than a CUDA build.
+$(VENV)/.pykvq-setup: pyproject.toml third_party/llama.cpp.pin | fetch
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[convert,test]' ./third_party/llama.cpp/gguf-py
+	touch $@
+
+build: fetch
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+clean:
+	rm -rf $(BUILD)
+
+distclean: clean
+	rm -rf $(VENV) third_party/llama.cpp third_party/.cache

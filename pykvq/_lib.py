@@ -1,0 +1,231 @@
+"""cffi (ABI mode) binding to the patched libllama built under build/bin.
+
+Only the slice of llama.h / ggml.h that pykvq uses is declared. Struct layouts
+follow the pinned llama.cpp (llama-cpp-python 0.3.36); enums are declared as
+their underlying int. The library is found via $PYKVQ_LIB, next to the package
+(pykvq/lib/), or in the repository's build/bin.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from cffi import FFI
+
+from .errors import LibraryNotFoundError
+
+CDEF = r"""
+typedef int32_t llama_pos;
+typedef int32_t llama_token;
+typedef int32_t llama_seq_id;
+struct llama_model;
+struct llama_context;
+struct llama_vocab;
+struct llama_sampler;
+struct llama_memory_i;
+typedef struct llama_memory_i * llama_memory_t;
+
+typedef bool (*llama_progress_callback)(float progress, void * user_data);
+typedef void (*ggml_log_callback)(int level, const char * text, void * user_data);
+
+struct llama_model_params {
+    void * devices;
+    const void * tensor_buft_overrides;
+    int32_t n_gpu_layers;
+    int split_mode;
+    int load_mode;
+    int lazy_mode;
+    int32_t main_gpu;
+    const float * tensor_split;
+    llama_progress_callback progress_callback;
+    void * progress_callback_user_data;
+    const void * kv_overrides;
+    bool vocab_only;
+    bool check_tensors;
+    bool use_extra_bufts;
+    bool no_host;
+    bool no_alloc;
+    bool load_mtp;
+};
+
+struct llama_context_params {
+    uint32_t n_ctx;
+    uint32_t n_batch;
+    uint32_t n_ubatch;
+    uint32_t n_seq_max;
+    uint32_t n_rs_seq;
+    uint32_t n_outputs_max;
+    uint32_t n_outputs_max_per_seq;
+    int32_t  n_threads;
+    int32_t  n_threads_batch;
+    int ctx_type;
+    int rope_scaling_type;
+    int pooling_type;
+    int attention_type;
+    int flash_attn_type;
+    float    rope_freq_base;
+    float    rope_freq_scale;
+    float    yarn_ext_factor;
+    float    yarn_attn_factor;
+    float    yarn_beta_fast;
+    float    yarn_beta_slow;
+    uint32_t yarn_orig_ctx;
+    float    defrag_thold;
+    void * cb_eval;
+    void * cb_eval_user_data;
+    int type_k;
+    int type_v;
+    void * abort_callback;
+    void * abort_callback_data;
+    bool embeddings;
+    bool offload_kqv;
+    bool no_perf;
+    bool op_offload;
+    bool swa_full;
+    bool kv_unified;
+    void * samplers;
+    size_t n_samplers;
+    struct llama_context * ctx_other;
+};
+
+typedef struct llama_batch {
+    int32_t n_tokens;
+    llama_token  *  token;
+    float        *  embd;
+    llama_pos    *  pos;
+    int32_t      *  n_seq_id;
+    llama_seq_id ** seq_id;
+    int8_t       *  logits;
+} llama_batch;
+
+typedef struct llama_sampler_chain_params { bool no_perf; } llama_sampler_chain_params;
+typedef struct llama_chat_message { const char * role; const char * content; } llama_chat_message;
+
+void llama_backend_init(void);
+void llama_log_set(ggml_log_callback log_callback, void * user_data);
+const char * llama_print_system_info(void);
+bool llama_supports_gpu_offload(void);
+
+struct llama_model_params   llama_model_default_params(void);
+struct llama_context_params llama_context_default_params(void);
+struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
+void llama_model_free(struct llama_model * model);
+struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+void llama_free(struct llama_context * ctx);
+
+uint32_t llama_n_ctx(const struct llama_context * ctx);
+uint32_t llama_n_batch(const struct llama_context * ctx);
+llama_memory_t llama_get_memory(const struct llama_context * ctx);
+void llama_memory_clear(llama_memory_t mem, bool data);
+
+const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+int32_t llama_model_n_ctx_train(const struct llama_model * model);
+int32_t llama_model_n_embd(const struct llama_model * model);
+int32_t llama_model_n_layer(const struct llama_model * model);
+int32_t llama_model_n_head(const struct llama_model * model);
+int32_t llama_model_n_head_kv(const struct llama_model * model);
+int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+uint64_t llama_model_size(const struct llama_model * model);
+uint64_t llama_model_n_params(const struct llama_model * model);
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+
+int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+llama_token llama_vocab_bos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+
+int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                       llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
+                             int32_t length, int32_t lstrip, bool special);
+int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
+                         char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
+int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+                                  bool add_ass, char * buf, int32_t length);
+
+struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
+void llama_batch_free(struct llama_batch batch);
+int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+float * llama_get_logits(struct llama_context * ctx);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+
+struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
+struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_init_greedy(void);
+struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
+struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_temp(float t);
+llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+void llama_sampler_free(struct llama_sampler * smpl);
+
+const char * ggml_type_name(int type);
+size_t ggml_row_size(int type, int64_t ne);
+int64_t ggml_blck_size(int type);
+bool ggml_is_quantized(int type);
+"""
+
+LIB_NAME = "libllama.so"
+_PKG_DIR = Path(__file__).resolve().parent
+_REPO_ROOT = _PKG_DIR.parent
+
+ffi = FFI()
+ffi.cdef(CDEF)
+
+_lib = None
+_lock = threading.Lock()
+_log_sink = None  # set by pykvq.log
+
+
+def candidate_paths() -> list[Path]:
+    env = os.environ.get("PYKVQ_LIB")
+    if env:
+        p = Path(env)
+        return [p / LIB_NAME if p.is_dir() else p]
+    return [_PKG_DIR / "lib" / LIB_NAME, _REPO_ROOT / "build" / "bin" / LIB_NAME]
+
+
+def lib_path() -> Path:
+    for p in candidate_paths():
+        if p.is_file():
+            return p
+    tried = ", ".join(str(p) for p in candidate_paths())
+    raise LibraryNotFoundError(
+        f"pykvq: the patched libllama is not built (looked for {tried}). "
+        "Build it with 'make build' (or: cmake -S . -B build && cmake --build build -j), "
+        "or point PYKVQ_LIB at a built libllama.so.")
+
+
+def lib():
+    """The loaded library (loaded and initialised once per process)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = lib_path()
+            # libllama links libggml*.so from the same directory (RUNPATH=$ORIGIN);
+            # ggml-base also exports ggml_type_name & co., reachable through libllama's deps.
+            ggml_base = ffi.dlopen(str(path.parent / "libggml-base.so"))
+            lb = ffi.dlopen(str(path))
+            from . import log
+            log.install(lb)
+            lb.llama_backend_init()
+            _lib = _Lib(lb, ggml_base, path)
+        return _lib
+
+
+class _Lib:
+    """libllama with libggml-base symbols reachable as attributes."""
+
+    def __init__(self, llama, ggml_base, path: Path):
+        self._llama = llama
+        self._ggml = ggml_base
+        self.path = path
+
+    def __getattr__(self, name):
+        target = self._ggml if name.startswith("ggml_") else self._llama
+        value = getattr(target, name)
+        setattr(self, name, value)
+        return value

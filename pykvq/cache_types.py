@@ -1,0 +1,39 @@
+"""KV-cache type names users can pick, and their ggml type ids.
+
+The same names as llama.cpp's ``-ctk/-ctv`` (common/arg.cpp kv_cache_types);
+new pykvq formats are added here as they land. Ids are ggml.h's enum ggml_type
+values of the pinned tree (checked against ggml_type_name in the tests).
+"""
+from __future__ import annotations
+
+from .errors import CacheTypeError
+
+CACHE_TYPES: dict[str, int] = {
+    "f32": 0,
+    "f16": 1,
+    "bf16": 30,
+    "q8_0": 8,
+    "q4_0": 2,
+    "q4_1": 3,
+    "iq4_nl": 20,
+    "q5_0": 6,
+    "q5_1": 7,
+}
+
+UNQUANTIZED = {"f32", "f16", "bf16"}
+
+
+def resolve(name: str) -> int:
+    """ggml type id of a cache type name; CacheTypeError if unknown."""
+    key = str(name).strip().lower()
+    if key not in CACHE_TYPES:
+        raise CacheTypeError(
+            f"unknown KV-cache type {name!r}; choose one of: {', '.join(CACHE_TYPES)}")
+    return CACHE_TYPES[key]
+
+
+def name_of(type_id: int) -> str:
+    for k, v in CACHE_TYPES.items():
+        if v == type_id:
+            return k
+    raise CacheTypeError(f"ggml type {type_id} is not a KV-cache type pykvq knows")

@@ -1,0 +1,221 @@
+"""pykvq command line: generate, perplexity, kld, info, fetch, demo.
+
+    pykvq generate "What is the capital of France?" -ctk q8_0 -ctv q4_0
+    pykvq perplexity -ctk q4_0 -ctv q4_0 --chunks 20
+    pykvq kld -ctk q4_0 -ctv q4_0 --chunks 20          # against an f16 cache
+    pykvq info
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import __version__
+from .cache_types import CACHE_TYPES
+from .errors import PykvqError
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _model_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("-m", "--model", default=None,
+                    help="GGUF path, or a known model name (smollm2-135m, qwen2.5-coder-1.5b); "
+                         "default: smollm2-135m, fetched on first use")
+
+
+def _cache_args(ap: argparse.ArgumentParser, default: str = "f16") -> None:
+    types = ", ".join(CACHE_TYPES)
+    ap.add_argument("-ctk", "--cache-type-k", default=default, metavar="TYPE", help=f"K cache type ({types})")
+    ap.add_argument("-ctv", "--cache-type-v", default=default, metavar="TYPE", help=f"V cache type ({types})")
+    ap.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
+                    help="flash attention (a quantized V cache needs it); default auto")
+    ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def _text_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("-f", "--file", default=None,
+                    help="text file to evaluate (default: WikiText-2 test from ../shared/data)")
+    ap.add_argument("--n-ctx", type=int, default=512, help="tokens per evaluation chunk (default 512)")
+    ap.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _resolve_model(name):
+    from .models import MODELS, fetch
+    if name is None or name in MODELS:
+        return fetch(name or "smollm2-135m")
+    return name
+
+
+def _open(args, n_ctx_default: int = 4096, cache_k=None, cache_v=None):
+    from .model import Model
+    flash = {"on": True, "off": False, "auto": None}[args.flash_attn]
+    return Model(_resolve_model(args.model), n_ctx=args.ctx_size or n_ctx_default,
+                 cache_type_k=cache_k or args.cache_type_k, cache_type_v=cache_v or args.cache_type_v,
+                 flash_attn=flash, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                 verbose=args.verbose or None)
+
+
+def _read_text(path):
+    from .data import wikitext_test
+    if path is None:
+        return wikitext_test()
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def cmd_generate(args) -> int:
+    m = _open(args)
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()}", file=sys.stderr)
+    t0 = time.perf_counter()
+    n = 0
+    for piece in m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, stream=True, raw=args.raw):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        n += 1
+    print()
+    print(f"[pykvq] {n} pieces in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    m = _open(args, n_ctx_default=max(args.n_ctx, 512))
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()}", file=sys.stderr)
+    r = m.perplexity(_read_text(args.file), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
+    if args.json:
+        print(json.dumps({"ppl": r.ppl, "n_tokens": r.n_tokens, "n_chunks": r.n_chunks, "n_ctx": r.n_ctx,
+                          "cache_type_k": m.cache_type_k, "cache_type_v": m.cache_type_v}))
+    else:
+        print(r)
+    return 0
+
+
+def cmd_kld(args) -> int:
+    import os
+    text = None
+    if args.baseline in CACHE_TYPES:
+        base = _open(args, n_ctx_default=max(args.n_ctx, 512), cache_k=args.baseline, cache_v=args.baseline)
+        text = _read_text(args.file)
+    elif os.path.isfile(args.baseline):
+        base = args.baseline
+    else:
+        raise PykvqError(f"--baseline must be a cache type ({', '.join(CACHE_TYPES)}) or a base-logits file, "
+                         f"got {args.baseline!r}")
+    m = _open(args, n_ctx_default=max(args.n_ctx, 512))
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | baseline: {args.baseline}", file=sys.stderr)
+    r = m.kl_divergence(text, baseline=base, n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
+    if args.json:
+        print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v)))
+    else:
+        print(r)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from . import native_version, system_info
+    from ._lib import lib
+    print(f"pykvq {__version__}; native KVQ {native_version()}; library {lib().path}")
+    print(f"system: {system_info()}")
+    if args.no_model:
+        return 0
+    m = _open(args)
+    print(f"model: {m.path} ({m.description}, arch {m.arch}, {m.n_layer} layers, "
+          f"{m.n_head}/{m.n_head_kv} heads, head dim {m.head_dim_k})")
+    print(f"chat template: {'yes' if m.chat_template else 'no'}")
+    print(m.kv_cache_info())
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from .models import fetch
+    print(fetch(args.name, progress=True))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .model import Model
+    from .models import fetch
+    path = fetch("smollm2-135m", progress=True)
+    m = Model(path, n_ctx=4096, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=True)
+    info = m.kv_cache_info()
+    print(f"model: {path.name}")
+    print(f"prompt: {DEMO_PROMPT}")
+    print(f"answer (K={m.cache_type_k}, V={m.cache_type_v}): ", end="", flush=True)
+    for piece in m.generate(DEMO_PROMPT, max_tokens=48, stream=True):
+        print(piece, end="", flush=True)
+    print()
+    f16 = info.bytes_f16_per_token_layer * info.n_layer * info.n_ctx
+    print(f"KV cache: {info.total_bytes / 2**20:.2f} MiB vs {f16 / 2**20:.2f} MiB with f16 "
+          f"({info.n_ctx} tokens, {info.n_layer} layers): {info.ratio_vs_f16:.3f}x, "
+          f"{info.bits_per_value:.2f} bits/value")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pykvq", description="KV-cache quantization for llama.cpp: "
+                                 "generate, measure quality and cache size.")
+    ap.add_argument("--version", action="version", version=f"pykvq {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("generate", help="generate a reply to a prompt")
+    p.add_argument("prompt")
+    _model_arg(p)
+    _cache_args(p)
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("perplexity", help="perplexity on a text (llama-perplexity's chunking)")
+    _model_arg(p)
+    _cache_args(p)
+    _text_args(p)
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("kld", help="KL divergence of the next-token distribution against a baseline")
+    _model_arg(p)
+    _cache_args(p)
+    _text_args(p)
+    p.add_argument("--baseline", default="f16",
+                   help="baseline cache type (same model, default f16) or a base-logits file "
+                        "(llama-perplexity --kl-divergence-base format)")
+    p.set_defaults(func=cmd_kld)
+
+    p = sub.add_parser("info", help="library, system and model info with the KV-cache size")
+    _model_arg(p)
+    _cache_args(p)
+    p.add_argument("--no-model", action="store_true", help="only library and system info")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("fetch", help="download a known model into the cache")
+    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("demo", help="fetch the default model, answer a question with a quantized cache")
+    p.add_argument("-ctk", "--cache-type-k", default="q4_0")
+    p.add_argument("-ctv", "--cache-type-v", default="q4_0")
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PykvqError as e:
+        print(f"pykvq: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""Model: one GGUF loaded into the patched llama.cpp with one context.
+
+Generation, tokenization, perplexity and KL divergence against a baseline
+(another Model, or a llama-perplexity base-logits file), plus exact KV-cache
+sizes. The KV-cache types are chosen per Model (cache_type_k / cache_type_v).
+"""
+from __future__ import annotations
+
+import codecs
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from . import cache_types, log
+from ._lib import ffi, lib
+from .errors import (CacheTypeError, ContextOverflowError, DecodeError,
+                     ModelLoadError, PykvqError)
+from .eval import (KLDAccumulator, KLDResult, PerplexityResult, log_softmax,
+                   nll, scored_positions)
+from .logits_file import LogitsFile, LogitsWriter
+from .progress import progress_bar
+
+GGUF_MAGIC = b"GGUF"
+FLASH_ATTN = {None: -1, "auto": -1, False: 0, "off": 0, True: 1, "on": 1}
+
+
+def check_gguf(path: Path) -> None:
+    """Clear errors for a missing file or one that is not GGUF at all."""
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """Exact KV-cache geometry and size of a context."""
+    type_k: str
+    type_v: str
+    n_ctx: int
+    n_layer: int
+    n_embd_k_gqa: int       # K values per token per layer (n_head_kv * head_dim_k)
+    n_embd_v_gqa: int
+    bytes_k_per_token_layer: int
+    bytes_v_per_token_layer: int
+    bytes_f16_per_token_layer: int
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return self.bytes_k_per_token_layer + self.bytes_v_per_token_layer
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_token_layer * self.n_layer * self.n_ctx
+
+    @property
+    def ratio_vs_f16(self) -> float:
+        return self.bytes_per_token_layer / self.bytes_f16_per_token_layer
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8 * self.bytes_per_token_layer / (self.n_embd_k_gqa + self.n_embd_v_gqa)
+
+    def __str__(self) -> str:
+        return (f"KV cache K={self.type_k} V={self.type_v}: {self.total_bytes / 2**20:.2f} MiB "
+                f"for {self.n_ctx} tokens x {self.n_layer} layers "
+                f"({self.bytes_per_token_layer} B/token/layer, {self.bits_per_value:.3f} bits/value, "
+                f"{self.ratio_vs_f16:.3f}x f16 = {1 / self.ratio_vs_f16:.2f}x smaller)")
+
+
+class Model:
+    """A GGUF model with a llama.cpp context.
+
+    cache_type_k / cache_type_v: KV-cache types ("f16", "q8_0", "q4_0", ...).
+    flash_attn: None/"auto" lets llama.cpp decide, True/False force it; a
+    quantized V cache needs flash attention.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
+                 n_batch: int | None = None, cache_type_k: str = "f16", cache_type_v: str = "f16",
+                 flash_attn: bool | str | None = None, n_gpu_layers: int = 0, seed: int = 0,
+                 n_threads: int | None = None, verbose: bool | None = None):
+        if path is None:
+            from .models import default_model_path
+            path = default_model_path()
+        self.path = Path(path)
+        self.seed = seed
+        self._model = self._ctx = ffi.NULL
+        type_k = cache_types.resolve(cache_type_k)
+        type_v = cache_types.resolve(cache_type_v)
+        self.cache_type_k = cache_types.name_of(type_k)
+        self.cache_type_v = cache_types.name_of(type_v)
+        if flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be True, False or 'auto', got {flash_attn!r}")
+        if FLASH_ATTN[flash_attn] == 0 and self.cache_type_v not in cache_types.UNQUANTIZED:
+            raise CacheTypeError(
+                f"a quantized V cache ({self.cache_type_v}) needs flash attention; "
+                "use flash_attn=True or 'auto'")
+        if n_ctx < 8:
+            raise ValueError(f"n_ctx must be at least 8, got {n_ctx}")
+        check_gguf(self.path)
+        if verbose is not None:
+            log.set_verbose(verbose)
+
+        L = self._lib = lib()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        log.clear()
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        if self._model == ffi.NULL:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {_last_error()}")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.n_layer = L.llama_model_n_layer(self._model)
+        self.n_head = L.llama_model_n_head(self._model)
+        self.n_head_kv = L.llama_model_n_head_kv(self._model)
+        self.n_embd = L.llama_model_n_embd(self._model)
+        self.arch = self.meta("general.architecture") or "?"
+        self.head_dim_k = int(self.meta(f"{self.arch}.attention.key_length") or self.n_embd // self.n_head)
+        self.head_dim_v = int(self.meta(f"{self.arch}.attention.value_length") or self.n_embd // self.n_head)
+        for which, t, hd in (("K", type_k, self.head_dim_k), ("V", type_v, self.head_dim_v)):
+            blck = L.ggml_blck_size(t)
+            if hd % blck:
+                self.close()
+                raise CacheTypeError(
+                    f"{which} cache type {cache_types.name_of(t)} has blocks of {blck} values, "
+                    f"which do not divide this model's head size {hd}")
+
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch or min(n_ctx, 2048)
+        cp.n_ubatch = min(cp.n_batch, 512)
+        cp.n_seq_max = 1
+        threads = n_threads or os.cpu_count() or 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = FLASH_ATTN[flash_attn]
+        cp.type_k, cp.type_v = type_k, type_v
+        cp.no_perf = True
+        log.clear()
+        self._ctx = L.llama_init_from_model(self._model, cp)
+        if self._ctx == ffi.NULL:
+            self.close()
+            raise CacheTypeError(
+                f"llama.cpp could not create a context with K={self.cache_type_k} "
+                f"V={self.cache_type_v} flash_attn={flash_attn}: {_last_error()}")
+        self.n_ctx = L.llama_n_ctx(self._ctx)
+        self.n_batch = L.llama_n_batch(self._ctx)
+        self._mem = L.llama_get_memory(self._ctx)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        self.bos = L.llama_vocab_bos(self._vocab)
+        log.logger.info("pykvq: %s, %s", self.path.name, self.kv_cache_info())
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        L = getattr(self, "_lib", None)
+        if L is None:
+            return
+        if self._ctx != ffi.NULL:
+            L.llama_free(self._ctx)
+            self._ctx = ffi.NULL
+        if self._model != ffi.NULL:
+            L.llama_model_free(self._model)
+            self._model = ffi.NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"Model({str(self.path)!r}, n_ctx={getattr(self, 'n_ctx', '?')}, "
+                f"cache_type_k={self.cache_type_k!r}, cache_type_v={self.cache_type_v!r})")
+
+    # ---- metadata -------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ffi.new("char[]", 4096)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, 4096)
+        return ffi.string(buf).decode("utf-8", "replace") if n >= 0 else None
+
+    @property
+    def description(self) -> str:
+        buf = ffi.new("char[]", 256)
+        self._lib.llama_model_desc(self._model, buf, 256)
+        return ffi.string(buf).decode()
+
+    @property
+    def chat_template(self) -> str | None:
+        p = self._lib.llama_model_chat_template(self._model, ffi.NULL)
+        return ffi.string(p).decode("utf-8", "replace") if p != ffi.NULL else None
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        L = self._lib
+        tk, tv = cache_types.resolve(self.cache_type_k), cache_types.resolve(self.cache_type_v)
+        nk, nv = self.n_head_kv * self.head_dim_k, self.n_head_kv * self.head_dim_v
+        f16 = cache_types.resolve("f16")
+        return KVCacheInfo(
+            type_k=self.cache_type_k, type_v=self.cache_type_v, n_ctx=self.n_ctx, n_layer=self.n_layer,
+            n_embd_k_gqa=nk, n_embd_v_gqa=nv,
+            bytes_k_per_token_layer=L.ggml_row_size(tk, nk),
+            bytes_v_per_token_layer=L.ggml_row_size(tv, nv),
+            bytes_f16_per_token_layer=L.ggml_row_size(f16, nk) + L.ggml_row_size(f16, nv))
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of K and V cache this context holds (all layers, all n_ctx cells)."""
+        return self.kv_cache_info().total_bytes
+
+    # ---- tokens ---------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        L = self._lib
+        cap = len(data) + 16
+        buf = ffi.new("llama_token[]", cap)
+        n = L.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = ffi.new("llama_token[]", cap)
+            n = L.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise PykvqError(f"tokenization failed ({n})")
+        return list(ffi.unpack(buf, n))
+
+    def detokenize(self, tokens, *, special: bool = False) -> str:
+        toks = ffi.new("llama_token[]", list(tokens))
+        n_tok = len(toks)
+        cap = max(64, 8 * n_tok)
+        for _ in range(2):
+            buf = ffi.new("char[]", cap)
+            n = self._lib.llama_detokenize(self._vocab, toks, n_tok, buf, cap, not special, special)
+            if n >= 0:
+                return ffi.unpack(buf, n).decode("utf-8", "replace")
+            cap = -n
+        raise PykvqError("detokenization failed")
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        buf = ffi.new("char[]", 256)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buf, 256, 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return ffi.unpack(buf, n)
+
+    def apply_chat_template(self, messages: list[dict]) -> str | None:
+        """Render messages with the model's template (llama.cpp's built-in
+        template detection); None when the model has no usable template."""
+        tmpl = self._lib.llama_model_chat_template(self._model, ffi.NULL)
+        if tmpl == ffi.NULL:
+            return None
+        keep = [(ffi.new("char[]", m["role"].encode()), ffi.new("char[]", m["content"].encode()))
+                for m in messages]
+        chat = ffi.new("llama_chat_message[]", len(keep))
+        for i, (r, c) in enumerate(keep):
+            chat[i].role, chat[i].content = r, c
+        cap = 2 * sum(len(m["content"]) + len(m["role"]) for m in messages) + 256
+        for _ in range(2):
+            buf = ffi.new("char[]", cap)
+            n = self._lib.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, cap)
+            if n < 0:
+                return None
+            if n <= cap:
+                return ffi.unpack(buf, n).decode("utf-8")
+            cap = n
+        return None
+
+    # ---- decoding -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        self._lib.llama_memory_clear(self._mem, True)
+
+    def _decode(self, tokens, pos0: int, output_from: int | None = None,
+                collect: bool = False) -> list[np.ndarray]:
+        """Decode tokens at positions pos0.. in batches of n_batch, with outputs
+        for positions >= output_from (default: only the last). With collect,
+        return the logits of every output row, in order."""
+        L = self._lib
+        n = len(tokens)
+        if output_from is None:
+            output_from = pos0 + n - 1
+        rows = []
+        batch = L.llama_batch_init(self.n_batch, 0, 1)
+        try:
+            for s in range(0, n, self.n_batch):
+                m = min(self.n_batch, n - s)
+                batch.n_tokens = m
+                n_out = 0
+                for j in range(m):
+                    p = pos0 + s + j
+                    batch.token[j] = tokens[s + j]
+                    batch.pos[j] = p
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = 0
+                    out = p >= output_from
+                    batch.logits[j] = out
+                    n_out += out
+                rc = L.llama_decode(self._ctx, batch)
+                if rc != 0:
+                    raise DecodeError(f"llama_decode failed ({rc}): {_last_error()}")
+                if collect and n_out:
+                    rows.append(self._logits(n_out))
+            return rows
+        finally:
+            L.llama_batch_free(batch)
+
+    def _logits(self, n_rows: int) -> np.ndarray:
+        ptr = self._lib.llama_get_logits(self._ctx)
+        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows * self.n_vocab), dtype=np.float32) \
+            .reshape(n_rows, self.n_vocab).copy()
+
+    def eval_logits(self, tokens, output_from: int = 0) -> np.ndarray:
+        """Logits (float32, [n - output_from, n_vocab]) for tokens evaluated from
+        an empty cache at positions 0.., rows for positions >= output_from."""
+        tokens = list(tokens)
+        if len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"{len(tokens)} tokens do not fit the context of {self.n_ctx}")
+        self.reset()
+        rows = self._decode(tokens, 0, output_from, collect=True)
+        return np.concatenate(rows) if len(rows) > 1 else rows[0]
+
+    # ---- generation -----------------------------------------------------------------------
+    def prompt_tokens(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
+        text = None
+        if not raw:
+            msgs = ([{"role": "system", "content": system}] if system else []) + \
+                   [{"role": "user", "content": prompt}]
+            text = self.apply_chat_template(msgs)
+        if text is None:
+            return self.tokenize(prompt, add_special=True, parse_special=False)
+        return self.tokenize(text, add_special=True, parse_special=True)
+
+    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.95,
+                 seed: int | None = None, stream: bool = False, raw: bool = False,
+                 system: str | None = None):
+        """Generate a reply to prompt (chat template applied unless raw=True or
+        the model has none). temperature 0 is greedy. Returns the text, or with
+        stream=True an iterator of text pieces."""
+        tokens = self.prompt_tokens(prompt, raw=raw, system=system)
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"prompt is {len(tokens)} tokens, the context holds {self.n_ctx}; "
+                "shorten the prompt or create the Model with a larger n_ctx")
+        it = self._generate(tokens, max_tokens, temperature, top_p, self.seed if seed is None else seed)
+        return it if stream else "".join(it)
+
+    def _generate(self, tokens, max_tokens, temperature, top_p, seed) -> Iterator[str]:
+        L = self._lib
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if temperature <= 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        else:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        try:
+            self.reset()
+            self._decode(tokens, 0)
+            pos = len(tokens)
+            for _ in range(max_tokens):
+                tok = L.llama_sampler_sample(chain, self._ctx, -1)
+                if L.llama_vocab_is_eog(self._vocab, tok):
+                    break
+                piece = dec.decode(self.token_bytes(tok))
+                if piece:
+                    yield piece
+                if pos >= self.n_ctx:
+                    log.logger.warning("pykvq: generation stopped at the context limit (%d)", self.n_ctx)
+                    break
+                self._decode([tok], pos)
+                pos += 1
+            tail = dec.decode(b"", final=True)
+            if tail:
+                yield tail
+        finally:
+            L.llama_sampler_free(chain)
+
+    # ---- quality --------------------------------------------------------------------------
+    def _chunks(self, text: str | None, tokens, n_ctx: int, n_chunks: int | None) -> tuple[np.ndarray, int]:
+        if n_ctx > self.n_ctx:
+            raise ContextOverflowError(
+                f"evaluation context {n_ctx} exceeds the model's context {self.n_ctx}; "
+                f"create the Model with n_ctx >= {n_ctx}")
+        if n_ctx < 4:
+            raise ValueError("n_ctx must be at least 4")
+        if tokens is None:
+            tokens = self.tokenize(text, add_special=True, parse_special=False)
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n_max = len(tokens) // n_ctx
+        if n_max < 1:
+            raise ContextOverflowError(
+                f"the text is {len(tokens)} tokens; at least {n_ctx} are needed for one chunk of {n_ctx}")
+        n = n_max if n_chunks is None else min(n_chunks, n_max)
+        return tokens, n
+
+    def _chunk_logits(self, chunk: np.ndarray) -> np.ndarray:
+        toks = chunk.tolist()
+        if self.add_bos:
+            toks[0] = self.bos
+        first, _ = scored_positions(len(toks))
+        return self.eval_logits(toks, output_from=first)[:-1]
+
+    def perplexity(self, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
+                   tokens=None, progress: bool | None = None) -> PerplexityResult:
+        """Perplexity over chunks of n_ctx tokens, scored like llama-perplexity."""
+        tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
+        first, last = scored_positions(n_ctx)
+        nlls = []
+        for i in progress_bar(range(n), desc=f"perplexity {self.cache_type_k}/{self.cache_type_v}",
+                              enable=progress):
+            chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+            nlls.append(nll(log_softmax(self._chunk_logits(chunk)), chunk[first + 1:last + 1]))
+        v = np.concatenate(nlls)
+        return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
+
+    def save_logits(self, path, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
+                    tokens=None, progress: bool | None = None) -> Path:
+        """Write a llama-perplexity base-logits file (--kl-divergence-base format), atomically."""
+        tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
+        w = LogitsWriter(path, n_ctx, self.n_vocab, tokens, n)
+        try:
+            for i in progress_bar(range(n), desc="baseline logits", enable=progress):
+                w.add_chunk(self._chunk_logits(tokens[i * n_ctx:(i + 1) * n_ctx]))
+        except BaseException:
+            w.abort()
+            raise
+        w.close()
+        return Path(path)
+
+    def kl_divergence(self, text: str | None = None, baseline: "Model | str | os.PathLike | None" = None,
+                      n_ctx: int = 512, n_chunks: int | None = None, *, tokens=None,
+                      progress: bool | None = None) -> KLDResult:
+        """KL divergence of this model's next-token distributions from a baseline's.
+
+        baseline: a Model (evaluated chunk by chunk on the same tokens, exact)
+        or the path of a base-logits file written by save_logits() or
+        `llama-perplexity --kl-divergence-base` (tokens come from the file;
+        probabilities below e^-16 are dropped as llama-perplexity does).
+        """
+        if baseline is None:
+            raise ValueError("kl_divergence needs a baseline: a Model or a base-logits file")
+        acc = KLDAccumulator(n_ctx)
+        first, last = scored_positions(n_ctx)
+        if isinstance(baseline, Model):
+            if baseline.n_vocab != self.n_vocab:
+                raise PykvqError(f"vocabularies differ ({baseline.n_vocab} vs {self.n_vocab})")
+            tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
+            for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}",
+                                  enable=progress):
+                chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+                base = log_softmax(baseline._chunk_logits(chunk))
+                acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1])
+            return acc.result()
+        f = LogitsFile(baseline)
+        if f.n_vocab != self.n_vocab:
+            raise PykvqError(f"{f.path}: vocabulary {f.n_vocab} differs from the model's {self.n_vocab}")
+        if f.n_ctx != n_ctx:
+            n_ctx = f.n_ctx
+            acc = KLDAccumulator(n_ctx)
+            first, last = scored_positions(n_ctx)
+        if n_ctx > self.n_ctx:
+            raise ContextOverflowError(f"{f.path} was computed with n_ctx={n_ctx} > the model's {self.n_ctx}")
+        n = f.n_chunk if n_chunks is None else min(n_chunks, f.n_chunk)
+        for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}", enable=progress):
+            chunk = f.chunk_tokens(i)
+            base, valid = f.chunk_logprobs(i)
+            acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
+        return acc.result()
+
+
+def _last_error() -> str:
+    text = log.recent_text(12)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return " | ".join(lines[-4:]) if lines else "no details from llama.cpp"

@@ -1,0 +1,67 @@
+"""Shared fixtures: the real default model, the real evaluation text, the built tools."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "build" / "bin"
+
+# A fixed WikiText-2 test passage for quick checks: the start of the split.
+PASSAGE_CHARS = 20000
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYKVQ_TEST_QWEN"):
+        return
+    skip = pytest.mark.skip(reason="needs Qwen2.5-Coder-1.5B; set PYKVQ_TEST_QWEN=1")
+    for item in items:
+        if "qwen" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from pykvq.models import fetch
+    return fetch("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> str:
+    from pykvq.data import wikitext_test
+    return wikitext_test()
+
+
+@pytest.fixture(scope="session")
+def passage(wikitext) -> str:
+    return wikitext[:PASSAGE_CHARS]
+
+
+@pytest.fixture(scope="session")
+def f16_model(smollm2):
+    from pykvq import Model
+    m = Model(smollm2, n_ctx=1024, flash_attn=True)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def q8_model(smollm2):
+    from pykvq import Model
+    m = Model(smollm2, n_ctx=1024, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn=True)
+    yield m
+    m.close()
+
+
+def tool(name: str) -> Path:
+    p = BIN / name
+    if not p.exists():
+        pytest.fail(f"{p} is not built; run 'make build'")
+    return p
+
+
+def run_tool(name: str, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(tool(name)), *map(str, args)], capture_output=True, text=True, timeout=timeout)

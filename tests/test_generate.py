@@ -1,0 +1,55 @@
+"""Generation on the real default model (SmolLM2-135M-Instruct)."""
+from __future__ import annotations
+
+import pytest
+
+import pykvq
+from pykvq import Model
+
+QUESTION = "What is the capital of France?"
+
+
+def test_greedy_answer_names_paris(f16_model):
+    out = f16_model.generate(QUESTION, max_tokens=32)
+    assert "Paris" in out
+
+
+def test_stream_matches_non_stream(f16_model):
+    whole = f16_model.generate(QUESTION, max_tokens=24)
+    pieces = list(f16_model.generate(QUESTION, max_tokens=24, stream=True))
+    assert len(pieces) > 3 and "".join(pieces) == whole
+
+
+def test_quantized_cache_still_answers(q8_model):
+    assert "Paris" in q8_model.generate(QUESTION, max_tokens=32)
+
+
+def test_chat_template_is_used_unless_raw(f16_model):
+    chat = f16_model.prompt_tokens(QUESTION)
+    raw = f16_model.prompt_tokens(QUESTION, raw=True)
+    assert len(chat) > len(raw)
+    assert "<|im_start|>" in f16_model.detokenize(chat, special=True)
+    assert f16_model.detokenize(raw) == QUESTION
+
+
+def test_sampling_is_seeded(f16_model):
+    a = f16_model.generate("Tell me a story.", max_tokens=16, temperature=0.9, seed=7)
+    b = f16_model.generate("Tell me a story.", max_tokens=16, temperature=0.9, seed=7)
+    assert a == b
+
+
+def test_tokenize_round_trip(f16_model):
+    text = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓"
+    assert f16_model.detokenize(f16_model.tokenize(text, add_special=False)) == text
+
+
+def test_top_level_generate(smollm2):
+    out = pykvq.generate(QUESTION, max_tokens=24)
+    assert "Paris" in out
+
+
+def test_context_limit_stops_generation(smollm2):
+    with Model(smollm2, n_ctx=64) as m:
+        n_prompt = len(m.prompt_tokens(QUESTION))
+        out = m.generate(QUESTION, max_tokens=500)
+        assert len(m.tokenize(out, add_special=False)) <= 64 - n_prompt + 2

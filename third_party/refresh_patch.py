@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Turn edits in third_party/llama.cpp back into native/patches/*.patch.
+
+Edit the patched tree, then:
+
+    python third_party/refresh_patch.py 0001-kvq-build-hook.patch   # fold edits into that patch
+    python third_party/refresh_patch.py 0004-new-hook.patch         # edits become a new last patch
+
+fetch.py keeps the tree as a git repository with one commit per patch, so an
+edit is committed as a fixup of its patch's commit, the series is rebased, and
+every patch file is rewritten from its commit. The stamp is updated, so the
+next fetch/build sees the tree as current and does not re-extract it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fetch  # noqa: E402
+from fetch import FetchError, git  # noqa: E402
+
+
+def patch_commits(tree: Path) -> list[tuple[str, str]]:
+    """(commit, patch name) for each patch commit, oldest first."""
+    out = git(tree, "log", "--reverse", "--format=%H %s", "upstream..HEAD", capture=True)
+    return [tuple(line.split(" ", 1)) for line in out.splitlines() if line.strip()]
+
+
+def write_patches(tree: Path, patch_dir: Path) -> list[str]:
+    changed = []
+    for commit, name in patch_commits(tree):
+        diff = git(tree, "diff", "--no-color", "--no-ext-diff", f"{commit}~1", commit, capture=True)
+        path = patch_dir / name
+        if not path.exists() or path.read_text() != diff:
+            path.write_text(diff)
+            changed.append(name)
+    return changed
+
+
+def refresh(name: str, tree: Path | None = None, patch_dir: Path | None = None) -> list[str]:
+    tree, patch_dir = tree or fetch.TREE, patch_dir or fetch.PATCH_DIR
+    if not name.endswith(".patch") or "/" in name:
+        raise FetchError(f"patch name must look like 0002-what-it-hooks.patch, got {name!r}")
+    if not (tree / ".git").exists():
+        raise FetchError(f"{tree} is not a fetched tree; run third_party/fetch.py first")
+    git(tree, "add", "-A")
+    if not git(tree, "status", "--porcelain", capture=True).strip():
+        raise FetchError("no edits in the tree to save")
+    commits = dict((n, c) for c, n in patch_commits(tree))
+    if name in commits:
+        git(tree, "commit", "-q", "--no-verify", "--fixup", commits[name])
+        git(tree, "-c", "sequence.editor=true", "rebase", "-q", "-i", "--autosquash",
+            f"{commits[name]}~1")
+    else:
+        last = max(commits, default="")
+        if name < last:
+            raise FetchError(f"new patch {name} would not sort after {last}; pick a later number")
+        git(tree, "commit", "-q", "--no-verify", "-m", name)
+    changed = write_patches(tree, patch_dir)
+    (tree / fetch.STAMP).write_text(fetch.wanted_stamp(fetch.read_pin(), fetch.patch_files(patch_dir)))
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("patch", help="patch file name in native/patches (existing or new)")
+    args = ap.parse_args(argv)
+    try:
+        changed = refresh(args.patch)
+    except FetchError as e:
+        print(f"refresh_patch: error: {e}", file=sys.stderr)
+        return 1
+    for n in changed:
+        print(f"refresh_patch: wrote native/patches/{n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
