@@ -79,6 +79,8 @@ class Model:
     """A GGUF model with a llama.cpp context.
 
     cache_type_k / cache_type_v: KV-cache types ("f16", "q8_0", "q4_0", ...).
+    n_ctx: context size in tokens; llama.cpp rounds it up to a multiple of 256
+    (self.n_ctx is the size actually allocated).
     flash_attn: None/"auto" lets llama.cpp decide, True/False force it; a
     quantized V cache needs flash attention.
     """
