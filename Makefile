@@ -10,6 +10,10 @@ BUILD   ?= build
 JOBS    ?= $(shell nproc)
 VPY     := $(VENV)/bin/python
 
+# ccache: hash paths relative to the checkout so fresh clones hit the cache
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
+
 .PHONY: demo test setup fetch build clean distclean
 
 demo: setup build
