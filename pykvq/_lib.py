@@ -177,7 +177,6 @@ ffi.cdef(CDEF)
 
 _lib = None
 _lock = threading.Lock()
-_log_sink = None  # set by pykvq.log
 
 
 def candidate_paths() -> list[Path]:

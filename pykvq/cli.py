@@ -71,7 +71,7 @@ def _read_text(path):
 
 def cmd_generate(args) -> int:
     m = _open(args)
-    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()}", file=sys.stderr)
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()}", file=sys.stderr)
     t0 = time.perf_counter()
     n = 0
     for piece in m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
 
 def cmd_perplexity(args) -> int:
     m = _open(args, n_ctx_default=max(args.n_ctx, 512))
-    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()}", file=sys.stderr)
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()}", file=sys.stderr)
     r = m.perplexity(_read_text(args.file), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
     if args.json:
         print(json.dumps({"ppl": r.ppl, "n_tokens": r.n_tokens, "n_chunks": r.n_chunks, "n_ctx": r.n_ctx,
@@ -108,7 +108,8 @@ def cmd_kld(args) -> int:
         raise PykvqError(f"--baseline must be a cache type ({', '.join(CACHE_TYPES)}) or a base-logits file, "
                          f"got {args.baseline!r}")
     m = _open(args, n_ctx_default=max(args.n_ctx, 512))
-    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | baseline: {args.baseline}", file=sys.stderr)
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()} | baseline: {args.baseline}",
+          file=sys.stderr)
     r = m.kl_divergence(text, baseline=base, n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
     if args.json:
         print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v)))
@@ -129,6 +130,7 @@ def cmd_info(args) -> int:
           f"{m.n_head}/{m.n_head_kv} heads, head dim {m.head_dim_k})")
     print(f"chat template: {'yes' if m.chat_template else 'no'}")
     print(m.kv_cache_info())
+    print(m.transforms())
     return 0
 
 

@@ -155,9 +155,10 @@ class Model:
         self.n_ctx = L.llama_n_ctx(self._ctx)
         self.n_batch = L.llama_n_batch(self._ctx)
         self._mem = L.llama_get_memory(self._ctx)
+        self.attn_rotation = _rotation_from_log(log.recent_text(5000))
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self.bos = L.llama_vocab_bos(self._vocab)
-        log.logger.info("pykvq: %s, %s", self.path.name, self.kv_cache_info())
+        log.logger.info("pykvq: %s, %s, %s", self.path.name, self.kv_cache_info(), self.transforms())
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -203,6 +204,11 @@ class Model:
     def chat_template(self) -> str | None:
         p = self._lib.llama_model_chat_template(self._model, ffi.NULL)
         return ffi.string(p).decode("utf-8", "replace") if p != ffi.NULL else None
+
+    def transforms(self) -> str:
+        """The transforms active on the KV cache, in words (for logs)."""
+        rot = [w for w, on in self.attn_rotation.items() if on]
+        return "online Hadamard rotation: " + ("+".join(rot) if rot else "off")
 
     def kv_cache_info(self) -> KVCacheInfo:
         L = self._lib
@@ -479,6 +485,16 @@ class Model:
             base, valid = f.chunk_logprobs(i)
             acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
         return acc.result()
+
+
+def _rotation_from_log(text: str) -> dict:
+    """Upstream's online Hadamard rotation of K / V, as llama_kv_cache logged it."""
+    import re
+    out = {}
+    for which in ("k", "v"):
+        m = re.findall(rf"attn_rot_{which} = (\d)", text)
+        out[which.upper()] = bool(int(m[-1])) if m else False
+    return out
 
 
 def _last_error() -> str:

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Stock cache types vs f16 on WikiText-2 test: KLD / p99 / same-top-1 / PPL.
+
+    python scripts/foundation_results.py [--model smollm2-135m] [--chunks 40] [--n-ctx 512]
+
+Writes results/stock_<model>.json and .md (and a plot with --plot). Every
+setting is compared with the same model on an f16 cache, in one pass over the
+same chunks (pykvq.sweep). Rotation = upstream's online Hadamard rotation of
+quantized caches (on by default; 'off' via LLAMA_ATTN_ROT_DISABLE at context
+creation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from pykvq import Model
+from pykvq.data import wikitext_test
+from pykvq.models import fetch
+from pykvq.sweep import kld_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = [  # (label, K, V, rotation)
+    ("q8_0", "q8_0", "q8_0", True),
+    ("q5_0", "q5_0", "q5_0", True),
+    ("q4_0", "q4_0", "q4_0", True),
+    ("q4_0 (rotation off)", "q4_0", "q4_0", False),
+    ("q8_0 K + q4_0 V", "q8_0", "q4_0", True),
+]
+
+
+def open_model(path, n_ctx, k, v, rotation):
+    old = os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+    if not rotation:
+        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+    try:
+        return Model(path, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True)
+    finally:
+        os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        if old is not None:
+            os.environ["LLAMA_ATTN_ROT_DISABLE"] = old
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--chunks", type=int, default=40)
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--plot", action="store_true")
+    args = ap.parse_args()
+
+    path = fetch(args.model, progress=True)
+    base = open_model(path, args.n_ctx, "f16", "f16", True)
+    cands = {label: open_model(path, args.n_ctx, k, v, rot) for label, k, v, rot in SETTINGS}
+    t0 = time.time()
+    ppl, res = kld_sweep(base, cands, wikitext_test(), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
+    rows = [{"cache": "f16", "bits_per_value": 16.0, "mean_kld": 0.0, "p99_kld": 0.0, "same_top1": 1.0,
+             "ppl": ppl, "rotation": "-"}]
+    for label, k, v, rot in SETTINGS:
+        r, m = res[label], cands[label]
+        rows.append(dict(r.as_dict(), cache=label, bits_per_value=m.kv_cache_info().bits_per_value,
+                         rotation=m.transforms().split(": ")[1]))
+    meta = {"model": path.name, "text": "WikiText-2 raw test", "n_ctx": args.n_ctx,
+            "n_chunks": res[SETTINGS[0][0]].n_chunks, "n_tokens": res[SETTINGS[0][0]].n_tokens,
+            "flash_attn": True, "seconds": round(time.time() - t0, 1), "machine": platform.machine(),
+            "threads": os.cpu_count()}
+    out = ROOT / "results" / f"stock_{args.model}"
+    out.parent.mkdir(exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"{meta['model']}, {meta['text']}, ctx {meta['n_ctx']}, {meta['n_chunks']} chunks "
+          f"({meta['n_tokens']} scored tokens), flash attention on, KLD against an f16 cache.", "",
+          "| cache (K and V) | bits/value | online rotation | mean KLD | p99 KLD | same top-1 | PPL |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['cache']} | {r['bits_per_value']:.2f} | {r['rotation']} | {r['mean_kld']:.4f} | "
+                  f"{r['p99_kld']:.3f} | {100 * r['same_top1']:.1f}% | {r['ppl']:.3f} |")
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    if args.plot:
+        plot(rows, out.with_suffix(".png"), meta)
+
+
+def plot(rows, path, meta):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows[1:]:
+        ax.scatter(r["bits_per_value"], r["mean_kld"], s=40)
+        ax.annotate(r["cache"], (r["bits_per_value"], r["mean_kld"]), textcoords="offset points",
+                    xytext=(5, 4), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV-cache bits per value")
+    ax.set_ylabel("mean KLD vs f16 cache (log)")
+    ax.set_title(f"{meta['model']}, WikiText-2, ctx {meta['n_ctx']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The pykvq command line on the real default model."""
+from __future__ import annotations
+
+import json
+
+from pykvq.cli import main
+
+
+def test_generate_prints_answer_and_cache_info(capsys):
+    assert main(["generate", "What is the capital of France?", "-n", "24", "-ctk", "q8_0", "-ctv", "q8_0"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out
+    assert "K=q8_0 V=q8_0" in err and "online Hadamard rotation: K+V" in err
+
+
+def test_info_without_model(capsys):
+    assert main(["info", "--no-model"]) == 0
+    assert "KVQ : version = " in capsys.readouterr().out
+
+
+def test_perplexity_json(tmp_path, passage, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text(passage)
+    assert main(["perplexity", "-f", str(f), "--chunks", "1", "--json", "-c", "512"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["n_chunks"] == 1 and r["ppl"] > 1
+
+
+def test_unknown_cache_type_is_a_clear_cli_error(capsys):
+    assert main(["generate", "hi", "-ctk", "q3_z"]) == 2
+    assert "unknown KV-cache type 'q3_z'" in capsys.readouterr().err
