@@ -14,8 +14,10 @@ from conftest import run_tool
 
 N_CHUNKS = 3
 # SmolLM2-135M-Instruct (Q4_1 weights), f16 cache, ctx 512, first 3 chunks of the
-# WikiText-2 test split; measured with llama-perplexity and pykvq on this tree.
-PPL_BAND = (15.0, 30.0)
+# WikiText-2 test split: measured 23.258 with pykvq on this tree (pykvq's PPL is checked
+# against llama-perplexity's in test_our_kld_equals_llama_perplexity); the band allows
+# other CPUs' rounding.
+PPL_BAND = (22.0, 24.5)
 
 
 def test_perplexity_in_measured_band(f16_model, passage):
