@@ -51,21 +51,23 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated setting labels to run (default: all)")
     args = ap.parse_args()
+    settings = [s for s in SETTINGS if args.only is None or s[0] in args.only.split(",")]
 
     path = fetch(args.model, progress=True)
     base = open_model(path, args.n_ctx, "f16", "f16", True)
-    cands = {label: open_model(path, args.n_ctx, k, v, rot) for label, k, v, rot in SETTINGS}
+    cands = {label: open_model(path, args.n_ctx, k, v, rot) for label, k, v, rot in settings}
     t0 = time.time()
     ppl, res = kld_sweep(base, cands, wikitext_test(), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
     rows = [{"cache": "f16", "bits_per_value": 16.0, "mean_kld": 0.0, "p99_kld": 0.0, "same_top1": 1.0,
              "ppl": ppl, "rotation": "-"}]
-    for label, k, v, rot in SETTINGS:
+    for label, k, v, rot in settings:
         r, m = res[label], cands[label]
         rows.append(dict(r.as_dict(), cache=label, bits_per_value=m.kv_cache_info().bits_per_value,
                          rotation=m.transforms().split(": ")[1]))
     meta = {"model": path.name, "text": "WikiText-2 raw test", "n_ctx": args.n_ctx,
-            "n_chunks": res[SETTINGS[0][0]].n_chunks, "n_tokens": res[SETTINGS[0][0]].n_tokens,
+            "n_chunks": res[settings[0][0]].n_chunks, "n_tokens": res[settings[0][0]].n_tokens,
             "flash_attn": True, "seconds": round(time.time() - t0, 1), "machine": platform.machine(),
             "threads": os.cpu_count()}
     out = ROOT / "results" / f"stock_{args.model}"
