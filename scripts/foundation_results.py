@@ -70,9 +70,10 @@ def main() -> None:
             "n_chunks": res[settings[0][0]].n_chunks, "n_tokens": res[settings[0][0]].n_tokens,
             "flash_attn": True, "seconds": round(time.time() - t0, 1), "machine": platform.machine(),
             "threads": os.cpu_count()}
-    out = ROOT / "results" / f"stock_{args.model}"
-    out.parent.mkdir(exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem = ROOT / "results" / f"stock_{args.model}"
+    stem.parent.mkdir(exist_ok=True)
+    out = {ext: stem.parent / f"{stem.name}.{ext}" for ext in ("json", "md", "png")}
+    out["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"{meta['model']}, {meta['text']}, ctx {meta['n_ctx']}, {meta['n_chunks']} chunks "
           f"({meta['n_tokens']} scored tokens), flash attention on, KLD against an f16 cache.", "",
           "| cache (K and V) | bits/value | online rotation | mean KLD | p99 KLD | same top-1 | PPL |",
@@ -80,10 +81,10 @@ def main() -> None:
     for r in rows:
         md.append(f"| {r['cache']} | {r['bits_per_value']:.2f} | {r['rotation']} | {r['mean_kld']:.4f} | "
                   f"{r['p99_kld']:.3f} | {100 * r['same_top1']:.1f}% | {r['ppl']:.3f} |")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    out["md"].write_text("\n".join(md) + "\n")
     print("\n".join(md))
     if args.plot:
-        plot(rows, out.with_suffix(".png"), meta)
+        plot(rows, out["png"], meta)
 
 
 def plot(rows, path, meta):
