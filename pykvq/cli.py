@@ -69,9 +69,14 @@ def _read_text(path):
         return f.read()
 
 
+def _banner(m, extra: str = "") -> None:
+    """What is running: model, cache types and size, active transforms (stderr)."""
+    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()}{extra}", file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
     m = _open(args)
-    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()}", file=sys.stderr)
+    _banner(m)
     t0 = time.perf_counter()
     n = 0
     for piece in m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -86,7 +91,7 @@ def cmd_generate(args) -> int:
 
 def cmd_perplexity(args) -> int:
     m = _open(args, n_ctx_default=max(args.n_ctx, 512))
-    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()}", file=sys.stderr)
+    _banner(m)
     r = m.perplexity(_read_text(args.file), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
     if args.json:
         print(json.dumps({"ppl": r.ppl, "n_tokens": r.n_tokens, "n_chunks": r.n_chunks, "n_ctx": r.n_ctx,
@@ -108,8 +113,7 @@ def cmd_kld(args) -> int:
         raise PykvqError(f"--baseline must be a cache type ({', '.join(CACHE_TYPES)}) or a base-logits file, "
                          f"got {args.baseline!r}")
     m = _open(args, n_ctx_default=max(args.n_ctx, 512))
-    print(f"[pykvq] {m.path.name} | {m.kv_cache_info()} | {m.transforms()} | baseline: {args.baseline}",
-          file=sys.stderr)
+    _banner(m, f" | baseline: {args.baseline}")
     r = m.kl_divergence(text, baseline=base, n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
     if args.json:
         print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v)))

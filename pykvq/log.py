@@ -14,7 +14,8 @@ import sys
 logger = logging.getLogger("pykvq")
 
 _LEVEL_ERROR = 4
-_buffer: collections.deque[str] = collections.deque(maxlen=5000)
+_KEEP = 5000  # fragments; context creation alone logs a few hundred at debug level
+_buffer: collections.deque[str] = collections.deque(maxlen=_KEEP)
 _verbose = os.environ.get("PYKVQ_VERBOSE", "") not in ("", "0")
 _callback = None  # the cffi callback must stay referenced while the lib is loaded
 
@@ -24,7 +25,7 @@ def set_verbose(on: bool) -> None:
     _verbose = bool(on)
 
 
-def recent(n: int = 5000) -> list[str]:
+def recent(n: int = _KEEP) -> list[str]:
     """The last n log fragments llama.cpp emitted in this process."""
     return list(_buffer)[-n:]
 

@@ -395,13 +395,16 @@ class Model:
             L.llama_sampler_free(chain)
 
     # ---- quality --------------------------------------------------------------------------
-    def _chunks(self, text: str | None, tokens, n_ctx: int, n_chunks: int | None) -> tuple[np.ndarray, int]:
+    def _check_eval_ctx(self, n_ctx: int) -> None:
         if n_ctx > self.n_ctx:
             raise ContextOverflowError(
                 f"evaluation context {n_ctx} exceeds the model's context {self.n_ctx}; "
                 f"create the Model with n_ctx >= {n_ctx}")
         if n_ctx < 4:
             raise ValueError("n_ctx must be at least 4")
+
+    def _chunks(self, text: str | None, tokens, n_ctx: int, n_chunks: int | None) -> tuple[np.ndarray, int]:
+        self._check_eval_ctx(n_ctx)
         if tokens is None:
             tokens = self.tokenize(text, add_special=True, parse_special=False)
         tokens = np.asarray(tokens, dtype=np.int32)
@@ -458,18 +461,11 @@ class Model:
         """
         if baseline is None:
             raise ValueError("kl_divergence needs a baseline: a Model or a base-logits file")
+        if isinstance(baseline, Model):
+            return kld_sweep(baseline, {"": self}, text, n_ctx, n_chunks, tokens=tokens, progress=progress,
+                             desc=f"KLD {self.cache_type_k}/{self.cache_type_v}")[""]
         acc = KLDAccumulator(n_ctx)
         first, last = scored_positions(n_ctx)
-        if isinstance(baseline, Model):
-            if baseline.n_vocab != self.n_vocab:
-                raise PykvqError(f"vocabularies differ ({baseline.n_vocab} vs {self.n_vocab})")
-            tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
-            for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}",
-                                  enable=progress):
-                chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-                base = log_softmax(baseline._chunk_logits(chunk))
-                acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1])
-            return acc.result()
         f = LogitsFile(baseline)
         if f.n_vocab != self.n_vocab:
             raise PykvqError(f"{f.path}: vocabulary {f.n_vocab} differs from the model's {self.n_vocab}")
@@ -485,6 +481,28 @@ class Model:
             base, valid = f.chunk_logprobs(i)
             acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
         return acc.result()
+
+
+def kld_sweep(baseline: Model, candidates: dict[str, Model], text: str | None = None, n_ctx: int = 512,
+              n_chunks: int | None = None, *, tokens=None, progress: bool | None = None,
+              desc: str | None = None) -> dict[str, KLDResult]:
+    """KL divergence of several models (cache settings) from one baseline Model
+    over the same chunks. The baseline is evaluated once per chunk and shared,
+    so N settings cost N + 1 evaluations instead of 2N."""
+    for m in candidates.values():
+        if m.n_vocab != baseline.n_vocab:
+            raise PykvqError(f"vocabularies differ ({baseline.n_vocab} vs {m.n_vocab})")
+        m._check_eval_ctx(n_ctx)
+    tokens, n = baseline._chunks(text, tokens, n_ctx, n_chunks)
+    first, last = scored_positions(n_ctx)
+    accs = {name: KLDAccumulator(n_ctx) for name in candidates}
+    for i in progress_bar(range(n), desc=desc or f"KLD sweep ({len(candidates)} settings)", enable=progress):
+        chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+        targets = chunk[first + 1:last + 1]
+        base = log_softmax(baseline._chunk_logits(chunk))
+        for name, m in candidates.items():
+            accs[name].add(base, m._chunk_logits(chunk), targets)
+    return {name: a.result() for name, a in accs.items()}
 
 
 def _rotation_from_log(text: str) -> dict:

@@ -5,7 +5,7 @@
 
 Writes results/stock_<model>.json and .md (and a plot with --plot). Every
 setting is compared with the same model on an f16 cache, in one pass over the
-same chunks (pykvq.sweep). Rotation = upstream's online Hadamard rotation of
+same chunks (pykvq.model.kld_sweep). Rotation = upstream's online Hadamard rotation of
 quantized caches (on by default; 'off' via LLAMA_ATTN_ROT_DISABLE at context
 creation).
 """
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from pykvq import Model
+from pykvq.model import kld_sweep
 from pykvq.data import wikitext_test
 from pykvq.models import fetch
-from pykvq.sweep import kld_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = [  # (label, K, V, rotation)
@@ -59,7 +59,8 @@ def main() -> None:
     base = open_model(path, args.n_ctx, "f16", "f16", True)
     cands = {label: open_model(path, args.n_ctx, k, v, rot) for label, k, v, rot in settings}
     t0 = time.time()
-    ppl, res = kld_sweep(base, cands, wikitext_test(), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
+    res = kld_sweep(base, cands, wikitext_test(), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
+    ppl = next(iter(res.values())).ppl_base
     rows = [{"cache": "f16", "bits_per_value": 16.0, "mean_kld": 0.0, "p99_kld": 0.0, "same_top1": 1.0,
              "ppl": ppl, "rotation": "-"}]
     for label, k, v, rot in settings:
