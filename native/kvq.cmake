@@ -7,6 +7,13 @@
 
 target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/ggml-kvq.c
+    ${GGML_KVQ_DIR}/bfp.c
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
 target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
+
+# CPU kernels: added to every ggml-cpu variant with that variant's arch flags
+# (patch 0002, ggml/src/ggml-cpu/CMakeLists.txt).
+set(GGML_KVQ_CPU_SOURCES
+    ${GGML_KVQ_DIR}/cpu/bfp.c
+)

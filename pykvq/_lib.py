@@ -87,6 +87,8 @@ struct llama_context_params {
     void * samplers;
     size_t n_samplers;
     struct llama_context * ctx_other;
+    int attn_rot_k;     /* pykvq patch 0003: enum llama_attn_rot_type, -1 auto, 0 off, 1 on */
+    int attn_rot_v;
 };
 
 typedef struct llama_batch {
@@ -118,6 +120,14 @@ uint32_t llama_n_ctx(const struct llama_context * ctx);
 uint32_t llama_n_batch(const struct llama_context * ctx);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 void llama_memory_clear(llama_memory_t mem, bool data);
+bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1);
+void llama_memory_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos delta);
+llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+bool llama_memory_can_shift(llama_memory_t mem);
+size_t llama_state_get_size(struct llama_context * ctx);
+size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
+size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
@@ -166,6 +176,24 @@ const char * ggml_type_name(int type);
 size_t ggml_row_size(int type, int64_t ne);
 int64_t ggml_blck_size(int type);
 bool ggml_is_quantized(int type);
+
+/* pykvq native (ggml-kvq.h, ggml-kvq-cpu.h): reference codecs in ggml-base, kernels in ggml-cpu */
+const char * ggml_kvq_version(void);
+void quantize_row_bfp4_32_ref(const float * x, void * y, int64_t k);
+void quantize_row_bfp4_64_ref(const float * x, void * y, int64_t k);
+void quantize_row_bfp8_32_ref(const float * x, void * y, int64_t k);
+void dequantize_row_bfp4_32(const void * x, float * y, int64_t k);
+void dequantize_row_bfp4_64(const void * x, float * y, int64_t k);
+void dequantize_row_bfp8_32(const void * x, float * y, int64_t k);
+typedef void (*ggml_vec_dot_t)(int n, float * s, size_t bs, const void * x, size_t bx, const void * y, size_t by, int nrc);
+typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
+typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
+struct ggml_type_traits_cpu { ggml_from_float_t from_float; ggml_vec_dot_t vec_dot; int vec_dot_type; int64_t nrows; };
+const struct ggml_type_traits_cpu * ggml_get_type_traits_cpu(int type);
+int             ggml_kvq_cpu_n_impls(void);
+const char *    ggml_kvq_cpu_impl_name(int i);
+ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, int type);
+ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, int type);
 """
 
 LIB_NAME = "libllama.so"
@@ -207,24 +235,31 @@ def lib():
             # libllama links libggml*.so from the same directory (RUNPATH=$ORIGIN);
             # ggml-base also exports ggml_type_name & co., reachable through libllama's deps.
             ggml_base = ffi.dlopen(str(path.parent / "libggml-base.so"))
+            ggml_cpu = ffi.dlopen(str(path.parent / "libggml-cpu.so"))
             lb = ffi.dlopen(str(path))
             from . import log
             log.install(lb)
             lb.llama_backend_init()
-            _lib = _Lib(lb, ggml_base, path)
+            _lib = _Lib(lb, ggml_base, ggml_cpu, path)
         return _lib
 
 
 class _Lib:
-    """libllama with libggml-base symbols reachable as attributes."""
+    """libllama with libggml-base / libggml-cpu symbols reachable as attributes."""
 
-    def __init__(self, llama, ggml_base, path: Path):
+    def __init__(self, llama, ggml_base, ggml_cpu, path: Path):
         self._llama = llama
         self._ggml = ggml_base
+        self._cpu = ggml_cpu
         self.path = path
 
     def __getattr__(self, name):
-        target = self._ggml if name.startswith("ggml_") else self._llama
+        if name.startswith(("ggml_kvq_cpu_", "ggml_get_type_traits_cpu")):
+            target = self._cpu
+        elif name.startswith(("ggml_", "quantize_row_", "dequantize_row_")):
+            target = self._ggml
+        else:
+            target = self._llama
         value = getattr(target, name)
         setattr(self, name, value)
         return value

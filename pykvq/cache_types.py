@@ -18,9 +18,26 @@ CACHE_TYPES: dict[str, int] = {
     "iq4_nl": 20,
     "q5_0": 6,
     "q5_1": 7,
+    # pykvq block floating point (native/include/ggml-kvq.h)
+    "bfp4_32": 43,
+    "bfp4_64": 44,
+    "bfp8_32": 45,
 }
 
 UNQUANTIZED = {"f32", "f16", "bf16"}
+STOCK = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+KVQ = ["bfp4_32", "bfp4_64", "bfp8_32"]
+
+# online Hadamard rotation settings (llama_context_params.attn_rot_k/v, patch 0003)
+ROTATION = {"auto": -1, None: -1, False: 0, "off": 0, True: 1, "on": 1}
+
+
+def rotation(value, which: str = "K") -> int:
+    """llama_attn_rot_type for a user setting: "auto"/None, "on"/True, "off"/False."""
+    key = value.strip().lower() if isinstance(value, str) else value
+    if key not in ROTATION:
+        raise ValueError(f"rotation of {which} must be 'auto', 'on' or 'off' (or None/True/False), got {value!r}")
+    return ROTATION[key]
 
 
 def resolve(name: str) -> int:

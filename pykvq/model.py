@@ -83,12 +83,18 @@ class Model:
     (self.n_ctx is the size actually allocated).
     flash_attn: None/"auto" lets llama.cpp decide, True/False force it; a
     quantized V cache needs flash attention.
+    attn_rot_k / attn_rot_v: upstream's online Hadamard rotation of the cache,
+    per context: "auto" (upstream's rule: on for a quantized cache whose head
+    size is a multiple of 64), "on" or "off".
+    n_seq_max: number of sequences the cache holds (seq_cp needs 2 or more).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
                  n_batch: int | None = None, cache_type_k: str = "f16", cache_type_v: str = "f16",
                  flash_attn: bool | str | None = None, n_gpu_layers: int = 0, seed: int = 0,
-                 n_threads: int | None = None, verbose: bool | None = None):
+                 n_threads: int | None = None, verbose: bool | None = None,
+                 attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
+                 n_seq_max: int = 1):
         if path is None:
             from .models import default_model_path
             path = default_model_path()
@@ -99,6 +105,8 @@ class Model:
         type_v = cache_types.resolve(cache_type_v)
         self.cache_type_k = cache_types.name_of(type_k)
         self.cache_type_v = cache_types.name_of(type_v)
+        rot_k = cache_types.rotation(attn_rot_k, "K")
+        rot_v = cache_types.rotation(attn_rot_v, "V")
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash_attn must be True, False or 'auto', got {flash_attn!r}")
         if FLASH_ATTN[flash_attn] == 0 and self.cache_type_v not in cache_types.UNQUANTIZED:
@@ -139,11 +147,12 @@ class Model:
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch or min(n_ctx, 2048)
         cp.n_ubatch = min(cp.n_batch, 512)
-        cp.n_seq_max = 1
+        cp.n_seq_max = n_seq_max
         threads = n_threads or os.cpu_count() or 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = FLASH_ATTN[flash_attn]
         cp.type_k, cp.type_v = type_k, type_v
+        cp.attn_rot_k, cp.attn_rot_v = rot_k, rot_v
         cp.no_perf = True
         log.clear()
         self._ctx = L.llama_init_from_model(self._model, cp)
@@ -289,7 +298,7 @@ class Model:
         self._lib.llama_memory_clear(self._mem, True)
 
     def _decode(self, tokens, pos0: int, output_from: int | None = None,
-                collect: bool = False) -> list[np.ndarray]:
+                collect: bool = False, seq: int = 0) -> list[np.ndarray]:
         """Decode tokens at positions pos0.. in batches of n_batch, with outputs
         for positions >= output_from (default: only the last). With collect,
         return the logits of every output row, in order."""
@@ -309,7 +318,7 @@ class Model:
                     batch.token[j] = tokens[s + j]
                     batch.pos[j] = p
                     batch.n_seq_id[j] = 1
-                    batch.seq_id[j][0] = 0
+                    batch.seq_id[j][0] = seq
                     out = p >= output_from
                     batch.logits[j] = out
                     n_out += out
@@ -321,6 +330,43 @@ class Model:
             return rows
         finally:
             L.llama_batch_free(batch)
+
+    # ---- cache surgery: context shift, sequences, state ------------------------------------
+    def decode(self, tokens, pos0: int, seq: int = 0) -> np.ndarray:
+        """Append tokens to sequence seq at positions pos0..; logits of the last one."""
+        if not len(tokens):
+            raise ValueError("decode needs at least one token")
+        return self._decode(list(tokens), pos0, collect=True, seq=seq)[-1][-1]
+
+    def seq_rm(self, p0: int = -1, p1: int = -1, seq: int = 0) -> bool:
+        """Drop cells of sequence seq with positions in [p0, p1) (-1: open end)."""
+        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_add(self, p0: int, p1: int, delta: int, seq: int = 0) -> None:
+        """Move positions [p0, p1) of seq by delta; the next decode re-ropes K (K-shift)."""
+        if not self._lib.llama_memory_can_shift(self._mem):
+            raise DecodeError("this model's memory cannot shift positions")
+        self._lib.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Share the cells of sequence src with sequence dst (needs n_seq_max > dst)."""
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def pos_max(self, seq: int = 0) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
+
+    def get_state(self) -> bytes:
+        """The context's state (KV cache included) as bytes."""
+        n = self._lib.llama_state_get_size(self._ctx)
+        buf = ffi.new("uint8_t[]", n)
+        got = self._lib.llama_state_get_data(self._ctx, buf, n)
+        return bytes(ffi.buffer(buf, got))
+
+    def set_state(self, data: bytes) -> None:
+        """Restore a state from get_state (same model, cache types and n_ctx)."""
+        got = self._lib.llama_state_set_data(self._ctx, data, len(data))
+        if got != len(data):
+            raise DecodeError(f"llama.cpp rejected the state ({got} of {len(data)} bytes read): {_last_error()}")
 
     def _logits(self, n_rows: int) -> np.ndarray:
         ptr = self._lib.llama_get_logits(self._ctx)

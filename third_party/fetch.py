@@ -137,6 +137,9 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
     git(tree, "add", "-A", "-f")
     git(tree, "commit", "-q", "--no-verify", "-m", "upstream")
     git(tree, "tag", "upstream")
+    # the stamp is ours, not part of any patch: keep it out of `git add -A`
+    with open(tree / ".git" / "info" / "exclude", "a") as f:
+        f.write(f"\n{STAMP}\n")
     for p in patches:
         res = subprocess.run(["git", "-C", str(tree), "apply", "--whitespace=nowarn", str(p)],
                              capture_output=True, text=True)

@@ -1,0 +1,119 @@
+// Block floating point reference quantizers and dequantizers (ggml-base).
+// The rule is written out in ggml-kvq.h and in pykvq/ref/bfp.py; the tests
+// hold this file to the numpy reference bit for bit.
+#include "ggml-kvq.h"
+
+#include <math.h>
+#include <string.h>
+
+// Shared exponent (biased, E8M0) of a block with mantissas in [-M, M].
+// bits = mantissa bits b; M = 2^(b-1) - 1.
+static uint8_t bfp_exponent(const float * x, int n, int bits) {
+    float amax = 0.0f;
+    for (int j = 0; j < n; ++j) {
+        const float a = fabsf(x[j]);
+        if (a > amax) {       // NaN compares false: counts as 0
+            amax = a;
+        }
+    }
+    if (amax == 0.0f) {
+        return 0;
+    }
+    int s;
+    if (isinf(amax)) {
+        s = 127;
+    } else {
+        int E;
+        const float f = frexpf(amax, &E);
+        const float M = (float) ((1 << (bits - 1)) - 1);
+        // smallest s with rint(amax / 2^s) <= M: amax / 2^s < M + 0.5
+        s = E - (bits - 1) + (f >= (M + 0.5f) / (float) (1 << (bits - 1)));
+    }
+    s = s < -127 ? -127 : s > 127 ? 127 : s;
+    return (uint8_t) (s + 127);
+}
+
+// 2^-s for the stored exponent; exact (s in [-127, 127]).
+static inline float bfp_inv_scale(uint8_t e) {
+    return ldexpf(1.0f, 127 - (int) e);
+}
+
+static inline int bfp_mantissa(float x, float inv, int M) {
+    if (isnan(x)) {
+        return 0;
+    }
+    const float v = nearbyintf(x * inv);  // default rounding mode: half to even
+    return v > M ? M : v < -M ? -M : (int) v;
+}
+
+void quantize_row_bfp4_32_ref(const float * GGML_RESTRICT x, block_bfp4_32 * GGML_RESTRICT y, int64_t k) {
+    const int64_t nb = k / QK_BFP32;
+    for (int64_t i = 0; i < nb; ++i, x += QK_BFP32) {
+        const uint8_t e = bfp_exponent(x, QK_BFP32, 4);
+        const float inv = bfp_inv_scale(e);
+        y[i].e = e;
+        for (int j = 0; j < QK_BFP32/2; ++j) {
+            const int lo = bfp_mantissa(x[j], inv, 7) + 8;
+            const int hi = bfp_mantissa(x[j + QK_BFP32/2], inv, 7) + 8;
+            y[i].qs[j] = (uint8_t) (lo | (hi << 4));
+        }
+    }
+}
+
+void quantize_row_bfp4_64_ref(const float * GGML_RESTRICT x, block_bfp4_64 * GGML_RESTRICT y, int64_t k) {
+    const int64_t nb = k / QK_BFP64;
+    for (int64_t i = 0; i < nb; ++i, x += QK_BFP64) {
+        const uint8_t e = bfp_exponent(x, QK_BFP64, 4);
+        const float inv = bfp_inv_scale(e);
+        y[i].e = e;
+        for (int j = 0; j < QK_BFP64/2; ++j) {
+            const int lo = bfp_mantissa(x[j], inv, 7) + 8;
+            const int hi = bfp_mantissa(x[j + QK_BFP64/2], inv, 7) + 8;
+            y[i].qs[j] = (uint8_t) (lo | (hi << 4));
+        }
+    }
+}
+
+void quantize_row_bfp8_32_ref(const float * GGML_RESTRICT x, block_bfp8_32 * GGML_RESTRICT y, int64_t k) {
+    const int64_t nb = k / QK_BFP32;
+    for (int64_t i = 0; i < nb; ++i, x += QK_BFP32) {
+        const uint8_t e = bfp_exponent(x, QK_BFP32, 8);
+        const float inv = bfp_inv_scale(e);
+        y[i].e = e;
+        for (int j = 0; j < QK_BFP32; ++j) {
+            y[i].qs[j] = (int8_t) bfp_mantissa(x[j], inv, 127);
+        }
+    }
+}
+
+void dequantize_row_bfp4_32(const block_bfp4_32 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    const int64_t nb = k / QK_BFP32;
+    for (int64_t i = 0; i < nb; ++i, y += QK_BFP32) {
+        const float d = ggml_kvq_e8m0_to_fp32(x[i].e);
+        for (int j = 0; j < QK_BFP32/2; ++j) {
+            y[j]              = d * (float) ((x[i].qs[j] & 0x0F) - 8);
+            y[j + QK_BFP32/2] = d * (float) ((x[i].qs[j] >> 4) - 8);
+        }
+    }
+}
+
+void dequantize_row_bfp4_64(const block_bfp4_64 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    const int64_t nb = k / QK_BFP64;
+    for (int64_t i = 0; i < nb; ++i, y += QK_BFP64) {
+        const float d = ggml_kvq_e8m0_to_fp32(x[i].e);
+        for (int j = 0; j < QK_BFP64/2; ++j) {
+            y[j]              = d * (float) ((x[i].qs[j] & 0x0F) - 8);
+            y[j + QK_BFP64/2] = d * (float) ((x[i].qs[j] >> 4) - 8);
+        }
+    }
+}
+
+void dequantize_row_bfp8_32(const block_bfp8_32 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    const int64_t nb = k / QK_BFP32;
+    for (int64_t i = 0; i < nb; ++i, y += QK_BFP32) {
+        const float d = ggml_kvq_e8m0_to_fp32(x[i].e);
+        for (int j = 0; j < QK_BFP32; ++j) {
+            y[j] = d * (float) x[i].qs[j];
+        }
+    }
+}

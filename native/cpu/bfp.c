@@ -1,0 +1,521 @@
+// CPU kernels for the block floating point cache types.
+//
+// K·Q runs on integers: K blocks (bfp4_32 / bfp4_64 / bfp8_32) against Q
+// quantized to bfp8_32, one int32 dot product and one float scale per block
+// (the scale is the product of two powers of two, i.e. an exponent add).
+// Every variant below is compiled when the target allows it and is exported
+// through ggml_kvq_cpu_impl_*() so the tests check each against the reference.
+#include "ggml-kvq-cpu.h"
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+#define BFP_VEC_DOT_ARGS int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, \
+                         const void * GGML_RESTRICT vy, size_t by, int nrc
+#define BFP_UNUSED_ARGS (void) bs; (void) bx; (void) by; (void) nrc
+
+// from_float: the reference rule (a cache write quantizes one token's row, so
+// this is off the hot path; keeping it the reference makes it exact by construction)
+void quantize_row_bfp4_32(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_bfp4_32_ref(x, (block_bfp4_32 *) y, k);
+}
+void quantize_row_bfp4_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_bfp4_64_ref(x, (block_bfp4_64 *) y, k);
+}
+void quantize_row_bfp8_32(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_bfp8_32_ref(x, (block_bfp8_32 *) y, k);
+}
+
+#define E8(e) ggml_kvq_e8m0_to_fp32(e)
+
+//
+// generic (scalar)
+//
+
+static void vec_dot_bfp4_32_bfp8_32_generic(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    float sumf = 0.0f;
+    for (int i = 0; i < n / QK_BFP32; ++i) {
+        int isum = 0;
+        for (int j = 0; j < QK_BFP32/2; ++j) {
+            isum += ((x[i].qs[j] & 0x0F) - 8) * y[i].qs[j];
+            isum += ((x[i].qs[j] >>   4) - 8) * y[i].qs[j + QK_BFP32/2];
+        }
+        sumf += (float) isum * (E8(x[i].e) * E8(y[i].e));
+    }
+    *s = sumf;
+}
+
+static void vec_dot_bfp4_64_bfp8_32_generic(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_64 * x = vx;
+    const block_bfp8_32 * y = vy;
+    float sumf = 0.0f;
+    for (int i = 0; i < n / QK_BFP64; ++i) {
+        int lo = 0, hi = 0;
+        for (int j = 0; j < QK_BFP64/2; ++j) {
+            lo += ((x[i].qs[j] & 0x0F) - 8) * y[2*i + 0].qs[j];
+            hi += ((x[i].qs[j] >>   4) - 8) * y[2*i + 1].qs[j];
+        }
+        sumf += (float) lo * (E8(x[i].e) * E8(y[2*i + 0].e)) + (float) hi * (E8(x[i].e) * E8(y[2*i + 1].e));
+    }
+    *s = sumf;
+}
+
+static void vec_dot_bfp8_32_bfp8_32_generic(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp8_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    float sumf = 0.0f;
+    for (int i = 0; i < n / QK_BFP32; ++i) {
+        int isum = 0;
+        for (int j = 0; j < QK_BFP32; ++j) {
+            isum += x[i].qs[j] * y[i].qs[j];
+        }
+        sumf += (float) isum * (E8(x[i].e) * E8(y[i].e));
+    }
+    *s = sumf;
+}
+
+static void dequantize_row_bfp4_32_generic(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    dequantize_row_bfp4_32(x, y, k);
+}
+static void dequantize_row_bfp4_64_generic(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    dequantize_row_bfp4_64(x, y, k);
+}
+static void dequantize_row_bfp8_32_generic(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    dequantize_row_bfp8_32(x, y, k);
+}
+
+//
+// AVX2: sign trick (|x| * sign(y, x)) so maddubs can multiply signed by signed
+//
+
+#if defined(__AVX2__)
+static inline __m256i bfp_nibbles_avx2(const __m128i b) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    return _mm256_sub_epi8(_mm256_insertf128_si256(_mm256_castsi128_si256(lo), hi, 1), _mm256_set1_epi8(8));
+}
+
+// 32 int8 · 32 int8 -> 8 int32 partial sums, as floats (|x| <= 127 keeps maddubs exact)
+static inline __m256 bfp_dot32_avx2(const __m256i x, const __m256i y) {
+    const __m256i ax = _mm256_sign_epi8(x, x);
+    const __m256i sy = _mm256_sign_epi8(y, x);
+    const __m256i p  = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(p);
+}
+
+static inline float bfp_hsum_avx2(const __m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+static void vec_dot_bfp4_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n / QK_BFP32; ++i) {
+        const __m256i qx = bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(E8(x[i].e) * E8(y[i].e)), bfp_dot32_avx2(qx, qy), acc);
+    }
+    *s = bfp_hsum_avx2(acc);
+}
+
+static void vec_dot_bfp4_64_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_64 * x = vx;
+    const block_bfp8_32 * y = vy;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i o8 = _mm256_set1_epi8(8);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n / QK_BFP64; ++i) {
+        const __m256i b  = _mm256_loadu_si256((const __m256i *) x[i].qs);
+        const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, m4), o8);
+        const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8);
+        const float dx = E8(x[i].e);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * E8(y[2*i + 0].e)),
+                              bfp_dot32_avx2(lo, _mm256_loadu_si256((const __m256i *) y[2*i + 0].qs)), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * E8(y[2*i + 1].e)),
+                              bfp_dot32_avx2(hi, _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs)), acc);
+    }
+    *s = bfp_hsum_avx2(acc);
+}
+
+static void vec_dot_bfp8_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp8_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n / QK_BFP32; ++i) {
+        const __m256i qx = _mm256_loadu_si256((const __m256i *) x[i].qs);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(E8(x[i].e) * E8(y[i].e)), bfp_dot32_avx2(qx, qy), acc);
+    }
+    *s = bfp_hsum_avx2(acc);
+}
+
+// 32 int8 mantissas times d -> 32 floats
+static inline void bfp_store32_avx2(float * y, const __m256i q, const float d) {
+    const __m256  vd = _mm256_set1_ps(d);
+    const __m128i l  = _mm256_castsi256_si128(q);
+    const __m128i h  = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y +  0, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l))));
+    _mm256_storeu_ps(y +  8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)))));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)))));
+}
+
+static void dequantize_row_bfp4_32_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp4_32 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
+        bfp_store32_avx2(y + i*QK_BFP32, bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs)), E8(x[i].e));
+    }
+}
+
+static void dequantize_row_bfp4_64_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp4_64 * x = vx;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i o8 = _mm256_set1_epi8(8);
+    for (int64_t i = 0; i < k / QK_BFP64; ++i) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *) x[i].qs);
+        const float   d = E8(x[i].e);
+        bfp_store32_avx2(y + i*QK_BFP64,      _mm256_sub_epi8(_mm256_and_si256(b, m4), o8), d);
+        bfp_store32_avx2(y + i*QK_BFP64 + 32, _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8), d);
+    }
+}
+
+static void dequantize_row_bfp8_32_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp8_32 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
+        bfp_store32_avx2(y + i*QK_BFP32, _mm256_loadu_si256((const __m256i *) x[i].qs), E8(x[i].e));
+    }
+}
+#endif // __AVX2__
+
+//
+// AVX-512 (BW + VL, VNNI when present): two 32-blocks per 512-bit register;
+// int32 lanes 0-7 belong to the first block, 8-15 to the second.
+//
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__)
+#define BFP_HAVE_AVX512 1
+
+static inline __m512 bfp_dot64_avx512(const __m512i x, const __m512i y) {
+    const __m512i   ax  = _mm512_abs_epi8(x);
+    const __mmask64 neg = _mm512_movepi8_mask(x);
+    const __m512i   sy  = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+#if defined(__AVX512VNNI__)
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sy);
+#else
+    const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sy), _mm512_set1_epi16(1));
+#endif
+    return _mm512_cvtepi32_ps(p);
+}
+
+static inline __m512 bfp_scales2(const float d0, const float d1) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+}
+
+static inline __m512i bfp_join256(const __m256i a, const __m256i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+static void vec_dot_bfp4_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    const int nb = n / QK_BFP32;
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 1 < nb; i += 2) {
+        const __m512i qx = bfp_join256(bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 0].qs)),
+                                       bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 1].qs)));
+        const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
+                                       _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
+        const __m512  d  = bfp_scales2(E8(x[i].e) * E8(y[i].e), E8(x[i + 1].e) * E8(y[i + 1].e));
+        acc = _mm512_fmadd_ps(d, bfp_dot64_avx512(qx, qy), acc);
+    }
+    float sumf = _mm512_reduce_add_ps(acc);
+    if (i < nb) {
+        float t;
+        vec_dot_bfp4_32_bfp8_32_avx2(QK_BFP32, &t, 0, x + i, 0, y + i, 0, 1);
+        sumf += t;
+    }
+    *s = sumf;
+}
+
+static void vec_dot_bfp4_64_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_64 * x = vx;
+    const block_bfp8_32 * y = vy;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i o8 = _mm256_set1_epi8(8);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n / QK_BFP64; ++i) {
+        const __m256i b  = _mm256_loadu_si256((const __m256i *) x[i].qs);
+        const __m512i qx = bfp_join256(_mm256_sub_epi8(_mm256_and_si256(b, m4), o8),
+                                       _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8));
+        const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[2*i + 0].qs),
+                                       _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs));
+        const float   dx = E8(x[i].e);
+        acc = _mm512_fmadd_ps(bfp_scales2(dx * E8(y[2*i].e), dx * E8(y[2*i + 1].e)), bfp_dot64_avx512(qx, qy), acc);
+    }
+    *s = _mm512_reduce_add_ps(acc);
+}
+
+static void vec_dot_bfp8_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp8_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    const int nb = n / QK_BFP32;
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 1 < nb; i += 2) {
+        const __m512i qx = bfp_join256(_mm256_loadu_si256((const __m256i *) x[i + 0].qs),
+                                       _mm256_loadu_si256((const __m256i *) x[i + 1].qs));
+        const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
+                                       _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
+        const __m512  d  = bfp_scales2(E8(x[i].e) * E8(y[i].e), E8(x[i + 1].e) * E8(y[i + 1].e));
+        acc = _mm512_fmadd_ps(d, bfp_dot64_avx512(qx, qy), acc);
+    }
+    float sumf = _mm512_reduce_add_ps(acc);
+    if (i < nb) {
+        float t;
+        vec_dot_bfp8_32_bfp8_32_avx2(QK_BFP32, &t, 0, x + i, 0, y + i, 0, 1);
+        sumf += t;
+    }
+    *s = sumf;
+}
+
+static inline void bfp_store32_avx512(float * y, const __m256i q, const float d) {
+    const __m512 vd = _mm512_set1_ps(d);
+    _mm512_storeu_ps(y +  0, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
+}
+
+static void dequantize_row_bfp4_32_avx512(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp4_32 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
+        bfp_store32_avx512(y + i*QK_BFP32, bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs)), E8(x[i].e));
+    }
+}
+
+static void dequantize_row_bfp4_64_avx512(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp4_64 * x = vx;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i o8 = _mm256_set1_epi8(8);
+    for (int64_t i = 0; i < k / QK_BFP64; ++i) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *) x[i].qs);
+        const float   d = E8(x[i].e);
+        bfp_store32_avx512(y + i*QK_BFP64,      _mm256_sub_epi8(_mm256_and_si256(b, m4), o8), d);
+        bfp_store32_avx512(y + i*QK_BFP64 + 32, _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8), d);
+    }
+}
+
+static void dequantize_row_bfp8_32_avx512(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp8_32 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
+        bfp_store32_avx512(y + i*QK_BFP32, _mm256_loadu_si256((const __m256i *) x[i].qs), E8(x[i].e));
+    }
+}
+#endif // AVX-512
+
+//
+// NEON (sdot when the target has it)
+//
+
+#if defined(__ARM_NEON) && defined(__aarch64__)
+static inline int32x4_t bfp_dot16_neon(int32x4_t acc, const int8x16_t x, const int8x16_t y) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, x, y);
+#else
+    const int16x8_t lo = vmull_s8(vget_low_s8(x),  vget_low_s8(y));
+    const int16x8_t hi = vmull_s8(vget_high_s8(x), vget_high_s8(y));
+    return vpadalq_s16(vpadalq_s16(acc, lo), hi);
+#endif
+}
+
+static inline void bfp_nibbles_neon(const uint8_t * qs, int8x16_t * lo, int8x16_t * hi) {
+    const uint8x16_t b = vld1q_u8(qs);
+    *lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vdupq_n_s8(8));
+    *hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vdupq_n_s8(8));
+}
+
+static void vec_dot_bfp4_32_bfp8_32_neon(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int i = 0; i < n / QK_BFP32; ++i) {
+        int8x16_t lo, hi;
+        bfp_nibbles_neon(x[i].qs, &lo, &hi);
+        int32x4_t p = bfp_dot16_neon(vdupq_n_s32(0), lo, vld1q_s8(y[i].qs));
+        p = bfp_dot16_neon(p, hi, vld1q_s8(y[i].qs + 16));
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), E8(x[i].e) * E8(y[i].e));
+    }
+    *s = vaddvq_f32(acc);
+}
+
+static void vec_dot_bfp4_64_bfp8_32_neon(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp4_64 * x = vx;
+    const block_bfp8_32 * y = vy;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int i = 0; i < n / QK_BFP64; ++i) {
+        int8x16_t lo0, hi0, lo1, hi1;
+        bfp_nibbles_neon(x[i].qs,      &lo0, &hi0);
+        bfp_nibbles_neon(x[i].qs + 16, &lo1, &hi1);
+        int32x4_t a = bfp_dot16_neon(vdupq_n_s32(0), lo0, vld1q_s8(y[2*i].qs));
+        a = bfp_dot16_neon(a, lo1, vld1q_s8(y[2*i].qs + 16));
+        int32x4_t b = bfp_dot16_neon(vdupq_n_s32(0), hi0, vld1q_s8(y[2*i + 1].qs));
+        b = bfp_dot16_neon(b, hi1, vld1q_s8(y[2*i + 1].qs + 16));
+        const float dx = E8(x[i].e);
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(a), dx * E8(y[2*i].e));
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(b), dx * E8(y[2*i + 1].e));
+    }
+    *s = vaddvq_f32(acc);
+}
+
+static void vec_dot_bfp8_32_bfp8_32_neon(BFP_VEC_DOT_ARGS) {
+    BFP_UNUSED_ARGS;
+    const block_bfp8_32 * x = vx;
+    const block_bfp8_32 * y = vy;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int i = 0; i < n / QK_BFP32; ++i) {
+        int32x4_t p = bfp_dot16_neon(vdupq_n_s32(0), vld1q_s8(x[i].qs), vld1q_s8(y[i].qs));
+        p = bfp_dot16_neon(p, vld1q_s8(x[i].qs + 16), vld1q_s8(y[i].qs + 16));
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), E8(x[i].e) * E8(y[i].e));
+    }
+    *s = vaddvq_f32(acc);
+}
+
+static inline void bfp_store16_neon(float * y, const int8x16_t q, const float d) {
+    const int16x8_t l = vmovl_s8(vget_low_s8(q));
+    const int16x8_t h = vmovl_s8(vget_high_s8(q));
+    vst1q_f32(y +  0, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(l))),  d));
+    vst1q_f32(y +  4, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(l))), d));
+    vst1q_f32(y +  8, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))),  d));
+    vst1q_f32(y + 12, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d));
+}
+
+static void dequantize_row_bfp4_32_neon(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp4_32 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP32; ++i, y += QK_BFP32) {
+        int8x16_t lo, hi;
+        bfp_nibbles_neon(x[i].qs, &lo, &hi);
+        bfp_store16_neon(y,      lo, E8(x[i].e));
+        bfp_store16_neon(y + 16, hi, E8(x[i].e));
+    }
+}
+
+static void dequantize_row_bfp4_64_neon(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp4_64 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP64; ++i, y += QK_BFP64) {
+        int8x16_t lo0, hi0, lo1, hi1;
+        bfp_nibbles_neon(x[i].qs,      &lo0, &hi0);
+        bfp_nibbles_neon(x[i].qs + 16, &lo1, &hi1);
+        const float d = E8(x[i].e);
+        bfp_store16_neon(y,      lo0, d);
+        bfp_store16_neon(y + 16, lo1, d);
+        bfp_store16_neon(y + 32, hi0, d);
+        bfp_store16_neon(y + 48, hi1, d);
+    }
+}
+
+static void dequantize_row_bfp8_32_neon(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_bfp8_32 * x = vx;
+    for (int64_t i = 0; i < k / QK_BFP32; ++i, y += QK_BFP32) {
+        bfp_store16_neon(y,      vld1q_s8(x[i].qs),      E8(x[i].e));
+        bfp_store16_neon(y + 16, vld1q_s8(x[i].qs + 16), E8(x[i].e));
+    }
+}
+#endif // NEON
+
+//
+// variant table: generic first, the best compiled variant last
+//
+
+struct bfp_impl {
+    const char *    name;
+    ggml_vec_dot_t  vec_dot[3];   // bfp4_32, bfp4_64, bfp8_32
+    ggml_to_float_t to_float[3];
+};
+
+#define BFP_IMPL(name, sfx) { name, \
+    { vec_dot_bfp4_32_bfp8_32_##sfx, vec_dot_bfp4_64_bfp8_32_##sfx, vec_dot_bfp8_32_bfp8_32_##sfx }, \
+    { dequantize_row_bfp4_32_##sfx,  dequantize_row_bfp4_64_##sfx,  dequantize_row_bfp8_32_##sfx } }
+
+static const struct bfp_impl bfp_impls[] = {
+    BFP_IMPL("generic", generic),
+#if defined(__AVX2__)
+    BFP_IMPL("avx2", avx2),
+#endif
+#if defined(BFP_HAVE_AVX512)
+#if defined(__AVX512VNNI__)
+    BFP_IMPL("avx512vnni", avx512),
+#else
+    BFP_IMPL("avx512", avx512),
+#endif
+#endif
+#if defined(__ARM_NEON) && defined(__aarch64__)
+#if defined(__ARM_FEATURE_DOTPROD)
+    BFP_IMPL("neon-dotprod", neon),
+#else
+    BFP_IMPL("neon", neon),
+#endif
+#endif
+};
+
+#define BFP_N_IMPLS ((int) (sizeof(bfp_impls) / sizeof(bfp_impls[0])))
+#define BFP_BEST (&bfp_impls[BFP_N_IMPLS - 1])
+
+static int bfp_slot(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_BFP4_32: return 0;
+        case GGML_TYPE_BFP4_64: return 1;
+        case GGML_TYPE_BFP8_32: return 2;
+        default:                return -1;
+    }
+}
+
+void ggml_vec_dot_bfp4_32_bfp8_32(BFP_VEC_DOT_ARGS) { BFP_BEST->vec_dot[0](n, s, bs, vx, bx, vy, by, nrc); }
+void ggml_vec_dot_bfp4_64_bfp8_32(BFP_VEC_DOT_ARGS) { BFP_BEST->vec_dot[1](n, s, bs, vx, bx, vy, by, nrc); }
+void ggml_vec_dot_bfp8_32_bfp8_32(BFP_VEC_DOT_ARGS) { BFP_BEST->vec_dot[2](n, s, bs, vx, bx, vy, by, nrc); }
+
+ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
+    const int slot = bfp_slot(type);
+    return slot < 0 ? NULL : BFP_BEST->to_float[slot];
+}
+
+int ggml_kvq_cpu_n_impls(void) {
+    return BFP_N_IMPLS;
+}
+
+const char * ggml_kvq_cpu_impl_name(int i) {
+    return i >= 0 && i < BFP_N_IMPLS ? bfp_impls[i].name : NULL;
+}
+
+ggml_vec_dot_t ggml_kvq_cpu_impl_vec_dot(int i, enum ggml_type type) {
+    const int slot = bfp_slot(type);
+    return i >= 0 && i < BFP_N_IMPLS && slot >= 0 ? bfp_impls[i].vec_dot[slot] : NULL;
+}
+
+ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, enum ggml_type type) {
+    const int slot = bfp_slot(type);
+    return i >= 0 && i < BFP_N_IMPLS && slot >= 0 ? bfp_impls[i].to_float[slot] : NULL;
+}
