@@ -31,6 +31,10 @@ def _cache_args(ap: argparse.ArgumentParser, default: str = "f16") -> None:
     ap.add_argument("-ctv", "--cache-type-v", default=default, metavar="TYPE", help=f"V cache type ({types})")
     ap.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
                     help="flash attention (a quantized V cache needs it); default auto")
+    ap.add_argument("-rotk", "--attn-rot-k", choices=["auto", "on", "off"], default="auto",
+                    help="online Hadamard rotation of the K cache (auto: on for quantized K, head size %% 64 == 0)")
+    ap.add_argument("-rotv", "--attn-rot-v", choices=["auto", "on", "off"], default="auto",
+                    help="online Hadamard rotation of the V cache (auto: as for K)")
     ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -52,13 +56,17 @@ def _resolve_model(name):
     return name
 
 
-def _open(args, n_ctx_default: int = 4096, cache_k=None, cache_v=None):
+def _open(args, n_ctx_default: int = 4096, cache_k=None, cache_v=None, rotation: bool = True):
+    """Model from the CLI's cache arguments; rotation=False leaves the rotation
+    at auto (used for the baseline of a comparison)."""
     from .model import Model
     flash = {"on": True, "off": False, "auto": None}[args.flash_attn]
     return Model(_resolve_model(args.model), n_ctx=args.ctx_size or n_ctx_default,
                  cache_type_k=cache_k or args.cache_type_k, cache_type_v=cache_v or args.cache_type_v,
                  flash_attn=flash, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                 verbose=args.verbose or None)
+                 verbose=args.verbose or None,
+                 attn_rot_k=args.attn_rot_k if rotation else "auto",
+                 attn_rot_v=args.attn_rot_v if rotation else "auto")
 
 
 def _read_text(path):
@@ -105,7 +113,8 @@ def cmd_kld(args) -> int:
     import os
     text = None
     if args.baseline in CACHE_TYPES:
-        base = _open(args, n_ctx_default=max(args.n_ctx, 512), cache_k=args.baseline, cache_v=args.baseline)
+        base = _open(args, n_ctx_default=max(args.n_ctx, 512), cache_k=args.baseline, cache_v=args.baseline,
+                     rotation=False)
         text = _read_text(args.file)
     elif os.path.isfile(args.baseline):
         base = args.baseline

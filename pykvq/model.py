@@ -135,13 +135,12 @@ class Model:
         self.arch = self.meta("general.architecture") or "?"
         self.head_dim_k = int(self.meta(f"{self.arch}.attention.key_length") or self.n_embd // self.n_head)
         self.head_dim_v = int(self.meta(f"{self.arch}.attention.value_length") or self.n_embd // self.n_head)
-        for which, t, hd in (("K", type_k, self.head_dim_k), ("V", type_v, self.head_dim_v)):
-            blck = L.ggml_blck_size(t)
-            if hd % blck:
-                self.close()
-                raise CacheTypeError(
-                    f"{which} cache type {cache_types.name_of(t)} has blocks of {blck} values, "
-                    f"which do not divide this model's head size {hd}")
+        try:
+            for which, t, hd in (("K", type_k, self.head_dim_k), ("V", type_v, self.head_dim_v)):
+                check_block_fits(which, cache_types.name_of(t), L.ggml_blck_size(t), hd)
+        except CacheTypeError:
+            self.close()
+            raise
 
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
@@ -549,6 +548,15 @@ def kld_sweep(baseline: Model, candidates: dict[str, Model], text: str | None = 
         for name, m in candidates.items():
             accs[name].add(base, m._chunk_logits(chunk), targets)
     return {name: a.result() for name, a in accs.items()}
+
+
+def check_block_fits(which: str, type_name: str, block: int, head_dim: int) -> None:
+    """A cache row is one head; its blocks must tile it exactly."""
+    if head_dim % block:
+        raise CacheTypeError(
+            f"{which} cache type {type_name} has blocks of {block} values, "
+            f"which do not divide this model's head size {head_dim}; pick a type with "
+            f"{'32' if head_dim % 32 == 0 else 'smaller'}-value blocks or f16")
 
 
 def _rotation_from_log(text: str) -> dict:

@@ -60,6 +60,8 @@ def test_refresh_patch_round_trip(patch_env):
     changed = refresh_patch.refresh("0998-test-edit.patch", tree=tree, patch_dir=patches)
     assert changed == ["0998-test-edit.patch"]
     assert "+// pykvq test edit" in (patches / "0998-test-edit.patch").read_text()
+    # the stamp file is bookkeeping, never part of a patch
+    assert not any(fetch.STAMP in p.read_text() for p in patches.glob("*.patch"))
     # the stamp now matches: no re-extract; a fresh extract reproduces the edit
     assert (tree / fetch.STAMP).read_text() == fetch.wanted_stamp(fetch.read_pin(), fetch.patch_files(patches))
     fetch.fetch(tree=tree, force=True)

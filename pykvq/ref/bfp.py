@@ -91,7 +91,8 @@ def quantize_blocks(x: np.ndarray, fmt: str | BFPFormat) -> tuple[np.ndarray, np
 
 
 def dequantize_blocks(e: np.ndarray, m: np.ndarray) -> np.ndarray:
-    return (m.astype(np.float32) * e8m0_to_float(e)[:, None]).reshape(-1)
+    with np.errstate(over="ignore"):   # a saturated inf block dequantizes to inf, as in C
+        return (m.astype(np.float32) * e8m0_to_float(e)[:, None]).reshape(-1)
 
 
 def pack(e: np.ndarray, m: np.ndarray, fmt: str | BFPFormat) -> bytes:

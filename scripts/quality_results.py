@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Stock cache types vs f16 on WikiText-2 test: KLD / p99 / same-top-1 / PPL.
+"""Cache types vs an f16 cache on WikiText-2 test: KLD / p99 / same-top-1 / PPL.
 
-    python scripts/foundation_results.py [--model smollm2-135m] [--chunks 40] [--n-ctx 512]
+    python scripts/quality_results.py [--model smollm2-135m] [--chunks 16] [--n-ctx 512]
+                                      [--set bfp|core|stock] [--plot]
 
-Writes results/stock_<model>.json and .md (and a plot with --plot). Every
+Writes results/quality_<model>.json and .md (and a plot with --plot). Every
 setting is compared with the same model on an f16 cache, in one pass over the
-same chunks (pykvq.model.kld_sweep). Rotation = upstream's online Hadamard rotation of
-quantized caches (on by default; 'off' via LLAMA_ATTN_ROT_DISABLE at context
-creation).
+same chunks (pykvq.model.kld_sweep). Rotation = upstream's online Hadamard
+rotation of the cache, set per context (Model(attn_rot_k=..., attn_rot_v=...)).
 """
 from __future__ import annotations
 
@@ -24,39 +24,45 @@ from pykvq.data import wikitext_test
 from pykvq.models import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = [  # (label, K, V, rotation)
-    ("q8_0", "q8_0", "q8_0", True),
-    ("q5_0", "q5_0", "q5_0", True),
-    ("q4_0", "q4_0", "q4_0", True),
-    ("q4_0 (rotation off)", "q4_0", "q4_0", False),
-    ("q8_0 K + q4_0 V", "q8_0", "q4_0", True),
-]
+PAIRED = ["q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "bfp8_32", "bfp4_32", "bfp4_64"]
+K_ONLY = [("q8_0", (True,)), ("q4_0", (True, False)), ("iq4_nl", (True,)), ("bfp8_32", (True,)),
+          ("bfp4_32", (True, False)), ("bfp4_64", (True, False))]
+SETS = {
+    # every type for K and V with rotation on and off, plus K-only rows (V f16)
+    "bfp": [(t, t, rot) for t in PAIRED for rot in (True, False)]
+           + [(k, "f16", rot) for k, rots in K_ONLY for rot in rots],
+    # the rows that matter most, for the slow model
+    "core": [(t, t, rot) for t in ("q8_0", "q4_0", "iq4_nl", "bfp8_32", "bfp4_32", "bfp4_64") for rot in (True, False)]
+            + [(k, "f16", rot) for k in ("q4_0", "bfp4_32") for rot in (True, False)],
+    "stock": [(t, t, True) for t in ("q8_0", "q5_0", "q4_0")] + [("q4_0", "q4_0", False), ("q8_0", "q4_0", True)],
+}
+
+
+def setting_label(k, v, rot):
+    kv = k if k == v else (f"{k} K, f16 V" if v == "f16" else f"{k} K + {v} V")
+    return f"{kv} (rot {'on' if rot else 'off'})"
 
 
 def open_model(path, n_ctx, k, v, rotation):
-    old = os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
-    if not rotation:
-        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
-    try:
-        return Model(path, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True)
-    finally:
-        os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
-        if old is not None:
-            os.environ["LLAMA_ATTN_ROT_DISABLE"] = old
+    r = "on" if rotation else "off"
+    return Model(path, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True,
+                 attn_rot_k=r, attn_rot_v=r)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--chunks", type=int, default=40)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--set", default="bfp", choices=sorted(SETS), help="which settings to run")
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated setting labels to run (default: all)")
     args = ap.parse_args()
-    settings = [s for s in SETTINGS if args.only is None or s[0] in args.only.split(",")]
+    settings = [(setting_label(*s), *s) for s in SETS[args.set]]
+    settings = [s for s in settings if args.only is None or s[0] in args.only.split(",")]
 
     path = fetch(args.model, progress=True)
-    base = open_model(path, args.n_ctx, "f16", "f16", True)
+    base = open_model(path, args.n_ctx, "f16", "f16", False)
     cands = {label: open_model(path, args.n_ctx, k, v, rot) for label, k, v, rot in settings}
     t0 = time.time()
     res = kld_sweep(base, cands, wikitext_test(), n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
@@ -71,13 +77,13 @@ def main() -> None:
             "n_chunks": res[settings[0][0]].n_chunks, "n_tokens": res[settings[0][0]].n_tokens,
             "flash_attn": True, "seconds": round(time.time() - t0, 1), "machine": platform.machine(),
             "threads": os.cpu_count()}
-    stem = ROOT / "results" / f"stock_{args.model}"
+    stem = ROOT / "results" / f"quality_{args.model}"
     stem.parent.mkdir(exist_ok=True)
     out = {ext: stem.parent / f"{stem.name}.{ext}" for ext in ("json", "md", "png")}
     out["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"{meta['model']}, {meta['text']}, ctx {meta['n_ctx']}, {meta['n_chunks']} chunks "
           f"({meta['n_tokens']} scored tokens), flash attention on, KLD against an f16 cache.", "",
-          "| cache (K and V) | bits/value | online rotation | mean KLD | p99 KLD | same top-1 | PPL |",
+          "| cache | bits/value (K+V) | online rotation | mean KLD | p99 KLD | same top-1 | PPL |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['cache']} | {r['bits_per_value']:.2f} | {r['rotation']} | {r['mean_kld']:.4f} | "
