@@ -57,7 +57,11 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated setting labels to run (default: all)")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = ap.parse_args()
+    if args.replot:
+        replot(ROOT / "results" / f"quality_{args.model}.json")
+        return
     settings = [(setting_label(*s), *s) for s in SETS[args.set]]
     settings = [s for s in settings if args.only is None or s[0] in args.only.split(",")]
 
@@ -95,21 +99,40 @@ def main() -> None:
 
 
 def plot(rows, path, meta):
+    """KLD vs bits/value for K+V rows: filled = rotation on, hollow = off; red = pykvq types."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for r in rows[1:]:
-        ax.scatter(r["bits_per_value"], r["mean_kld"], s=40)
-        ax.annotate(r["cache"], (r["bits_per_value"], r["mean_kld"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=8)
+        if " K" in r["cache"]:          # K-only rows are in the table, not the plot
+            continue
+        name, rot = r["cache"].split(" (rot ")
+        ours = name.startswith(("bfp", "nuq"))
+        on = rot.startswith("on")
+        color = "tab:red" if ours else "tab:blue"
+        ax.scatter(r["bits_per_value"], r["mean_kld"], s=46, color=color if on else "white",
+                   edgecolors=color, linewidths=1.5, zorder=3)
+        ax.annotate(name, (r["bits_per_value"], r["mean_kld"]), textcoords="offset points",
+                    xytext=(6, -3 if on else 3), fontsize=8, color=color)
+    ax.scatter([], [], color="gray", label="rotation on")
+    ax.scatter([], [], color="white", edgecolors="gray", label="rotation off")
+    ax.scatter([], [], color="tab:blue", label="stock llama.cpp")
+    ax.scatter([], [], color="tab:red", label="pykvq")
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_yscale("log")
-    ax.set_xlabel("KV-cache bits per value")
-    ax.set_ylabel("mean KLD vs f16 cache (log)")
-    ax.set_title(f"{meta['model']}, WikiText-2, ctx {meta['n_ctx']}", fontsize=9)
+    ax.set_xlabel("KV-cache bits per value (K and V the same type)")
+    ax.set_ylabel("mean KLD vs f16 cache (log scale)")
+    ax.set_title(f"{meta['model']}, WikiText-2 test, ctx {meta['n_ctx']}, {meta['n_tokens']} scored tokens",
+                 fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def replot(json_path: Path) -> None:
+    d = json.loads(json_path.read_text())
+    plot(d["rows"], json_path.with_suffix(".png"), d["meta"])
 
 
 if __name__ == "__main__":

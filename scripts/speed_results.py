@@ -30,10 +30,15 @@ def bench(model: Path, t: str, depths: list[int], threads: int, reps: int) -> li
     cmd = [str(BENCH), "-m", str(model), "-ctk", t, "-ctv", t, "-fa", "1", "-t", str(threads),
            "-r", str(reps), "-o", "json", "-p", "512", "-n", "0", "-d", "0"]
     rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return rows + tg(model, t, depths, threads, reps)
+
+
+def tg(model: Path, t: str, depths: list[int], threads: int, reps: int) -> list[dict]:
+    if not depths:
+        return []
     cmd = [str(BENCH), "-m", str(model), "-ctk", t, "-ctv", t, "-fa", "1", "-t", str(threads),
            "-r", str(reps), "-o", "json", "-p", "0", "-n", "32", "-d", ",".join(map(str, depths))]
-    rows += json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return rows
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
 def main() -> None:
@@ -43,6 +48,8 @@ def main() -> None:
     ap.add_argument("--depths", default="0,4096,16384")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--deep-types", default="f16,q4_0,bfp4_32",
+                    help="types that also run the deepest depth (filling it is quadratic; 'all' for every type)")
     args = ap.parse_args()
     types = args.types.split(",")
     depths = [int(d) for d in args.depths.split(",")]
@@ -50,9 +57,13 @@ def main() -> None:
 
     t0 = time.time()
     speed = {}  # (type, test) -> tokens/s
+    deep = types if args.deep_types == "all" else args.deep_types.split(",")
     for t in types:
         print(f"llama-bench {t} ...", flush=True)
-        for r in bench(model, t, depths, args.threads, args.reps):
+        rows = bench(model, t, depths[:-1], args.threads, args.reps)
+        if t in deep:
+            rows += tg(model, t, depths[-1:], args.threads, args.reps)
+        for r in rows:
             test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']} @ d{r['n_depth']}"
             speed[(t, test)] = r["avg_ts"]
             print(f"  {test:>14}: {r['avg_ts']:9.2f} t/s", flush=True)
