@@ -46,31 +46,35 @@ static inline int bfp_mantissa(float x, float inv, int M) {
     return v > M ? M : v < -M ? -M : (int) v;
 }
 
+// One 4-bit block of qk values: the shared exponent, then nibbles m + 8
+// (byte j: element j low, element j + qk/2 high). Both bfp4 sizes use it.
+static void bfp4_quantize_block(const float * x, uint8_t * e, uint8_t * qs, int qk) {
+    *e = bfp_exponent(x, qk, 4);
+    const float inv = bfp_inv_scale(*e);
+    for (int j = 0; j < qk/2; ++j) {
+        const int lo = bfp_mantissa(x[j], inv, 7) + 8;
+        const int hi = bfp_mantissa(x[j + qk/2], inv, 7) + 8;
+        qs[j] = (uint8_t) (lo | (hi << 4));
+    }
+}
+
+static void bfp4_dequantize_block(uint8_t e, const uint8_t * qs, float * y, int qk) {
+    const float d = ggml_kvq_e8m0_to_fp32(e);
+    for (int j = 0; j < qk/2; ++j) {
+        y[j]        = d * (float) ((qs[j] & 0x0F) - 8);
+        y[j + qk/2] = d * (float) ((qs[j] >> 4) - 8);
+    }
+}
+
 void quantize_row_bfp4_32_ref(const float * GGML_RESTRICT x, block_bfp4_32 * GGML_RESTRICT y, int64_t k) {
-    const int64_t nb = k / QK_BFP32;
-    for (int64_t i = 0; i < nb; ++i, x += QK_BFP32) {
-        const uint8_t e = bfp_exponent(x, QK_BFP32, 4);
-        const float inv = bfp_inv_scale(e);
-        y[i].e = e;
-        for (int j = 0; j < QK_BFP32/2; ++j) {
-            const int lo = bfp_mantissa(x[j], inv, 7) + 8;
-            const int hi = bfp_mantissa(x[j + QK_BFP32/2], inv, 7) + 8;
-            y[i].qs[j] = (uint8_t) (lo | (hi << 4));
-        }
+    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
+        bfp4_quantize_block(x + i*QK_BFP32, &y[i].e, y[i].qs, QK_BFP32);
     }
 }
 
 void quantize_row_bfp4_64_ref(const float * GGML_RESTRICT x, block_bfp4_64 * GGML_RESTRICT y, int64_t k) {
-    const int64_t nb = k / QK_BFP64;
-    for (int64_t i = 0; i < nb; ++i, x += QK_BFP64) {
-        const uint8_t e = bfp_exponent(x, QK_BFP64, 4);
-        const float inv = bfp_inv_scale(e);
-        y[i].e = e;
-        for (int j = 0; j < QK_BFP64/2; ++j) {
-            const int lo = bfp_mantissa(x[j], inv, 7) + 8;
-            const int hi = bfp_mantissa(x[j + QK_BFP64/2], inv, 7) + 8;
-            y[i].qs[j] = (uint8_t) (lo | (hi << 4));
-        }
+    for (int64_t i = 0; i < k / QK_BFP64; ++i) {
+        bfp4_quantize_block(x + i*QK_BFP64, &y[i].e, y[i].qs, QK_BFP64);
     }
 }
 
@@ -87,24 +91,14 @@ void quantize_row_bfp8_32_ref(const float * GGML_RESTRICT x, block_bfp8_32 * GGM
 }
 
 void dequantize_row_bfp4_32(const block_bfp4_32 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    const int64_t nb = k / QK_BFP32;
-    for (int64_t i = 0; i < nb; ++i, y += QK_BFP32) {
-        const float d = ggml_kvq_e8m0_to_fp32(x[i].e);
-        for (int j = 0; j < QK_BFP32/2; ++j) {
-            y[j]              = d * (float) ((x[i].qs[j] & 0x0F) - 8);
-            y[j + QK_BFP32/2] = d * (float) ((x[i].qs[j] >> 4) - 8);
-        }
+    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
+        bfp4_dequantize_block(x[i].e, x[i].qs, y + i*QK_BFP32, QK_BFP32);
     }
 }
 
 void dequantize_row_bfp4_64(const block_bfp4_64 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    const int64_t nb = k / QK_BFP64;
-    for (int64_t i = 0; i < nb; ++i, y += QK_BFP64) {
-        const float d = ggml_kvq_e8m0_to_fp32(x[i].e);
-        for (int j = 0; j < QK_BFP64/2; ++j) {
-            y[j]              = d * (float) ((x[i].qs[j] & 0x0F) - 8);
-            y[j + QK_BFP64/2] = d * (float) ((x[i].qs[j] >> 4) - 8);
-        }
+    for (int64_t i = 0; i < k / QK_BFP64; ++i) {
+        bfp4_dequantize_block(x[i].e, x[i].qs, y + i*QK_BFP64, QK_BFP64);
     }
 }
 

@@ -25,19 +25,17 @@ CACHE_TYPES: dict[str, int] = {
 }
 
 UNQUANTIZED = {"f32", "f16", "bf16"}
-STOCK = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-KVQ = ["bfp4_32", "bfp4_64", "bfp8_32"]
 
-# online Hadamard rotation settings (llama_context_params.attn_rot_k/v, patch 0003)
-ROTATION = {"auto": -1, None: -1, False: 0, "off": 0, True: 1, "on": 1}
+# llama.cpp's auto/off/on settings (llama_flash_attn_type, llama_attn_rot_type of patch 0003)
+AUTO_OFF_ON = {None: -1, "auto": -1, False: 0, "off": 0, True: 1, "on": 1}
 
 
 def rotation(value, which: str = "K") -> int:
     """llama_attn_rot_type for a user setting: "auto"/None, "on"/True, "off"/False."""
     key = value.strip().lower() if isinstance(value, str) else value
-    if key not in ROTATION:
+    if key not in AUTO_OFF_ON:
         raise ValueError(f"rotation of {which} must be 'auto', 'on' or 'off' (or None/True/False), got {value!r}")
-    return ROTATION[key]
+    return AUTO_OFF_ON[key]
 
 
 def resolve(name: str) -> int:

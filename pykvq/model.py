@@ -24,7 +24,7 @@ from .logits_file import LogitsFile, LogitsWriter
 from .progress import progress_bar
 
 GGUF_MAGIC = b"GGUF"
-FLASH_ATTN = {None: -1, "auto": -1, False: 0, "off": 0, True: 1, "on": 1}
+FLASH_ATTN = cache_types.AUTO_OFF_ON
 
 
 def check_gguf(path: Path) -> None:

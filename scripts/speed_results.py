@@ -26,19 +26,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "build" / "bin" / "llama-bench"
 
 
-def bench(model: Path, t: str, depths: list[int], threads: int, reps: int) -> list[dict]:
+def llama_bench(model: Path, t: str, threads: int, reps: int, *test: str) -> list[dict]:
+    """llama-bench rows for K and V of type t, flash attention on."""
     cmd = [str(BENCH), "-m", str(model), "-ctk", t, "-ctv", t, "-fa", "1", "-t", str(threads),
-           "-r", str(reps), "-o", "json", "-p", "512", "-n", "0", "-d", "0"]
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return rows + tg(model, t, depths, threads, reps)
+           "-r", str(reps), "-o", "json", *test]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def bench(model: Path, t: str, depths: list[int], threads: int, reps: int) -> list[dict]:
+    """pp512 at depth 0, then tg32 at each depth."""
+    return llama_bench(model, t, threads, reps, "-p", "512", "-n", "0", "-d", "0") + tg(model, t, depths, threads, reps)
 
 
 def tg(model: Path, t: str, depths: list[int], threads: int, reps: int) -> list[dict]:
     if not depths:
         return []
-    cmd = [str(BENCH), "-m", str(model), "-ctk", t, "-ctv", t, "-fa", "1", "-t", str(threads),
-           "-r", str(reps), "-o", "json", "-p", "0", "-n", "32", "-d", ",".join(map(str, depths))]
-    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return llama_bench(model, t, threads, reps, "-p", "0", "-n", "32", "-d", ",".join(map(str, depths)))
 
 
 def main() -> None:

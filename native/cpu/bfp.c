@@ -117,6 +117,15 @@ static inline __m256i bfp_nibbles_avx2(const __m128i b) {
     return _mm256_sub_epi8(_mm256_insertf128_si256(_mm256_castsi128_si256(lo), hi, 1), _mm256_set1_epi8(8));
 }
 
+// bfp4_64: 32 bytes -> elements 0..31 (low nibbles) and 32..63 (high nibbles)
+static inline void bfp_nibbles64_avx2(const uint8_t * qs, __m256i * lo, __m256i * hi) {
+    const __m256i b  = _mm256_loadu_si256((const __m256i *) qs);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i o8 = _mm256_set1_epi8(8);
+    *lo = _mm256_sub_epi8(_mm256_and_si256(b, m4), o8);
+    *hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8);
+}
+
 // 32 int8 · 32 int8 -> 8 int32 partial sums, as floats (|x| <= 127 keeps maddubs exact)
 static inline __m256 bfp_dot32_avx2(const __m256i x, const __m256i y) {
     const __m256i ax = _mm256_sign_epi8(x, x);
@@ -149,13 +158,10 @@ static void vec_dot_bfp4_64_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
     BFP_UNUSED_ARGS;
     const block_bfp4_64 * x = vx;
     const block_bfp8_32 * y = vy;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i o8 = _mm256_set1_epi8(8);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < n / QK_BFP64; ++i) {
-        const __m256i b  = _mm256_loadu_si256((const __m256i *) x[i].qs);
-        const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, m4), o8);
-        const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8);
+        __m256i lo, hi;
+        bfp_nibbles64_avx2(x[i].qs, &lo, &hi);
         const float dx = E8(x[i].e);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * E8(y[2*i + 0].e)),
                               bfp_dot32_avx2(lo, _mm256_loadu_si256((const __m256i *) y[2*i + 0].qs)), acc);
@@ -189,30 +195,39 @@ static inline void bfp_store32_avx2(float * y, const __m256i q, const float d) {
     _mm256_storeu_ps(y + 24, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)))));
 }
 
-static void dequantize_row_bfp4_32_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
-    const block_bfp4_32 * x = vx;
+// The dequantizers' loops, shared by AVX2 and AVX-512; only the 32-value store differs
+// (the store is a constant argument of an inlined function: no indirect call remains).
+typedef void (*bfp_store32_x86_t)(float * y, __m256i q, float d);
+
+static inline void bfp4_32_to_float_x86(const block_bfp4_32 * x, float * y, int64_t k, bfp_store32_x86_t store) {
     for (int64_t i = 0; i < k / QK_BFP32; ++i) {
-        bfp_store32_avx2(y + i*QK_BFP32, bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs)), E8(x[i].e));
+        store(y + i*QK_BFP32, bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs)), E8(x[i].e));
     }
 }
 
-static void dequantize_row_bfp4_64_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
-    const block_bfp4_64 * x = vx;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i o8 = _mm256_set1_epi8(8);
+static inline void bfp4_64_to_float_x86(const block_bfp4_64 * x, float * y, int64_t k, bfp_store32_x86_t store) {
     for (int64_t i = 0; i < k / QK_BFP64; ++i) {
-        const __m256i b = _mm256_loadu_si256((const __m256i *) x[i].qs);
-        const float   d = E8(x[i].e);
-        bfp_store32_avx2(y + i*QK_BFP64,      _mm256_sub_epi8(_mm256_and_si256(b, m4), o8), d);
-        bfp_store32_avx2(y + i*QK_BFP64 + 32, _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8), d);
+        __m256i lo, hi;
+        bfp_nibbles64_avx2(x[i].qs, &lo, &hi);
+        store(y + i*QK_BFP64,      lo, E8(x[i].e));
+        store(y + i*QK_BFP64 + 32, hi, E8(x[i].e));
     }
 }
 
-static void dequantize_row_bfp8_32_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
-    const block_bfp8_32 * x = vx;
+static inline void bfp8_32_to_float_x86(const block_bfp8_32 * x, float * y, int64_t k, bfp_store32_x86_t store) {
     for (int64_t i = 0; i < k / QK_BFP32; ++i) {
-        bfp_store32_avx2(y + i*QK_BFP32, _mm256_loadu_si256((const __m256i *) x[i].qs), E8(x[i].e));
+        store(y + i*QK_BFP32, _mm256_loadu_si256((const __m256i *) x[i].qs), E8(x[i].e));
     }
+}
+
+static void dequantize_row_bfp4_32_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    bfp4_32_to_float_x86(x, y, k, bfp_store32_avx2);
+}
+static void dequantize_row_bfp4_64_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    bfp4_64_to_float_x86(x, y, k, bfp_store32_avx2);
+}
+static void dequantize_row_bfp8_32_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    bfp8_32_to_float_x86(x, y, k, bfp_store32_avx2);
 }
 #endif // __AVX2__
 
@@ -272,13 +287,11 @@ static void vec_dot_bfp4_64_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     BFP_UNUSED_ARGS;
     const block_bfp4_64 * x = vx;
     const block_bfp8_32 * y = vy;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i o8 = _mm256_set1_epi8(8);
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < n / QK_BFP64; ++i) {
-        const __m256i b  = _mm256_loadu_si256((const __m256i *) x[i].qs);
-        const __m512i qx = bfp_join256(_mm256_sub_epi8(_mm256_and_si256(b, m4), o8),
-                                       _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8));
+        __m256i lo, hi;
+        bfp_nibbles64_avx2(x[i].qs, &lo, &hi);
+        const __m512i qx = bfp_join256(lo, hi);
         const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[2*i + 0].qs),
                                        _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs));
         const float   dx = E8(x[i].e);
@@ -317,30 +330,14 @@ static inline void bfp_store32_avx512(float * y, const __m256i q, const float d)
     _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
 }
 
-static void dequantize_row_bfp4_32_avx512(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
-    const block_bfp4_32 * x = vx;
-    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
-        bfp_store32_avx512(y + i*QK_BFP32, bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs)), E8(x[i].e));
-    }
+static void dequantize_row_bfp4_32_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    bfp4_32_to_float_x86(x, y, k, bfp_store32_avx512);
 }
-
-static void dequantize_row_bfp4_64_avx512(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
-    const block_bfp4_64 * x = vx;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i o8 = _mm256_set1_epi8(8);
-    for (int64_t i = 0; i < k / QK_BFP64; ++i) {
-        const __m256i b = _mm256_loadu_si256((const __m256i *) x[i].qs);
-        const float   d = E8(x[i].e);
-        bfp_store32_avx512(y + i*QK_BFP64,      _mm256_sub_epi8(_mm256_and_si256(b, m4), o8), d);
-        bfp_store32_avx512(y + i*QK_BFP64 + 32, _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8), d);
-    }
+static void dequantize_row_bfp4_64_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    bfp4_64_to_float_x86(x, y, k, bfp_store32_avx512);
 }
-
-static void dequantize_row_bfp8_32_avx512(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
-    const block_bfp8_32 * x = vx;
-    for (int64_t i = 0; i < k / QK_BFP32; ++i) {
-        bfp_store32_avx512(y + i*QK_BFP32, _mm256_loadu_si256((const __m256i *) x[i].qs), E8(x[i].e));
-    }
+static void dequantize_row_bfp8_32_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    bfp8_32_to_float_x86(x, y, k, bfp_store32_avx512);
 }
 #endif // AVX-512
 

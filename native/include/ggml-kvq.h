@@ -95,11 +95,6 @@ static inline float ggml_kvq_e8m0_to_fp32(uint8_t e) {
         .from_float_ref = (ggml_from_float_t) quantize_row_bfp8_32_ref,         \
     },
 
-// True for the cache types pykvq adds (used by the hooks that list types).
-static inline bool ggml_kvq_is_kvq_type(enum ggml_type type) {
-    return type == GGML_TYPE_BFP4_32 || type == GGML_TYPE_BFP4_64 || type == GGML_TYPE_BFP8_32;
-}
-
 #ifdef __cplusplus
 }
 #endif

@@ -131,12 +131,6 @@ def dequantize_row(buf: bytes, fmt: str | BFPFormat) -> np.ndarray:
     return dequantize_blocks(*unpack(buf, fmt))
 
 
-def fake_quant(x: np.ndarray, fmt: str | BFPFormat) -> np.ndarray:
-    """Quantize then dequantize (same shape as x; last axis must be whole blocks)."""
-    x = np.asarray(x, dtype=np.float32)
-    return dequantize_blocks(*quantize_blocks(x.reshape(-1), fmt)).reshape(x.shape)
-
-
 def vec_dot(kbuf: bytes, kfmt: str | BFPFormat, q: np.ndarray) -> float:
     """K·Q as the kernels define it: Q quantized to bfp8_32, exact integer block
     sums, times the product of the two block scales; summed in float64."""
