@@ -25,10 +25,13 @@ def _model_arg(ap: argparse.ArgumentParser) -> None:
                          "default: smollm2-135m, fetched on first use")
 
 
-def _cache_args(ap: argparse.ArgumentParser, default: str = "f16") -> None:
+def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None:
     types = ", ".join(CACHE_TYPES)
-    ap.add_argument("-ctk", "--cache-type-k", default=default, metavar="TYPE", help=f"K cache type ({types})")
-    ap.add_argument("-ctv", "--cache-type-v", default=default, metavar="TYPE", help=f"V cache type ({types})")
+    dflt = default or "the type a pykvq-converted GGUF was prepared for, else f16"
+    ap.add_argument("-ctk", "--cache-type-k", default=default, metavar="TYPE",
+                    help=f"K cache type ({types}); default: {dflt}")
+    ap.add_argument("-ctv", "--cache-type-v", default=default, metavar="TYPE",
+                    help=f"V cache type ({types}); default: {dflt}")
     ap.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
                     help="flash attention (a quantized V cache needs it); default auto")
     ap.add_argument("-rotk", "--attn-rot-k", choices=["auto", "on", "off"], default="auto",

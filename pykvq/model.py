@@ -78,7 +78,8 @@ class KVCacheInfo:
 class Model:
     """A GGUF model with a llama.cpp context.
 
-    cache_type_k / cache_type_v: KV-cache types ("f16", "q8_0", "q4_0", ...).
+    cache_type_k / cache_type_v: KV-cache types ("f16", "q8_0", "q4_0", ...); None takes
+    the type a pykvq-converted GGUF was prepared for (pykvq.cache.type_k/v), else f16.
     n_ctx: context size in tokens; llama.cpp rounds it up to a multiple of 256
     (self.n_ctx is the size actually allocated).
     flash_attn: None/"auto" lets llama.cpp decide, True/False force it; a
@@ -90,7 +91,7 @@ class Model:
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
-                 n_batch: int | None = None, cache_type_k: str = "f16", cache_type_v: str = "f16",
+                 n_batch: int | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
                  flash_attn: bool | str | None = None, n_gpu_layers: int = 0, seed: int = 0,
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
@@ -101,18 +102,14 @@ class Model:
         self.path = Path(path)
         self.seed = seed
         self._model = self._ctx = ffi.NULL
-        type_k = cache_types.resolve(cache_type_k)
-        type_v = cache_types.resolve(cache_type_v)
-        self.cache_type_k = cache_types.name_of(type_k)
-        self.cache_type_v = cache_types.name_of(type_v)
+        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
+        for t in (cache_type_k, cache_type_v):
+            if t is not None:
+                cache_types.resolve(t)          # an unknown name fails before anything loads
         rot_k = cache_types.rotation(attn_rot_k, "K")
         rot_v = cache_types.rotation(attn_rot_v, "V")
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash_attn must be True, False or 'auto', got {flash_attn!r}")
-        if FLASH_ATTN[flash_attn] == 0 and self.cache_type_v not in cache_types.UNQUANTIZED:
-            raise CacheTypeError(
-                f"a quantized V cache ({self.cache_type_v}) needs flash attention; "
-                "use flash_attn=True or 'auto'")
         if n_ctx < 8:
             raise ValueError(f"n_ctx must be at least 8, got {n_ctx}")
         check_gguf(self.path)
@@ -133,6 +130,25 @@ class Model:
         self.n_head_kv = L.llama_model_n_head_kv(self._model)
         self.n_embd = L.llama_model_n_embd(self._model)
         self.arch = self.meta("general.architecture") or "?"
+        # cache types: the caller's, else what the converter prepared the file for, else f16
+        self.cache_type_source = {}
+        for which, given in (("k", cache_type_k), ("v", cache_type_v)):
+            baked = self.meta(f"pykvq.cache.type_{which}")
+            name = given or baked or "f16"
+            self.cache_type_source[which.upper()] = ("caller" if given else
+                                                     f"GGUF pykvq.cache.type_{which}" if baked else "default")
+            try:
+                setattr(self, f"cache_type_{which}", cache_types.name_of(cache_types.resolve(name)))
+            except CacheTypeError as e:
+                self.close()
+                raise CacheTypeError(f"{e} (from {self.cache_type_source[which.upper()]})") from None
+        type_k = cache_types.resolve(self.cache_type_k)
+        type_v = cache_types.resolve(self.cache_type_v)
+        if FLASH_ATTN[flash_attn] == 0 and self.cache_type_v not in cache_types.UNQUANTIZED:
+            self.close()
+            raise CacheTypeError(
+                f"a quantized V cache ({self.cache_type_v}) needs flash attention; "
+                "use flash_attn=True or 'auto'")
         self.head_dim_k = int(self.meta(f"{self.arch}.attention.key_length") or self.n_embd // self.n_head)
         self.head_dim_v = int(self.meta(f"{self.arch}.attention.value_length") or self.n_embd // self.n_head)
         try:
@@ -213,10 +229,26 @@ class Model:
         p = self._lib.llama_model_chat_template(self._model, ffi.NULL)
         return ffi.string(p).decode("utf-8", "replace") if p != ffi.NULL else None
 
+    def baked_transforms(self) -> list[str]:
+        """Transforms the converter baked into the weights (pykvq.baked.* keys)."""
+        out = []
+        if self.meta("pykvq.baked.ksort") == "true":
+            out.append("K-sort (" + (self.meta("pykvq.baked.ksort_key") or "?") + " key)")
+        if self.meta("pykvq.rope.layout") == "norm":
+            out.append("NEOX->NORM rope layout")
+        if self.meta("pykvq.baked.smooth_qk") == "true":
+            out.append("QK pair smoothing")
+        rv = self.meta("pykvq.baked.rotate_v")
+        if rv and rv != "none":
+            out.append(f"V/O {rv}")
+        return out
+
     def transforms(self) -> str:
         """The transforms active on the KV cache, in words (for logs)."""
         rot = [w for w, on in self.attn_rotation.items() if on]
-        return "online Hadamard rotation: " + ("+".join(rot) if rot else "off")
+        baked = self.baked_transforms()
+        return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
+                + "; baked: " + (", ".join(baked) if baked else "none"))
 
     def kv_cache_info(self) -> KVCacheInfo:
         L = self._lib

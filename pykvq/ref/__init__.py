@@ -2,5 +2,39 @@
 
 One module per format family; the C code in native/ is tested against these
 bit for bit (quantize, dequantize) or to a stated tolerance (dot products).
+``roundtrip(x, type)`` quantizes and dequantizes the last axis of x with a
+cache type (fake quantization), and ``VEC_DOT_TYPE`` names the type Q is
+converted to for K·Q on the CPU.
 """
-from . import bfp  # noqa: F401
+from __future__ import annotations
+
+import numpy as np
+
+from . import bfp, stock  # noqa: F401
+
+# the vec_dot_type of each K cache type in the pinned tree (iq4_nl, q4_1, q5_1 pair with q8_0/q8_1)
+VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_0", "iq4_nl": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0",
+                "q8_0": "q8_0", "bfp4_32": "bfp8_32", "bfp4_64": "bfp8_32", "bfp8_32": "bfp8_32",
+                "f16": "f16", "bf16": "bf16", "f32": "f32"}
+
+# q4_1 and iq4_nl have no numpy round trip yet; q4_0 stands in for them in calibration
+_STANDIN = {"q4_1": "q4_0", "iq4_nl": "q4_0", "q5_1": "q5_0"}
+
+
+def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
+    """Quantize and dequantize the last axis of x (float32) with a cache type."""
+    t = _STANDIN.get(type_name, type_name)
+    x = np.asarray(x, dtype=np.float32)
+    if t == "f32":
+        return x
+    if t == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if t == "bf16":
+        return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)   # truncation: close enough
+    if t in bfp.FORMATS:
+        e, m = bfp.quantize_blocks(x.reshape(-1), t)
+        return bfp.dequantize_blocks(e, m).reshape(x.shape)
+    fn = getattr(stock, f"roundtrip_{t}", None)
+    if fn is None:
+        raise ValueError(f"no numpy round trip for cache type {type_name!r}")
+    return fn(x)

@@ -1,0 +1,122 @@
+"""Calibration: pre-RoPE Q and K activations on calibration text.
+
+Runs the HF-format model (transformers, CPU) on a few sequences of calibration
+text and records each layer's q_proj / k_proj outputs (biases included), in the
+NORM pair order of geometry.py (HF's rotate_half pairs channel j with
+j + n_rot/2; they are interleaved here). RoPE is applied later in numpy:
+pair magnitudes do not depend on it, and post-RoPE samples come from
+smooth.rope_norm. Never calibrate on the evaluation text (WikiText-2 test).
+
+Calibration text: the Canterbury corpus (alice29, asyoulik, lcet10, plrabn12)
+from the brotli 1.2.1 sdist on PyPI, fetched once into $PYKVQ_CACHE/calib.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pykvq.models import cache_dir
+from pykvq.progress import progress_bar
+
+from .geometry import Geometry
+from .gguf_io import ConvertError
+
+CANTERBURY = ("alice29.txt", "asyoulik.txt", "lcet10.txt", "plrabn12.txt")
+BROTLI_SDIST = "brotli==1.2.1"
+
+
+def canterbury_text() -> str:
+    """The four Canterbury English texts, concatenated (downloaded once)."""
+    d = cache_dir() / "calib" / "canterbury"
+    if not all((d / n).is_file() for n in CANTERBURY):
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--quiet", "-d", tmp, BROTLI_SDIST]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            sdists = list(Path(tmp).glob("*.tar.gz"))
+            if res.returncode != 0 or not sdists:
+                raise ConvertError(f"could not fetch the calibration corpus ({BROTLI_SDIST} sdist): "
+                                   f"{res.stderr.strip()[-500:]}; pass --calib FILE with your own text")
+            with tarfile.open(sdists[0]) as tar:
+                for m in tar.getmembers():
+                    if m.name.split("/")[-1] in CANTERBURY and "/tests/testdata/" in m.name:
+                        (d / m.name.split("/")[-1]).write_bytes(tar.extractfile(m).read())
+    return "\n\n".join((d / n).read_text(encoding="latin-1") for n in CANTERBURY)
+
+
+def calibration_text(spec: str) -> tuple[str, str]:
+    """(text, description) for --calib: 'canterbury' or a text file's path."""
+    if spec == "canterbury":
+        return canterbury_text(), "canterbury (brotli 1.2.1 testdata: alice29, asyoulik, lcet10, plrabn12)"
+    p = Path(spec)
+    if not p.is_file():
+        raise ConvertError(f"calibration text {spec!r} not found (a file path, or 'canterbury')")
+    if "wiki.test" in p.name:
+        raise ConvertError(f"{p} is the evaluation text; calibrate on something else")
+    return p.read_text(encoding="utf-8", errors="replace"), p.name
+
+
+@dataclass
+class Calib:
+    q: list[np.ndarray]      # per layer [T, n_head, head_dim], NORM order, pre-RoPE
+    k: list[np.ndarray]      # per layer [T, n_kv, head_dim]
+    pos: np.ndarray          # [T] positions (each sequence starts at 0)
+    source: str
+
+    def k_pair_rms(self, layer: int) -> np.ndarray:
+        """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""
+        k = self.k[layer].astype(np.float64)
+        return np.sqrt((k[..., 0::2] ** 2 + k[..., 1::2] ** 2).mean(axis=0))
+
+
+def hf_to_norm(g: Geometry) -> np.ndarray:
+    """Channel c of the NORM order is HF channel idx[c]."""
+    r = g.n_rot_pairs
+    j = np.arange(r)
+    rot = np.stack([j, j + r], axis=1).reshape(-1)
+    return np.concatenate([rot, np.arange(g.n_rot, g.head_dim)])
+
+
+def collect(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
+            source: str = "", progress: bool | None = None) -> Calib:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    ids = tok(text, return_tensors="np")["input_ids"][0]
+    if len(ids) < n_seq * seq_len:
+        raise ConvertError(f"calibration text too short: {len(ids)} tokens, need {n_seq * seq_len}")
+    stride = len(ids) // n_seq
+    seqs = [ids[i * stride: i * stride + seq_len] for i in range(n_seq)]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model.eval()
+    layers = model.model.layers
+    if len(layers) != g.n_layer:
+        raise ConvertError(f"HF model has {len(layers)} layers, GGUF has {g.n_layer}")
+    idx = torch.from_numpy(hf_to_norm(g))
+    got = {("q", i): [] for i in range(g.n_layer)} | {("k", i): [] for i in range(g.n_layer)}
+    hooks = []
+    for i, layer in enumerate(layers):
+        for which, n_h, mod in (("q", g.n_head, layer.self_attn.q_proj), ("k", g.n_head_kv, layer.self_attn.k_proj)):
+            def hook(_m, _inp, out, key=(which, i), n_h=n_h):
+                y = out[0].reshape(out.shape[1], n_h, g.head_dim)[..., idx]
+                got[key].append(y.detach().numpy().astype(np.float32))
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            for s in progress_bar(seqs, desc="calibration", enable=progress, unit="seq"):
+                model(torch.from_numpy(np.asarray(s, dtype=np.int64))[None, :])
+    finally:
+        for h in hooks:
+            h.remove()
+    q = [np.concatenate(got[("q", i)]) for i in range(g.n_layer)]
+    k = [np.concatenate(got[("k", i)]) for i in range(g.n_layer)]
+    pos = np.concatenate([np.arange(seq_len)] * n_seq)
+    return Calib(q, k, pos, source)

@@ -1,0 +1,32 @@
+"""Per-KV-head Hadamard rotation baked into W_v / W_o (QuaRot).
+
+v' = H v for every KV head (H orthonormal and symmetric, H = H^-1), so each
+query head's attention output is H o, and W_o's columns of that head are
+multiplied by H to undo it: out = W_o[:, head] H H o = W_o[:, head] o.
+Spreads V's outlier channels over the head before the cache quantizes it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def hadamard(n: int) -> np.ndarray:
+    """Sylvester Hadamard matrix of size n (a power of two), scaled to be orthonormal."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def rotate_v(wv: np.ndarray, bv: np.ndarray | None, wo: np.ndarray, n_head: int, n_head_kv: int,
+             head_dim: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(W_v', b_v', W_o') for f32 W_v [n_kv*hd, n_embd] and W_o [n_embd, n_head*hd]."""
+    h = hadamard(head_dim)
+    wv2 = np.einsum("ij,hjc->hic", h, wv.reshape(n_head_kv, head_dim, -1).astype(np.float64))
+    bv2 = None if bv is None else np.einsum("ij,hj->hi", h, bv.reshape(n_head_kv, head_dim).astype(np.float64))
+    wo2 = np.einsum("rhj,jk->rhk", wo.reshape(wo.shape[0], n_head, head_dim).astype(np.float64), h)
+    return (wv2.reshape(wv.shape).astype(np.float32),
+            None if bv2 is None else bv2.reshape(-1).astype(np.float32),
+            wo2.reshape(wo.shape).astype(np.float32))

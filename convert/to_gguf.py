@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Bake KV-cache-friendly transforms into a GGUF's attention weights.
+
+    python convert/to_gguf.py SRC -o OUT.gguf [--ksort] [--smooth-qk] [--rotate-v hadamard]
+
+SRC is an HF checkpoint directory (llama / mistral / SmolLM / qwen2) or an
+existing GGUF (any weight type). Attention output is mathematically unchanged;
+the K and V caches quantize better. See --help for each transform.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):             # run as a script: make `convert` and `pykvq` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "convert"
+
+from convert import calib as calib_mod                         # noqa: E402
+from convert import pipeline                                   # noqa: E402
+from convert.geometry import geometry                          # noqa: E402
+from convert.gguf_io import ConvertError, GGUFModel, read_gguf, write_gguf  # noqa: E402
+
+log = logging.getLogger("pykvq.convert")
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM = ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+EPILOG = """\
+what each transform needs:
+  exact on any weight type (no requantization): --ksort (moves whole W_q/W_k rows),
+    --smooth-qk (scales W_q/W_k rows by powers of two: f16 block scales change exactly)
+  requantizes W_v and W_o: --rotate-v hadamard (stored as --outtype, default q8_0 for a GGUF input)
+  needs the patched runtime: --ksort (per-head rope frequencies; stock llama.cpp refuses such a file)
+  runs on stock llama.cpp too: --smooth-qk, --rotate-v
+
+examples:
+  python convert/to_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf -o smol-kvq.gguf --ksort --smooth-qk --rotate-v hadamard
+  python convert/to_gguf.py ./hf-checkpoint -o model-kvq.gguf --outtype f16 --smooth-qk
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convert/to_gguf.py", description=__doc__.split("\n\n")[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="HF checkpoint directory or GGUF file (never modified)")
+    p.add_argument("-o", "--outfile", required=True, help="output GGUF (written atomically; must not be SRC)")
+    p.add_argument("--ksort", action="store_true",
+                   help="K-sort: per layer and KV head, order rotary pairs by magnitude so each cache block "
+                        "holds similar pairs (each pair keeps its RoPE frequency; NEOX models are re-laid as NORM)")
+    p.add_argument("--ksort-key", choices=("auto", "weight", "calib"), default="auto",
+                   help="sort key: W_k pair row norm (the paper's), measured K pair RMS, or auto "
+                        "(calib when calibration runs)")
+    p.add_argument("--smooth-qk", action="store_true",
+                   help="per-pair scales s (K/s, Q*s) that flatten K's outlier pairs; alpha chosen per layer "
+                        "by fake-quantized attention-score error")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="fixed smoothing alpha in [0, 1] instead of the per-layer search")
+    p.add_argument("--rotate-v", choices=("none", "hadamard"), default="none",
+                   help="hadamard: per-KV-head Hadamard baked into W_v (b_v) and W_o, spreading V outliers")
+    p.add_argument("--calib", default=None, metavar="FILE|canterbury",
+                   help="calibration text (default: canterbury, fetched once, when a transform needs it)")
+    p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
+    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--cache-type-k", default=None,
+                   help="K cache type the file is prepared for; the runtime's default when the user gives none "
+                        "(default: bfp4_32 with --ksort, else q4_0)")
+    p.add_argument("--cache-type-v", default=None, help="V cache type the file is prepared for")
+    p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
+                   help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
+                        "transform must requantize (auto = q8_0); the others keep their type")
+    p.add_argument("--hf-dir", default=None,
+                   help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
+                        "cached under $PYKVQ_CACHE/hf)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _is_hf_dir(p: Path) -> bool:
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def _hf_to_f32_gguf(src: Path, tmpdir: Path) -> Path:
+    """Upstream's converter (tokenizer, metadata, tensor names) to an f32 GGUF."""
+    out = tmpdir / "upstream-f32.gguf"
+    cmd = [sys.executable, str(UPSTREAM), str(src), "--outfile", str(out), "--outtype", "f32"]
+    log.info("running the pinned upstream converter: %s", " ".join(cmd[1:]))
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 or not out.is_file():
+        raise ConvertError(f"upstream convert_hf_to_gguf.py failed:\n{res.stderr.strip()[-3000:]}")
+    return out
+
+
+def _cast_weights(m: GGUFModel, outtype: str) -> None:
+    from convert import rows
+    for name, t in list(m.tensors.items()):
+        if t.data.ndim == 2 and t.qtype.name == "F32" and "kvq_rope_freqs" not in name:
+            m.tensors[name] = rows.from_f32(name, t.data, outtype)
+
+
+def _calibration_hf_dir(src: Path, args) -> Path:
+    if args.hf_dir:
+        return Path(args.hf_dir)
+    from pykvq.models import cache_dir, materialize_hf
+    st = src.stat()
+    d = cache_dir() / "hf" / f"{src.stem}-{st.st_size}"
+    log.info("dequantizing %s to an HF checkpoint for calibration (%s, once)", src.name, d)
+    return materialize_hf(src, d)
+
+
+def convert(args) -> dict:
+    src, out = Path(args.src), Path(args.outfile)
+    if not src.exists():
+        raise ConvertError(f"input not found: {src}")
+    if out.exists() and out.resolve() == src.resolve():
+        raise ConvertError("the output would overwrite the input; choose another --outfile")
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        raise ConvertError(f"--alpha must be in [0, 1], got {args.alpha}")
+    opts = pipeline.Options(ksort=args.ksort, ksort_key=args.ksort_key, smooth_qk=args.smooth_qk,
+                            alpha=args.alpha, rotate_v=args.rotate_v, cache_type_k=args.cache_type_k,
+                            cache_type_v=args.cache_type_v)
+    try:
+        opts.resolved_types()
+    except Exception as e:
+        raise ConvertError(str(e)) from None
+    progress = False if args.no_progress else None
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None, prefix=".pykvq-conv-") as tmp:
+        hf = _is_hf_dir(src)
+        if hf:
+            gguf_path = _hf_to_f32_gguf(src, Path(tmp))
+            opts.requant_type = "f32"
+        elif src.is_file():
+            gguf_path = src
+            opts.requant_type = "q8_0" if args.outtype == "auto" else args.outtype
+        else:
+            raise ConvertError(f"{src} is neither a GGUF file nor an HF checkpoint directory (no config.json)")
+        m = read_gguf(gguf_path)
+        g = geometry(m)
+        log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
+                 src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot, g.layout)
+        calib = None
+        needs_calib = opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
+        t_cal = 0.0
+        if needs_calib:
+            t1 = time.time()
+            text, source = calib_mod.calibration_text(args.calib or "canterbury")
+            hf_dir = src if hf else _calibration_hf_dir(src, args)
+            log.info("calibrating on %s: %d x %d tokens", source, args.calib_seqs, args.calib_len)
+            calib = calib_mod.collect(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                      source=source, progress=progress)
+            t_cal = time.time() - t1
+        rep = pipeline.apply(m, opts, calib, progress=progress)
+        if hf:
+            _cast_weights(m, "f16" if args.outtype == "auto" else args.outtype)
+        total = sum(t.data.nbytes for t in m.tensors.values())
+        from pykvq.progress import progress_bar
+        bar = progress_bar(iter(()), desc=f"writing {out.name}", enable=progress, total=total, unit="B")
+        upd = getattr(bar, "update", None)
+        write_gguf(m, out, progress=upd)
+        if hasattr(bar, "close"):
+            bar.close()
+    k, v = opts.resolved_types()
+    summary = {
+        "output": str(out), "seconds": round(time.time() - t0, 1), "calibration_seconds": round(t_cal, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "transforms": {"ksort": opts.ksort, "smooth_qk": opts.smooth_qk, "rotate_v": opts.rotate_v,
+                       "relayout_neox_to_norm": opts.ksort and g.layout == "neox"},
+        "cache_type_k": k, "cache_type_v": v, "alphas": rep.alphas, "requantized": rep.requantized,
+    }
+    return summary
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        s = convert(args)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    alphas = s["alphas"]
+    a_txt = ""
+    if alphas:
+        a_txt = " alpha per layer: " + " ".join("-" if a is None else f"{a:.1f}" for a in alphas)
+    print(f"wrote {s['output']} in {s['seconds']} s (calibration {s['calibration_seconds']} s, "
+          f"peak RSS {s['peak_rss_mib']} MiB)")
+    print(f"transforms: {', '.join(k for k, v in s['transforms'].items() if v and v != 'none') or 'none'}"
+          f"{' (V: ' + s['transforms']['rotate_v'] + ')' if s['transforms']['rotate_v'] != 'none' else ''}; "
+          f"prepared for -ctk {s['cache_type_k']} -ctv {s['cache_type_v']}")
+    if s["requantized"]:
+        print("requantized: " + "; ".join(s["requantized"]))
+    if a_txt:
+        print(a_txt.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
