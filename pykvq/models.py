@@ -165,8 +165,12 @@ def materialize_hf(gguf: str | os.PathLike, out_dir: str | os.PathLike, *, dtype
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.torch_dtype = dtype
+        config.architectures = [type(model).__name__]   # upstream's converter picks its model class by this
         config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        sp = tmp / "tokenizer.model"    # transformers copies the GGUF itself here; it is no sentencepiece model
+        if sp.exists() and sp.read_bytes()[:4] == b"GGUF":
+            sp.unlink()
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

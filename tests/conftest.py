@@ -30,6 +30,13 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2) -> Path:
+    """SmolLM2 as an HF checkpoint (f32, dequantized from the GGUF by transformers), cached."""
+    from pykvq.models import cache_dir, materialize_hf
+    return materialize_hf(smollm2, cache_dir() / "hf" / f"{smollm2.stem}-{smollm2.stat().st_size}")
+
+
+@pytest.fixture(scope="session")
 def wikitext() -> str:
     from pykvq.data import wikitext_test
     return wikitext_test()

@@ -31,11 +31,6 @@ def test_unknown_model_name():
         models.fetch("gpt-5")
 
 
-@pytest.fixture(scope="module")
-def smollm2_hf(tmp_path_factory, smollm2):
-    return models.materialize_hf(smollm2, tmp_path_factory.mktemp("hf") / "smollm2")
-
-
 def test_materialized_checkpoint_is_hf_format(smollm2_hf):
     cfg = json.loads((smollm2_hf / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "quantization_config" not in cfg

@@ -1,0 +1,356 @@
+"""Converter (convert/to_gguf.py): bookkeeping units, invariance on the real model, runtime keys, errors.
+
+Invariance is checked on f32 weights: the Q4_1 file's matmuls quantize their
+activations to q8_1, so any reordering of a sum (a permuted head, a rotated V)
+flips a few activation roundings and cascades into a q8_0-cache-sized change
+(KLD ~4e-3, the same as f32 vs f16 cache on that file). With f32 weights the
+converted model must match to float rounding. On the Q4_1 file itself the
+exact transform (power-of-two smoothing) is checked bit for bit.
+"""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convert import hadamard, ksort, rows, smooth
+from convert.calib import hf_to_norm
+from convert.geometry import Geometry, head_rows, pair_channels, pair_perm_to_channels
+from convert.gguf_io import ConvertError, read_gguf, write_gguf
+from convert.rope_layout import neox_to_norm
+from pykvq import Model
+from pykvq.eval import log_softmax
+
+REPO = Path(__file__).resolve().parent.parent
+CONVERT = REPO / "convert" / "to_gguf.py"
+# max |logit difference| allowed between a converted f32 model and the original (logits reach ~35;
+# measured: K-sort 1.5e-4, all transforms 1.8e-3)
+LOGIT_TOL = 5e-3
+FAST_CALIB = ["--calib-seqs", "2", "--calib-len", "256"]
+
+
+def geo(head_dim=8, n_rot=8, n_head=4, n_head_kv=2, layout="norm", rope_freqs=None):
+    return Geometry("llama", 1, n_head, n_head_kv, head_dim, n_rot, 10000.0, layout, rope_freqs)
+
+
+# ---- bookkeeping units --------------------------------------------------------------------------
+def test_neox_to_norm_interleaves_the_two_halves():
+    assert neox_to_norm(geo()).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    # partial rotary: channels past n_rot stay where they are
+    assert neox_to_norm(geo(head_dim=8, n_rot=4)).tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
+
+
+def test_hf_order_maps_like_llama_cpp_permute():
+    # llama.cpp's converter interleaves HF rows j and j + d/2; calibration uses the same order
+    assert hf_to_norm(geo()).tolist() == neox_to_norm(geo()).tolist()
+
+
+def test_pair_channels_per_layout():
+    g = geo(head_dim=8, n_rot=4)
+    assert pair_channels(g, "norm").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert pair_channels(g, "neox").tolist() == [[0, 2], [1, 3], [4, 5], [6, 7]]
+
+
+def test_ksort_moves_pairs_and_keeps_their_frequency():
+    g = geo(head_dim=8, n_rot=8, rope_freqs=np.array([1.0, 2.0, 4.0, 8.0], np.float32))
+    key = np.array([[3.0, 1.0, 2.0, 0.5], [1.0, 2.0, 3.0, 4.0]])
+    perm = ksort.pair_order(key, g)
+    assert perm.tolist() == [[3, 1, 2, 0], [0, 1, 2, 3]]
+    assert pair_perm_to_channels(perm[0], g).tolist() == [6, 7, 2, 3, 4, 5, 0, 1]
+    ff = ksort.freq_factors(perm, g)
+    # what ggml's rope computes at position p, with the factor: base^(-2p/n) / ff[p]
+    p = np.arange(4)
+    got = np.power(g.freq_base, -2.0 * p / g.n_rot)[None, :] / ff
+    want = np.power(g.freq_base, -2.0 * perm / g.n_rot) / g.rope_freqs[perm]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(ff[1], g.rope_freqs, rtol=1e-7)          # identity: the model's own factors
+
+
+def test_ksort_keeps_rotary_and_plain_pairs_apart():
+    g = geo(head_dim=8, n_rot=4)
+    perm = ksort.pair_order(np.array([[5.0, 1.0, 0.1, 9.0], [1.0, 2.0, 9.0, 0.1]]), g)
+    assert perm.tolist() == [[1, 0, 2, 3], [0, 1, 3, 2]]
+    assert ksort.freq_factors(perm, g).shape == (2, 2)
+
+
+def test_head_rows_applies_a_channel_permutation_per_head():
+    assert head_rows(np.array([1, 0]), 2, 2).tolist() == [1, 0, 3, 2]
+    assert head_rows(np.array([[1, 0], [0, 1]]), 2, 2).tolist() == [1, 0, 2, 3]
+
+
+def test_smoothing_and_ksort_leave_post_rope_scores_unchanged(smollm2):
+    """Pair scales and pair moves commute with RoPE: q·k is the same, on real layer-0 weights."""
+    m = read_gguf(smollm2)
+    from convert.geometry import geometry
+    g = geometry(m)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 576)).astype(np.float32)
+    wq, wk = rows.to_f32(m.tensors["blk.0.attn_q.weight"]), rows.to_f32(m.tensors["blk.0.attn_k.weight"])
+    q = (x @ wq.T).reshape(16, g.n_head, g.head_dim)
+    k = (x @ wk.T).reshape(16, g.n_head_kv, g.head_dim)
+    pos = np.arange(16)
+    ref = np.einsum("thd,shd->hts", smooth.rope_norm(q, pos, g),
+                    np.repeat(smooth.rope_norm(k, pos, g), g.group, axis=1))
+    s = smooth.scales(smooth.pair_mag(k).max(0), smooth.pair_mag(q).reshape(16, 3, 3, -1).max(axis=(0, 2)), 0.6)
+    perm = ksort.pair_order(-s, g)
+    cp = np.stack([pair_perm_to_channels(perm[h], g) for h in range(g.n_head_kv)])
+    fq, fk = np.repeat(np.repeat(s, 2, 1), g.group, 0), np.repeat(1 / s, 2, 1)
+    q2 = np.take_along_axis(q * fq, np.repeat(cp, g.group, 0)[None], 2)
+    k2 = np.take_along_axis(k * fk, cp[None], 2)
+    ff = ksort.freq_factors(perm, g)
+    g2 = [Geometry(**{**g.__dict__, "rope_freqs": ff[h], "freq_base": g.freq_base}) for h in range(3)]
+    # rope with the per-head factors (the patched kernel's rule)
+    def rope_ff(x, heads):
+        return np.concatenate([smooth.rope_norm(x[:, [hq]], pos, g2[hk]) for hq, hk in heads], axis=1)
+    q2r = rope_ff(q2, [(h, h // g.group) for h in range(g.n_head)])
+    k2r = rope_ff(k2, [(h, h) for h in range(g.n_head_kv)])
+    got = np.einsum("thd,shd->hts", q2r, np.repeat(k2r, g.group, axis=1))
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+    assert np.all(np.frexp(s)[0] == 0.5)                                  # powers of two
+
+
+def test_hadamard_v_rotation_is_invisible_to_attention(smollm2):
+    m = read_gguf(smollm2)
+    wv, wo = rows.to_f32(m.tensors["blk.3.attn_v.weight"]), rows.to_f32(m.tensors["blk.3.attn_output.weight"])
+    h = hadamard.hadamard(64)
+    np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-12)
+    wv2, _, wo2 = hadamard.rotate_v(wv, None, wo, 9, 3, 64)
+    x = np.random.default_rng(1).standard_normal((5, 576)).astype(np.float32)
+    v, v2 = x @ wv.T, x @ wv2.T                                           # [5, 3*64]
+    o = np.repeat(v.reshape(5, 3, 64), 3, axis=1).reshape(5, -1)          # each q head reads its kv head
+    o2 = np.repeat(v2.reshape(5, 3, 64), 3, axis=1).reshape(5, -1)
+    np.testing.assert_allclose(o2 @ wo2.T, o @ wo.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32"])
+def test_power_of_two_row_scaling_is_exact_on_stored_types(smollm2, qtype):
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from convert.gguf_io import Tensor
+    w = rows.to_f32(read_gguf(smollm2).tensors["blk.0.attn_k.weight"])[:64]
+    qt = QT[qtype]
+    data = {"F32": w, "F16": w.astype(np.float16)}.get(qtype)
+    t = Tensor("w", qt, data if data is not None else quants.quantize(w, qt))
+    f = np.exp2(np.arange(64) % 7 - 3).astype(np.float32)
+    got = rows.to_f32(rows.scale_rows(t, f))
+    np.testing.assert_array_equal(got, rows.to_f32(t) * f[:, None])
+    perm = np.arange(64)[::-1]
+    np.testing.assert_array_equal(rows.to_f32(rows.permute_rows(t, perm)), rows.to_f32(t)[perm])
+
+
+def test_row_scale_must_be_a_power_of_two(smollm2):
+    t = read_gguf(smollm2).tensors["blk.0.attn_k.weight"]
+    with pytest.raises(ConvertError, match="powers of two"):
+        rows.scale_rows(t, np.full(t.n_rows, 1.5, np.float32))
+
+
+# ---- the real model -----------------------------------------------------------------------------
+def run_convert(*args, check=True):
+    res = subprocess.run([sys.executable, str(CONVERT), *map(str, args), "--no-progress"],
+                         capture_output=True, text=True, timeout=900)
+    if check and res.returncode != 0:
+        pytest.fail(f"convert failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-3000:]}")
+    return res
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2, tmp_path_factory):
+    """The same model with every tensor dequantized to f32 (a GGUF input whose matmuls are exact)."""
+    out = tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf"
+    m = read_gguf(smollm2)
+    for n, t in list(m.tensors.items()):
+        if t.qtype.name != "F32":
+            m.tensors[n] = rows.from_f32(n, rows.to_f32(t), "f32")
+    write_gguf(m, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def eval_tokens(smollm2, passage):
+    with Model(smollm2, n_ctx=512) as m:
+        return m.tokenize(passage)[:256]
+
+
+def f32_logits(path, tokens):
+    with Model(path, n_ctx=512, cache_type_k="f32", cache_type_v="f32", flash_attn=False) as m:
+        return m.eval_logits(tokens)
+
+
+@pytest.fixture(scope="session")
+def ref_logits(smollm2_f32, eval_tokens):
+    return f32_logits(smollm2_f32, eval_tokens)
+
+
+def assert_same_model(got, ref, tol=LOGIT_TOL):
+    diff = np.abs(got - ref).max()
+    assert diff < tol, f"max |logit diff| {diff:.2e} >= {tol}"
+    assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+TRANSFORMS = {
+    "ksort": ["--ksort", "--ksort-key", "weight"],
+    "smooth": ["--smooth-qk", *FAST_CALIB],
+    "rotate-v": ["--rotate-v", "hadamard"],
+    "all": ["--ksort", "--smooth-qk", "--rotate-v", "hadamard", *FAST_CALIB],
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_gguf_input_invariance(name, smollm2_f32, smollm2_hf, ref_logits, eval_tokens, tmp_path):
+    out = tmp_path / f"{name}.gguf"
+    run_convert(smollm2_f32, "-o", out, "--outtype", "f32", "--hf-dir", smollm2_hf, *TRANSFORMS[name])
+    assert_same_model(f32_logits(out, eval_tokens), ref_logits)
+
+
+def test_hf_input_invariance(smollm2_hf, ref_logits, eval_tokens, tmp_path):
+    """HF checkpoint -> the pinned upstream converter (f32) -> all transforms -> f32 weights."""
+    out = tmp_path / "hf-all.gguf"
+    res = run_convert(smollm2_hf, "-o", out, "--outtype", "f32", *TRANSFORMS["all"])
+    assert "prepared for -ctk bfp4_32 -ctv bfp4_32" in res.stdout
+    assert_same_model(f32_logits(out, eval_tokens), ref_logits)
+
+
+def test_greedy_continuation_is_unchanged(smollm2_f32, smollm2_hf, tmp_path):
+    out = tmp_path / "all.gguf"
+    run_convert(smollm2_f32, "-o", out, "--outtype", "f32", "--hf-dir", smollm2_hf, *TRANSFORMS["all"])
+    prompt = "The three largest cities of France are"
+    outs = []
+    for p in (smollm2_f32, out):
+        with Model(p, n_ctx=256, cache_type_k="f32", cache_type_v="f32", flash_attn=False) as m:
+            outs.append(m.generate(prompt, max_tokens=24, raw=True))
+    assert outs[0] == outs[1] and len(outs[0]) > 20
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2, smollm2_hf, tmp_path_factory):
+    """The real Q4_1 file with every transform (V/O requantized to q8_0)."""
+    out = tmp_path_factory.mktemp("conv") / "smollm2-kvq.gguf"
+    run_convert(smollm2, "-o", out, "--hf-dir", smollm2_hf, *TRANSFORMS["all"])
+    return out
+
+
+def test_quantized_input_smoothing_is_bit_exact(smollm2, smollm2_hf, eval_tokens, tmp_path):
+    out = tmp_path / "smooth.gguf"
+    before = hashlib.sha256(smollm2.read_bytes()).hexdigest()
+    run_convert(smollm2, "-o", out, "--hf-dir", smollm2_hf, *TRANSFORMS["smooth"])
+    assert hashlib.sha256(smollm2.read_bytes()).hexdigest() == before          # input untouched
+    np.testing.assert_array_equal(f32_logits(out, eval_tokens), f32_logits(smollm2, eval_tokens))
+
+
+def test_quantized_input_all_transforms_stay_within_activation_noise(smollm2, smollm2_converted, eval_tokens):
+    ref, got = f32_logits(smollm2, eval_tokens), f32_logits(smollm2_converted, eval_tokens)
+    la, lb = log_softmax(ref.astype(np.float64)), log_softmax(got.astype(np.float64))
+    kld = float((np.exp(la) * (la - lb)).sum(-1).mean())
+    assert kld < 0.01, kld                           # measured ~4e-3: the q8_1 activation rounding floor
+    assert (ref.argmax(-1) == got.argmax(-1)).mean() > 0.9
+
+
+def test_converted_file_keys_and_runtime_defaults(smollm2_converted):
+    r = read_gguf(smollm2_converted)
+    assert r.meta("pykvq.baked.ksort") is True and r.meta("pykvq.baked.rotate_v") == "hadamard"
+    assert r.meta("pykvq.cache.type_k") == "bfp4_32" and len(r.meta("pykvq.baked.smooth_alpha")) == 30
+    assert r.tensors["blk.0.kvq_rope_freqs"].data.shape == (3, 32)
+    assert r.tensors["blk.0.attn_v.weight"].qtype.name == "Q8_0"
+    assert r.tensors["blk.0.attn_k.weight"].qtype.name == "Q4_1"                  # moved rows, not requantized
+    with Model(smollm2_converted, n_ctx=256) as m:                             # no types given: the file's
+        assert (m.cache_type_k, m.cache_type_v) == ("bfp4_32", "bfp4_32")
+        assert m.cache_type_source["K"] == "GGUF pykvq.cache.type_k"
+        assert m.attn_rotation == {"K": False, "V": False}                     # baked: no online rotation
+        assert "K-sort" in m.transforms() and "V/O hadamard" in m.transforms()
+    with Model(smollm2_converted, n_ctx=256, cache_type_k="q8_0", cache_type_v="q4_0", flash_attn=True,
+               attn_rot_k="on") as m:                                         # the caller wins
+        assert (m.cache_type_k, m.cache_type_v) == ("q8_0", "q4_0") and m.attn_rotation["K"]
+
+
+def test_tools_take_the_cache_type_from_the_file_and_say_so(smollm2_converted):
+    from conftest import run_tool
+    res = run_tool("llama-completion", "-m", smollm2_converted, "-p", "The capital of France is", "-n", "8",
+                   "-fa", "on", "-no-cnv", "--temp", "0", "-c", "256")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "cache type K = bfp4_32 (from the GGUF's pykvq.cache.type_k)" in res.stderr
+    assert "online K rotation off: the GGUF's keys are K-sorted" in res.stderr
+    res = run_tool("llama-completion", "-m", smollm2_converted, "-p", "Paris", "-n", "2", "-fa", "on",
+                   "-no-cnv", "-c", "256", "-ctk", "q8_0", "-ctv", "q8_0")
+    assert "cache type K = q8_0 (set by the caller)" in res.stderr
+
+
+def shifted_logits(path, tokens):
+    """Decode half a prompt, move it 64 positions on (K-shift re-ropes the cache in place), decode
+    the rest there: logits of the last token."""
+    with Model(path, n_ctx=512, cache_type_k="f32", cache_type_v="f32", flash_attn=False) as m:
+        m.decode(tokens[:76], 0)
+        m.seq_add(1, -1, 64)
+        return m.decode(tokens[76:150], 140)
+
+
+def test_kshift_uses_the_per_head_frequencies(smollm2_f32, eval_tokens, tmp_path):
+    """K-shift of a K-sorted cache must rotate each pair at its own frequency: same logits as the
+    original model shifted the same way (a wrong frequency would move them by whole logits)."""
+    out = tmp_path / "ksort.gguf"
+    run_convert(smollm2_f32, "-o", out, *TRANSFORMS["ksort"])
+    assert_same_model(shifted_logits(out, eval_tokens), shifted_logits(smollm2_f32, eval_tokens))
+
+
+def test_a_runtime_that_does_not_know_a_tensor_refuses_the_file(smollm2, tmp_path):
+    """Stock llama.cpp does not know blk.N.kvq_rope_freqs and refuses a K-sorted file ("wrong number
+    of tensors"). Shown with the patched loader and a tensor name it does not know either."""
+    m = read_gguf(smollm2)
+    from convert.gguf_io import Tensor
+    from gguf import GGMLQuantizationType as QT
+    m.tensors["blk.0.kvq_unknown"] = Tensor("blk.0.kvq_unknown", QT.F32, np.ones((3, 32), np.float32))
+    bad = tmp_path / "extra.gguf"
+    write_gguf(m, bad)
+    from pykvq import ModelLoadError
+    with pytest.raises(ModelLoadError, match="wrong number of tensors"):
+        Model(bad, n_ctx=256)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def test_output_must_not_be_the_input(smollm2):
+    before = smollm2.stat().st_mtime_ns
+    res = run_convert(smollm2, "-o", smollm2, "--ksort", check=False)
+    assert res.returncode == 2 and "overwrite the input" in res.stderr
+    assert smollm2.stat().st_mtime_ns == before
+
+
+def test_unsupported_architecture_is_refused(smollm2, tmp_path):
+    m = read_gguf(smollm2)
+    from gguf import GGUFValueType as VT
+    m.set("general.architecture", "gemma", VT.STRING)
+    src = tmp_path / "gemma.gguf"
+    write_gguf(m, src)
+    out = tmp_path / "out.gguf"
+    res = run_convert(src, "-o", out, "--ksort", check=False)
+    assert res.returncode == 2 and "architecture 'gemma' is not supported" in res.stderr
+    assert not out.exists()
+
+
+def test_corrupt_and_missing_inputs(smollm2, tmp_path):
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(smollm2.read_bytes()[:5_000_000])
+    out = tmp_path / "out.gguf"
+    res = run_convert(bad, "-o", out, "--ksort", check=False)
+    assert res.returncode == 2 and "not a readable GGUF" in res.stderr
+    res = run_convert(tmp_path / "nope.gguf", "-o", out, check=False)
+    assert res.returncode == 2 and "input not found" in res.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))        # nothing half-written
+
+
+def test_bad_cache_type_and_already_converted(smollm2, smollm2_converted, tmp_path):
+    out = tmp_path / "out.gguf"
+    res = run_convert(smollm2, "-o", out, "--ksort", "--cache-type-k", "q3_x", check=False)
+    assert res.returncode == 2 and "unknown KV-cache type 'q3_x'" in res.stderr
+    res = run_convert(smollm2_converted, "-o", out, "--ksort", check=False)
+    assert res.returncode == 2 and "already converted" in res.stderr
+    assert not out.exists()
+
+
+def test_help_explains_each_transform():
+    res = subprocess.run([sys.executable, str(CONVERT), "--help"], capture_output=True, text=True)
+    assert res.returncode == 0
+    for flag in ("--ksort", "--smooth-qk", "--rotate-v", "--calib", "--outtype", "requantizes W_v and W_o"):
+        assert flag in res.stdout
