@@ -269,12 +269,12 @@ def test_converted_file_keys_and_runtime_defaults(smollm2_converted):
 def test_tools_take_the_cache_type_from_the_file_and_say_so(smollm2_converted):
     from conftest import run_tool
     res = run_tool("llama-completion", "-m", smollm2_converted, "-p", "The capital of France is", "-n", "8",
-                   "-fa", "on", "-no-cnv", "--temp", "0", "-c", "256")
+                   "-fa", "on", "-no-cnv", "--temp", "0", "-c", "256", "-lv", "4")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "cache type K = bfp4_32 (from the GGUF's pykvq.cache.type_k)" in res.stderr
     assert "online K rotation off: the GGUF's keys are K-sorted" in res.stderr
     res = run_tool("llama-completion", "-m", smollm2_converted, "-p", "Paris", "-n", "2", "-fa", "on",
-                   "-no-cnv", "-c", "256", "-ctk", "q8_0", "-ctv", "q8_0")
+                   "-no-cnv", "-c", "256", "-ctk", "q8_0", "-ctv", "q8_0", "-lv", "4")
     assert "cache type K = q8_0 (set by the caller)" in res.stderr
 
 
