@@ -44,10 +44,10 @@ ROWS = ([("none", t, t) for t in ("q8_0", "q4_0", "bfp4_32", "bfp4_64")]
         + [("smooth+vrot", t, t) for t in ("q4_0", "bfp4_32")])
 
 
-def converted(src: Path, variant: str, k_type: str) -> tuple[Path, float, float]:
-    """(path, seconds, peak RSS MiB) of src converted with a variant (prepared for k_type)."""
+def converted(src: Path, variant: str) -> tuple[Path, float]:
+    """(path, seconds) of src converted with a variant; the converter's own report is kept beside it."""
     if variant == "none":
-        return src, 0.0, 0.0
+        return src, 0.0
     out = cache_dir() / "converted" / f"{src.stem}.{variant}.gguf"
     meta = out.with_suffix(".json")
     if not out.exists():
@@ -59,10 +59,9 @@ def converted(src: Path, variant: str, k_type: str) -> tuple[Path, float, float]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(f"conversion failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
-        rss = [ln for ln in res.stdout.splitlines() if "peak RSS" in ln]
         meta.write_text(json.dumps({"seconds": round(time.time() - t0, 1), "stdout": res.stdout}))
     d = json.loads(meta.read_text())
-    return out, d["seconds"], 0.0
+    return out, d["seconds"]
 
 
 def main() -> None:
@@ -76,7 +75,7 @@ def main() -> None:
     rows = [r for r in ROWS if args.only is None or r[0] in args.only.split(",")]
     files, conv = {}, {}
     for variant in dict.fromkeys(r[0] for r in rows):
-        files[variant], secs, _ = converted(src, variant, "")
+        files[variant], secs = converted(src, variant)
         conv[variant] = {"seconds": secs, "log": json.loads(files[variant].with_suffix(".json").read_text())["stdout"]
                          if variant != "none" else ""}
         print(f"{variant}: {files[variant]} ({secs} s)", flush=True)
