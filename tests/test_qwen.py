@@ -26,3 +26,43 @@ def test_qwen_q8_0_kld_is_small(qwen, passage):
             Model(qwen, n_ctx=512, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn=True) as q8:
         r = q8.kl_divergence(passage, baseline=base, n_ctx=512, n_chunks=1)
         assert 0 < r.mean_kld < 0.05, r
+
+
+@pytest.fixture(scope="module")
+def qwen_hf(qwen):
+    from pykvq.models import cache_dir, materialize_hf
+    return materialize_hf(qwen, cache_dir() / "hf" / f"{qwen.stem}-{qwen.stat().st_size}")
+
+
+def _f32_logits(path, tokens):
+    with Model(path, n_ctx=256, cache_type_k="f32", cache_type_v="f32", flash_attn=False) as m:
+        return m.eval_logits(tokens)
+
+
+def test_qwen_smoothing_is_bit_exact_on_k_quants(qwen, qwen_hf, passage, tmp_path):
+    """Power-of-two pair scales on Q4_K / Q6_K rows (block scales d, dmin) and f32 q/k biases."""
+    from test_convert import run_convert
+    out = tmp_path / "smooth.gguf"
+    run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--smooth-qk", "--calib-seqs", "2", "--calib-len", "256")
+    with Model(qwen, n_ctx=256) as m:
+        toks = m.tokenize(passage)[:96]
+    import numpy as np
+    np.testing.assert_array_equal(_f32_logits(out, toks), _f32_logits(qwen, toks))
+
+
+def test_qwen_ksort_relayout_and_v_rotation_keep_the_model(qwen, qwen_hf, passage, tmp_path):
+    """K-sort on a NEOX model (re-laid as NORM, biases moved) + smoothing + V/O Hadamard: within the
+    activation-rounding floor of the Q4_K_M file (its matmuls quantize activations to q8_K)."""
+    import numpy as np
+    from pykvq.eval import log_softmax
+    from test_convert import run_convert
+    out = tmp_path / "all.gguf"
+    run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--ksort", "--smooth-qk", "--rotate-v", "hadamard",
+                "--calib-seqs", "2", "--calib-len", "256")
+    with Model(out, n_ctx=256) as m:
+        assert m.meta("pykvq.rope.layout") == "norm" and m.cache_type_k == "bfp4_32"
+        toks = m.tokenize(passage)[:128]
+    a, b = _f32_logits(qwen, toks), _f32_logits(out, toks)
+    la, lb = log_softmax(a.astype(np.float64)), log_softmax(b.astype(np.float64))
+    kld = float((np.exp(la) * (la - lb)).sum(-1).mean())
+    assert kld < 0.01 and (a.argmax(-1) == b.argmax(-1)).mean() > 0.9, kld
