@@ -56,6 +56,7 @@ class Report:
     alphas: list = field(default_factory=list)            # per layer: chosen alpha (None = not smoothed)
     score_err: list = field(default_factory=list)         # per layer: (error without, error with smoothing)
     requantized: list = field(default_factory=list)
+    scale_stats: dict = field(default_factory=dict)       # f16 block scales rounded by smoothing (subnormals)
     seconds: float = 0.0
 
 
@@ -78,12 +79,12 @@ def _permute(m: GGUFModel, i: int, q_rows: np.ndarray, k_rows: np.ndarray) -> No
             m.tensors[t.name] = rows.permute_rows(t, r)
 
 
-def _scale(m: GGUFModel, i: int, q_f: np.ndarray, k_f: np.ndarray) -> None:
+def _scale(m: GGUFModel, i: int, q_f: np.ndarray, k_f: np.ndarray, stats: dict) -> None:
     for what, f in (("attn_q.weight", q_f), ("attn_q.bias", q_f),
                     ("attn_k.weight", k_f), ("attn_k.bias", k_f)):
         t = _get(m, _name(i, what), required=what.endswith("weight"))
         if t is not None:
-            m.tensors[t.name] = rows.scale_rows(t, f)
+            m.tensors[t.name] = rows.scale_rows(t, f, stats)
 
 
 def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None) -> Report:
@@ -139,7 +140,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             kf = np.ones((g.n_head_kv, hd), np.float32)
             kf[:, ch[:, 0]] = 1.0 / s
             kf[:, ch[:, 1]] = 1.0 / s
-            _scale(m, i, np.repeat(1.0 / kf, G, axis=0).reshape(-1), kf.reshape(-1))
+            _scale(m, i, np.repeat(1.0 / kf, G, axis=0).reshape(-1), kf.reshape(-1), rep.scale_stats)
 
         if opts.ksort:
             if key_kind == "calib":

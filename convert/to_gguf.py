@@ -174,6 +174,7 @@ def convert(args) -> dict:
         "transforms": {"ksort": opts.ksort, "smooth_qk": opts.smooth_qk, "rotate_v": opts.rotate_v,
                        "relayout_neox_to_norm": opts.ksort and g.layout == "neox"},
         "cache_type_k": k, "cache_type_v": v, "alphas": rep.alphas, "requantized": rep.requantized,
+        "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
     }
     return summary
 
@@ -195,6 +196,9 @@ def main(argv=None) -> int:
     print(f"transforms: {', '.join(k for k, v in s['transforms'].items() if v and v != 'none') or 'none'}"
           f"{' (V: ' + s['transforms']['rotate_v'] + ')' if s['transforms']['rotate_v'] != 'none' else ''}; "
           f"prepared for -ctk {s['cache_type_k']} -ctv {s['cache_type_v']}")
+    if s["inexact_block_scales"]:
+        print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
+              "(subnormal ones; each change < 6e-8)")
     if s["requantized"]:
         print("requantized: " + "; ".join(s["requantized"]))
     if a_txt:

@@ -39,15 +39,21 @@ def _f32_logits(path, tokens):
         return m.eval_logits(tokens)
 
 
-def test_qwen_smoothing_is_bit_exact_on_k_quants(qwen, qwen_hf, passage, tmp_path):
-    """Power-of-two pair scales on Q4_K / Q6_K rows (block scales d, dmin) and f32 q/k biases."""
+def test_qwen_smoothing_on_k_quants(qwen, qwen_hf, passage, tmp_path):
+    """Power-of-two pair scales on Q4_K / Q6_K rows (block scales d, dmin) and f32 q/k biases: exact
+    but for f16-subnormal block scales, which the converter counts and reports."""
+    import numpy as np
+    from pykvq.eval import log_softmax
     from test_convert import run_convert
     out = tmp_path / "smooth.gguf"
-    run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--smooth-qk", "--calib-seqs", "2", "--calib-len", "256")
+    res = run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--smooth-qk", "--calib-seqs", "2", "--calib-len", "256")
     with Model(qwen, n_ctx=256) as m:
         toks = m.tokenize(passage)[:96]
-    import numpy as np
-    np.testing.assert_array_equal(_f32_logits(out, toks), _f32_logits(qwen, toks))
+    a, b = _f32_logits(qwen, toks), _f32_logits(out, toks)
+    if "rounded" not in res.stdout:
+        np.testing.assert_array_equal(a, b)
+    la, lb = log_softmax(a.astype(np.float64)), log_softmax(b.astype(np.float64))
+    assert float((np.exp(la) * (la - lb)).sum(-1).mean()) < 0.01
 
 
 def test_qwen_ksort_relayout_and_v_rotation_keep_the_model(qwen, qwen_hf, passage, tmp_path):
