@@ -98,8 +98,8 @@ def main() -> None:
             "n_chunks": next(iter(res.values())).n_chunks, "n_tokens": next(iter(res.values())).n_tokens,
             "flash_attn": True, "seconds": round(time.time() - t0, 1), "machine": platform.machine(),
             "threads": os.cpu_count(), "conversion": conv}
-    stem = ROOT / "results" / f"converter_{args.model}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": out_rows}, indent=1))
+    out = {ext: ROOT / "results" / f"converter_{args.model}.{ext}" for ext in ("json", "md")}
+    out["json"].write_text(json.dumps({"meta": meta, "rows": out_rows}, indent=1))
     md = [f"{meta['model']}, {meta['text']}, ctx {meta['n_ctx']}, {meta['n_chunks']} chunks "
           f"({meta['n_tokens']} scored tokens), flash attention on; KLD against the *unconverted* model "
           "with an f16 cache. Online rotation at auto (steered by the file's keys).", "",
@@ -109,7 +109,7 @@ def main() -> None:
         md.append(f"| {r['transforms']} | {r['cache']} | {r['bits_per_value']:.2f} | {r['rotation']} | "
                   f"{r['mean_kld']:.4f} | {r['p99_kld']:.3f} | {100 * r['same_top1']:.1f}% | {r['ppl']:.3f} |")
     md += ["", "Conversion time (s): " + ", ".join(f"{k} {v['seconds']}" for k, v in conv.items() if k != "none")]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    out["md"].write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
