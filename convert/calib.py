@@ -24,7 +24,7 @@ import numpy as np
 from pykvq.models import cache_dir
 from pykvq.progress import progress_bar
 
-from .geometry import Geometry
+from .geometry import Geometry, pair_rms
 from .gguf_io import ConvertError
 
 CANTERBURY = ("alice29.txt", "asyoulik.txt", "lcet10.txt", "plrabn12.txt")
@@ -72,8 +72,7 @@ class Calib:
 
     def k_pair_rms(self, layer: int) -> np.ndarray:
         """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""
-        k = self.k[layer].astype(np.float64)
-        return np.sqrt((k[..., 0::2] ** 2 + k[..., 1::2] ** 2).mean(axis=0))
+        return pair_rms(self.k[layer])
 
 
 def hf_to_norm(g: Geometry) -> np.ndarray:

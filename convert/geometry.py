@@ -101,6 +101,21 @@ def pair_perm_to_channels(pair_perm: np.ndarray, g: Geometry) -> np.ndarray:
     return out
 
 
+def pair_perms_to_channels(perm: np.ndarray, g: Geometry) -> np.ndarray:
+    """[n_kv, head_dim] channel permutations for pair permutations perm [n_kv, n_pairs] (NORM)."""
+    return np.stack([pair_perm_to_channels(p, g) for p in perm])
+
+
+def pair_mag(x: np.ndarray) -> np.ndarray:
+    """Pair magnitudes of NORM-order x [..., head_dim] -> [..., head_dim/2] (RoPE keeps them)."""
+    return np.sqrt(x[..., 0::2].astype(np.float64) ** 2 + x[..., 1::2].astype(np.float64) ** 2)
+
+
+def pair_rms(x: np.ndarray) -> np.ndarray:
+    """RMS pair magnitude over the first axis of NORM-order x [T, H, head_dim] -> [H, head_dim/2]."""
+    return np.sqrt((pair_mag(x) ** 2).mean(axis=0))
+
+
 def head_rows(channel_perm: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
     """Row permutation of a [n_heads*head_dim, ...] weight: channel_perm ([hd] for
     all heads or [n_heads, hd]) applied inside each head."""

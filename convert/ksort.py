@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import Geometry
+from .geometry import Geometry, pair_channels
 
 
 def pair_order(key: np.ndarray, g: Geometry) -> np.ndarray:
@@ -42,7 +42,6 @@ def freq_factors(perm: np.ndarray, g: Geometry) -> np.ndarray:
 def weight_key(wk: np.ndarray, g: Geometry, layout: str = "norm") -> np.ndarray:
     """The paper's sort key at pair level: the norm of the pair's two W_k rows,
     [n_kv, n_pairs], from the f32 weight [n_kv*head_dim, n_embd]."""
-    from .geometry import pair_channels
     ch = pair_channels(g, layout)
     w = wk.reshape(g.n_head_kv, g.head_dim, -1)
     sq = (w.astype(np.float64) ** 2).sum(axis=2)                 # [n_kv, head_dim]

@@ -7,7 +7,6 @@ columns, so W_v and W_o are dequantized and stored again in `requant_type`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +19,7 @@ from pykvq.progress import progress_bar
 
 from . import hadamard, ksort, rows, smooth
 from .calib import Calib
-from .geometry import Geometry, head_rows, pair_channels, pair_perm_to_channels
+from .geometry import head_rows, pair_channels, pair_perms_to_channels
 from .gguf_io import ConvertError, GGUFModel, Tensor
 from .rope_layout import neox_to_norm
 
@@ -46,18 +45,12 @@ class Options:
             cache_types.resolve(t)
         return k, v
 
-    @property
-    def any(self) -> bool:
-        return self.ksort or self.smooth_qk or self.rotate_v != "none"
-
 
 @dataclass
 class Report:
     alphas: list = field(default_factory=list)            # per layer: chosen alpha (None = not smoothed)
-    score_err: list = field(default_factory=list)         # per layer: (error without, error with smoothing)
     requantized: list = field(default_factory=list)
     scale_stats: dict = field(default_factory=dict)       # f16 block scales rounded by smoothing (subnormals)
-    seconds: float = 0.0
 
 
 def _name(i: int, what: str) -> str:
@@ -90,7 +83,6 @@ def _scale(m: GGUFModel, i: int, q_f: np.ndarray, k_f: np.ndarray, stats: dict) 
 def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None) -> Report:
     """Transform m in place; returns what was chosen per layer."""
     from .geometry import geometry
-    t0 = time.time()
     g = geometry(m)
     if m.meta("pykvq.version") is not None:
         raise ConvertError("the input was already converted by pykvq; convert the original instead")
@@ -115,12 +107,14 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     hd, G = g.head_dim, g.group
     relayout = opts.ksort and g.layout == "neox"
     k_quantized = type_k not in cache_types.UNQUANTIZED
+    if relayout:
+        p = neox_to_norm(g)
+        relayout_rows = head_rows(p, g.n_head, hd), head_rows(p, g.n_head_kv, hd)
+    gl = g.with_layout("norm") if relayout else g                          # the layout after re-layout
+    ch = pair_channels(gl)                                                 # [P, 2]
     for i in progress_bar(range(g.n_layer), desc="transforming layers", enable=progress, unit="layer"):
         if relayout:
-            p = neox_to_norm(g)
-            _permute(m, i, head_rows(p, g.n_head, hd), head_rows(p, g.n_head_kv, hd))
-        gl = g.with_layout("norm") if relayout else g
-        ch = pair_channels(gl)                                             # [P, 2] of the current layout
+            _permute(m, i, *relayout_rows)
 
         s = np.ones((g.n_head_kv, g.n_pairs), np.float32)
         if opts.smooth_qk:
@@ -129,13 +123,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                   rotate=k_quantized and not opts.ksort)
                 s = c.scales
                 rep.alphas.append(c.alpha)
-                rep.score_err.append((c.errors[None], c.errors[c.alpha]))
             else:
-                kr = smooth.rope_norm(calib.k[i], calib.pos, g)
-                qr = smooth.rope_norm(calib.q[i], calib.pos, g)
-                kmax = smooth.pair_mag(kr).max(axis=0)
-                qmax = smooth.pair_mag(qr).reshape(-1, g.n_head_kv, G, g.n_pairs).max(axis=(0, 2))
-                s = smooth.scales(kmax, qmax, opts.alpha)
+                s = smooth.fixed_scales(calib.q[i], calib.k[i], calib.pos, g, opts.alpha)
                 rep.alphas.append(opts.alpha)
             kf = np.ones((g.n_head_kv, hd), np.float32)
             kf[:, ch[:, 0]] = 1.0 / s
@@ -148,7 +137,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             else:
                 key = ksort.weight_key(rows.to_f32(m.tensors[_name(i, "attn_k.weight")]), gl)
             perm = ksort.pair_order(key, g)
-            cp = np.stack([pair_perm_to_channels(perm[h], g) for h in range(g.n_head_kv)])
+            cp = pair_perms_to_channels(perm, g)
             _permute(m, i, head_rows(np.repeat(cp, G, axis=0), g.n_head, hd), head_rows(cp, g.n_head_kv, hd))
             ff = ksort.freq_factors(perm, g)
             m.tensors[_name(i, "kvq_rope_freqs")] = Tensor(_name(i, "kvq_rope_freqs"), QT.F32, ff)
@@ -183,7 +172,6 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set("pykvq.calib.source", calib.source, VT.STRING)
     m.set("pykvq.cache.type_k", type_k, VT.STRING)
     m.set("pykvq.cache.type_v", type_v, VT.STRING)
-    rep.seconds = time.time() - t0
     return rep
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from pykvq.ref import VEC_DOT_TYPE, roundtrip
 
-from .geometry import Geometry
+from .geometry import Geometry, pair_mag, pair_perms_to_channels, pair_rms
 from .hadamard import hadamard
 from .ksort import pair_order
 
@@ -46,9 +46,16 @@ def rope_norm(x: np.ndarray, pos: np.ndarray, g: Geometry) -> np.ndarray:
     return out
 
 
-def pair_mag(x: np.ndarray) -> np.ndarray:
-    """Pair magnitudes of NORM-order x [..., head_dim] -> [..., head_dim/2]."""
-    return np.sqrt(x[..., 0::2].astype(np.float64) ** 2 + x[..., 1::2].astype(np.float64) ** 2)
+def pair_maxima(qr: np.ndarray, kr: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """(kmax, qmax) [n_kv, n_pairs]: largest pair magnitude of K and of the group's Q heads."""
+    kmax = pair_mag(kr).max(axis=0)
+    qmax = pair_mag(qr).reshape(-1, g.n_head_kv, g.group, g.n_pairs).max(axis=(0, 2))
+    return kmax, qmax
+
+
+def fixed_scales(q: np.ndarray, k: np.ndarray, pos: np.ndarray, g: Geometry, alpha: float) -> np.ndarray:
+    """One layer's scales for a given alpha, from pre-RoPE calibration q, k (NORM order)."""
+    return scales(*pair_maxima(rope_norm(q, pos, g), rope_norm(k, pos, g), g), alpha)
 
 
 def scales(kmax: np.ndarray, qmax: np.ndarray, alpha: float) -> np.ndarray:
@@ -59,12 +66,12 @@ def scales(kmax: np.ndarray, qmax: np.ndarray, alpha: float) -> np.ndarray:
     return np.exp2(np.round(np.log2(s))).astype(np.float32)
 
 
-def _apply_pairs(x: np.ndarray, s: np.ndarray, perm: np.ndarray | None, mul: bool) -> np.ndarray:
-    """x [T, H_kv, G, hd] (NORM) with pair scales s [H_kv, P] applied, then pairs permuted."""
+def _apply_pairs(x: np.ndarray, s: np.ndarray, ch: np.ndarray | None, mul: bool) -> np.ndarray:
+    """x [T, H_kv, G, hd] (NORM) with pair scales s [H_kv, P] applied, then channels permuted
+    (ch [H_kv, hd], see geometry.pair_perms_to_channels)."""
     f = np.repeat(s, 2, axis=1)[:, None, :]
     y = x * f if mul else x / f
-    if perm is not None:
-        ch = np.stack([2 * perm, 2 * perm + 1], axis=2).reshape(perm.shape[0], -1)   # [H_kv, hd]
+    if ch is not None:
         y = np.take_along_axis(y, ch[None, :, None, :], axis=3)
     return y
 
@@ -78,8 +85,8 @@ def score_error(q: np.ndarray, k: np.ndarray, s: np.ndarray | None, g: Geometry,
     ones = np.ones((g.n_head_kv, g.n_pairs), np.float32)
     s = ones if s is None else s
     ks = _apply_pairs(k4, s, None, mul=False)
-    perm = pair_order(np.sqrt((pair_mag(ks[:, :, 0]) ** 2).mean(axis=0)), g) if ksort else None
-    qs, ks = _apply_pairs(q4, s, perm, mul=True), _apply_pairs(k4, s, perm, mul=False)
+    ch = pair_perms_to_channels(pair_order(pair_rms(ks[:, :, 0]), g), g) if ksort else None
+    qs, ks = _apply_pairs(q4, s, ch, mul=True), _apply_pairs(k4, s, ch, mul=False)
     if rotate:
         n = hd & -hd                       # the largest power of two dividing hd (upstream's K rotation)
         h = hadamard(n).astype(np.float32)
@@ -104,8 +111,7 @@ def choose(q: np.ndarray, k: np.ndarray, pos: np.ndarray, g: Geometry, k_type: s
            seed: int = 0) -> LayerChoice:
     """Pick one layer's alpha on pre-RoPE calibration q [T, n_head, hd], k [T, n_kv, hd] (NORM order)."""
     qr, kr = rope_norm(q, pos, g), rope_norm(k, pos, g)
-    kmax = pair_mag(kr).max(axis=0)                                          # [n_kv, P]
-    qmax = pair_mag(qr).reshape(-1, g.n_head_kv, g.group, g.n_pairs).max(axis=(0, 2))
+    kmax, qmax = pair_maxima(qr, kr, g)
     rng = np.random.default_rng(seed)
     iq = rng.choice(len(q), size=min(n_query, len(q)), replace=False)
     ik = rng.choice(len(k), size=min(n_key, len(k)), replace=False)

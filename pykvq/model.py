@@ -131,19 +131,18 @@ class Model:
         self.n_embd = L.llama_model_n_embd(self._model)
         self.arch = self.meta("general.architecture") or "?"
         # cache types: the caller's, else what the converter prepared the file for, else f16
-        self.cache_type_source = {}
+        self.cache_type_source, ids = {}, {}
         for which, given in (("k", cache_type_k), ("v", cache_type_v)):
             baked = self.meta(f"pykvq.cache.type_{which}")
-            name = given or baked or "f16"
             self.cache_type_source[which.upper()] = ("caller" if given else
                                                      f"GGUF pykvq.cache.type_{which}" if baked else "default")
             try:
-                setattr(self, f"cache_type_{which}", cache_types.name_of(cache_types.resolve(name)))
+                ids[which] = cache_types.resolve(given or baked or "f16")
             except CacheTypeError as e:
                 self.close()
                 raise CacheTypeError(f"{e} (from {self.cache_type_source[which.upper()]})") from None
-        type_k = cache_types.resolve(self.cache_type_k)
-        type_v = cache_types.resolve(self.cache_type_v)
+        type_k, type_v = ids["k"], ids["v"]
+        self.cache_type_k, self.cache_type_v = cache_types.name_of(type_k), cache_types.name_of(type_v)
         if FLASH_ATTN[flash_attn] == 0 and self.cache_type_v not in cache_types.UNQUANTIZED:
             self.close()
             raise CacheTypeError(

@@ -44,10 +44,11 @@ ROWS = ([("none", t, t) for t in ("q8_0", "q4_0", "bfp4_32", "bfp4_64")]
         + [("smooth+vrot", t, t) for t in ("q4_0", "bfp4_32")])
 
 
-def converted(src: Path, variant: str) -> tuple[Path, float]:
-    """(path, seconds) of src converted with a variant; the converter's own report is kept beside it."""
+def converted(src: Path, variant: str) -> tuple[Path, dict]:
+    """(path, {"seconds", "stdout"}) of src converted with a variant; the converter's report is
+    kept beside the file, so a cached conversion still reports its time."""
     if variant == "none":
-        return src, 0.0
+        return src, {"seconds": 0.0, "stdout": ""}
     out = cache_dir() / "converted" / f"{src.stem}.{variant}.gguf"
     meta = out.with_suffix(".json")
     if not out.exists():
@@ -60,8 +61,7 @@ def converted(src: Path, variant: str) -> tuple[Path, float]:
         if res.returncode != 0:
             raise SystemExit(f"conversion failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
         meta.write_text(json.dumps({"seconds": round(time.time() - t0, 1), "stdout": res.stdout}))
-    d = json.loads(meta.read_text())
-    return out, d["seconds"]
+    return out, json.loads(meta.read_text())
 
 
 def main() -> None:
@@ -75,10 +75,9 @@ def main() -> None:
     rows = [r for r in ROWS if args.only is None or r[0] in args.only.split(",")]
     files, conv = {}, {}
     for variant in dict.fromkeys(r[0] for r in rows):
-        files[variant], secs = converted(src, variant)
-        conv[variant] = {"seconds": secs, "log": json.loads(files[variant].with_suffix(".json").read_text())["stdout"]
-                         if variant != "none" else ""}
-        print(f"{variant}: {files[variant]} ({secs} s)", flush=True)
+        files[variant], report = converted(src, variant)
+        conv[variant] = {"seconds": report["seconds"], "log": report["stdout"]}
+        print(f"{variant}: {files[variant]} ({report['seconds']} s)", flush=True)
     base = Model(src, n_ctx=args.n_ctx, cache_type_k="f16", cache_type_v="f16", flash_attn=True)
     cands = {}
     for variant, k, v in rows:
