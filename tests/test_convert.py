@@ -354,3 +354,15 @@ def test_help_explains_each_transform():
     assert res.returncode == 0
     for flag in ("--ksort", "--smooth-qk", "--rotate-v", "--calib", "--outtype", "requantizes W_v and W_o"):
         assert flag in res.stdout
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q5_0"])
+def test_stock_round_trips_match_ggml_reference(smollm2, name):
+    """pykvq.ref.stock (used to fake-quantize K and Q in calibration), bit for bit against gguf-py's port of
+    ggml's quantize_row_<type>_ref, on real K-projection rows."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from pykvq.ref import roundtrip
+    w = rows.to_f32(read_gguf(smollm2).tensors["blk.0.attn_k.weight"])
+    ref = quants.dequantize(quants.quantize(w, QT[name.upper()]), QT[name.upper()])
+    np.testing.assert_array_equal(roundtrip(w, name), ref)
