@@ -69,10 +69,49 @@ class Calib:
     k: list[np.ndarray]      # per layer [T, n_kv, head_dim]
     pos: np.ndarray          # [T] positions (each sequence starts at 0)
     source: str
+    # with fisher=True: V (HF channel order, as the cache stores it) and the LM loss's
+    # gradients w.r.t. pre-RoPE K (NORM order) and V; their squares are the diagonal Fisher
+    v: list[np.ndarray] | None = None
+    gk: list[np.ndarray] | None = None
+    gv: list[np.ndarray] | None = None
 
     def k_pair_rms(self, layer: int) -> np.ndarray:
         """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""
         return pair_rms(self.k[layer])
+
+
+def collect_cached(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
+                   source: str = "", progress: bool | None = None, fisher: bool = False) -> Calib:
+    """collect(), kept in $PYKVQ_CACHE/calib/stats keyed by model, text and settings: several
+    conversions of one model (the results scripts make dozens) calibrate once."""
+    import hashlib
+    cfg = Path(hf_dir) / "config.json"
+    h = hashlib.sha256()
+    for part in (str(Path(hf_dir).resolve()), cfg.read_text() if cfg.is_file() else "", text,
+                 f"{n_seq}/{seq_len}/{g.n_layer}/{g.head_dim}/v1"):
+        h.update(part.encode("utf-8", "replace"))
+    d = cache_dir() / "calib" / "stats"
+    paths = [d / f"{h.hexdigest()[:24]}.{what}.npz" for what in ("fisher", "plain")]
+    for p in paths[:1] if fisher else paths:
+        if p.is_file():
+            try:
+                z = np.load(p)
+                n = g.n_layer
+                get = lambda w: [z[f"{w}{i}"] for i in range(n)] if f"{w}0" in z else None  # noqa: E731
+                return Calib(get("q"), get("k"), z["pos"], source, get("v"), get("gk"), get("gv"))
+            except Exception:                    # a damaged cache entry: calibrate again
+                p.unlink(missing_ok=True)
+    c = collect(hf_dir, text, g, n_seq=n_seq, seq_len=seq_len, source=source, progress=progress, fisher=fisher)
+    d.mkdir(parents=True, exist_ok=True)
+    arrays = {"pos": c.pos}
+    for w in ("q", "k", "v", "gk", "gv"):
+        for i, a in enumerate(getattr(c, w) or []):
+            arrays[f"{w}{i}"] = a
+    out = paths[0] if fisher else paths[1]
+    tmp = out.with_name(out.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(out)
+    return c
 
 
 def hf_to_norm(g: Geometry) -> np.ndarray:
@@ -84,7 +123,9 @@ def hf_to_norm(g: Geometry) -> np.ndarray:
 
 
 def collect(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
-            source: str = "", progress: bool | None = None) -> Calib:
+            source: str = "", progress: bool | None = None, fisher: bool = False) -> Calib:
+    """Q and K of every layer on n_seq windows of the text; with fisher, also V and the
+    gradients of the mean next-token loss w.r.t. K and V (one backward pass per sequence)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,22 +141,44 @@ def collect(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_l
     if len(layers) != g.n_layer:
         raise ConvertError(f"HF model has {len(layers)} layers, GGUF has {g.n_layer}")
     idx = torch.from_numpy(hf_to_norm(g))
-    got = {("q", i): [] for i in range(g.n_layer)} | {("k", i): [] for i in range(g.n_layer)}
+    whats = ("q", "k", "v") if fisher else ("q", "k")
+    got = {(w, i): [] for w in whats + ("gk", "gv") for i in range(g.n_layer)}
+    live: dict = {}                                  # (which, layer) -> output tensor awaiting its gradient
     hooks = []
     for i, layer in enumerate(layers):
-        for which, n_h, mod in (("q", g.n_head, layer.self_attn.q_proj), ("k", g.n_head_kv, layer.self_attn.k_proj)):
+        mods = {"q": (g.n_head, layer.self_attn.q_proj), "k": (g.n_head_kv, layer.self_attn.k_proj),
+                "v": (g.n_head_kv, layer.self_attn.v_proj)}
+        for which in whats:
+            n_h, mod = mods[which]
             def hook(_m, _inp, out, key=(which, i), n_h=n_h):
-                y = out[0].reshape(out.shape[1], n_h, g.head_dim)[..., idx]
+                y = out[0].reshape(out.shape[1], n_h, g.head_dim)
+                y = y if key[0] == "v" else y[..., idx]
                 got[key].append(y.detach().numpy().astype(np.float32))
+                if fisher and key[0] != "q":
+                    out.retain_grad()
+                    live[key] = out
             hooks.append(mod.register_forward_hook(hook))
     try:
-        with torch.no_grad():
-            for s in progress_bar(seqs, desc="calibration", enable=progress, unit="seq"):
-                model(torch.from_numpy(np.asarray(s, dtype=np.int64))[None, :])
+        for s in progress_bar(seqs, desc="calibration" + (" (fisher)" if fisher else ""), enable=progress,
+                              unit="seq"):
+            ids_t = torch.from_numpy(np.asarray(s, dtype=np.int64))[None, :]
+            if not fisher:
+                with torch.no_grad():
+                    model(ids_t)
+                continue
+            for p in model.parameters():
+                p.requires_grad_(False)
+            emb = model.get_input_embeddings()(ids_t).detach().requires_grad_(True)
+            loss = model(inputs_embeds=emb, labels=ids_t, use_cache=False).loss
+            loss.backward()
+            for (which, i), out in live.items():
+                y = out.grad[0].reshape(out.shape[1], g.n_head_kv, g.head_dim)
+                y = y if which == "v" else y[..., idx]
+                got[("g" + which, i)].append(y.numpy().astype(np.float32))
+            live.clear()
     finally:
         for h in hooks:
             h.remove()
-    q = [np.concatenate(got[("q", i)]) for i in range(g.n_layer)]
-    k = [np.concatenate(got[("k", i)]) for i in range(g.n_layer)]
+    cat = {w: [np.concatenate(got[(w, i)]) for i in range(g.n_layer)] for w in whats + (("gk", "gv") if fisher else ())}
     pos = np.concatenate([np.arange(seq_len)] * n_seq)
-    return Calib(q, k, pos, source)
+    return Calib(cat["q"], cat["k"], pos, source, cat.get("v"), cat.get("gk"), cat.get("gv"))

@@ -17,7 +17,7 @@ from gguf import GGUFValueType as VT
 from pykvq import cache_types
 from pykvq.progress import progress_bar
 
-from . import hadamard, ksort, rows, smooth
+from . import cache_domain, codebook, hadamard, ksort, layer_types, rows, smooth
 from .calib import Calib
 from .geometry import head_rows, pair_channels, pair_perms_to_channels
 from .gguf_io import ConvertError, GGUFModel, Tensor
@@ -36,9 +36,26 @@ class Options:
     cache_type_k: str | None = None      # what the file is prepared for (None: a default per transform)
     cache_type_v: str | None = None
     requant_type: str = "q8_0"           # storage of tensors a transform must requantize
+    codebooks: str = "auto"              # nuq codebooks: "fisher", "kmeans", "uniform", "none"; auto: fisher
+                                         # when a nuq type is targeted (or kv_bits is set), else none
+    q_norm: bool = True                  # Q-Norm folded into the codebooks
+    kv_bits: float | None = None         # bits/value budget: per-layer K/V types from `ladder`
+    ladder: tuple = layer_types.DEFAULT_LADDER
+
+    def codebook_method(self) -> str:
+        if self.codebooks != "auto":
+            return self.codebooks
+        k, v = self.resolved_types()
+        return "fisher" if self.kv_bits is not None or _is_nuq(k) or _is_nuq(v) else "none"
+
+    def needs_fisher(self) -> bool:
+        return self.codebook_method() != "none" or self.kv_bits is not None
 
     def resolved_types(self) -> tuple[str, str]:
         default = "bfp4_32" if self.ksort else "q4_0"
+        if self.kv_bits is not None:    # the uniform type nearest the budget from below, for logs / fallbacks
+            fit = [t for t in self.ladder if layer_types.bits_per_value(t) <= self.kv_bits]
+            default = max(fit or self.ladder, key=layer_types.bits_per_value)
         k = self.cache_type_k or default
         v = self.cache_type_v or (default if self.rotate_v != "none" else k)
         for t in (k, v):
@@ -50,6 +67,10 @@ class Options:
 class Report:
     alphas: list = field(default_factory=list)            # per layer: chosen alpha (None = not smoothed)
     requantized: list = field(default_factory=list)
+    layer_types_k: list = field(default_factory=list)
+    layer_types_v: list = field(default_factory=list)
+    cb_errors: list = field(default_factory=list)          # per layer: {(kv, type): fisher-weighted error}
+    bits_per_value: float | None = None
     scale_stats: dict = field(default_factory=dict)       # f16 block scales rounded by smoothing (subnormals)
 
 
@@ -104,9 +125,19 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         raise ConvertError("--ksort-key calib needs calibration text")
 
     rep = Report()
+    method = opts.codebook_method()
+    if opts.needs_fisher() and (calib is None or calib.gk is None):
+        raise ConvertError("codebooks and per-layer types need Fisher calibration statistics")
+    for t in opts.ladder if opts.kv_bits is not None else ():
+        layer_types.bits_per_value(t)
+        if g.head_dim % _block(t):
+            raise ConvertError(f"--layer-types: {t} has blocks of {_block(t)}, which do not divide the head size "
+                               f"{g.head_dim}")
+    cb_k, cb_v = {}, {}
     hd, G = g.head_dim, g.group
     relayout = opts.ksort and g.layout == "neox"
     k_quantized = type_k not in cache_types.UNQUANTIZED
+    v_quantized = type_v not in cache_types.UNQUANTIZED
     if relayout:
         p = neox_to_norm(g)
         relayout_rows = head_rows(p, g.n_head, hd), head_rows(p, g.n_head_kv, hd)
@@ -131,6 +162,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             kf[:, ch[:, 1]] = 1.0 / s
             _scale(m, i, np.repeat(1.0 / kf, G, axis=0).reshape(-1), kf.reshape(-1), rep.scale_stats)
 
+        cp = None
         if opts.ksort:
             if key_kind == "calib":
                 key = calib.k_pair_rms(i) / s
@@ -141,6 +173,13 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             _permute(m, i, head_rows(np.repeat(cp, G, axis=0), g.n_head, hd), head_rows(cp, g.n_head_kv, hd))
             ff = ksort.freq_factors(perm, g)
             m.tensors[_name(i, "kvq_rope_freqs")] = Tensor(_name(i, "kvq_rope_freqs"), QT.F32, ff)
+
+        if opts.needs_fisher():
+            dom = cache_domain.Domain(k_scale=s if opts.smooth_qk else None, k_perm=cp, layout=gl.layout,
+                                      rotate_v=opts.rotate_v == "hadamard",
+                                      rot_k=k_quantized and not opts.ksort and hd % 64 == 0,
+                                      rot_v=v_quantized and opts.rotate_v == "none" and hd % 64 == 0)
+            _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
 
         if opts.rotate_v == "hadamard":
             wv, wo = m.tensors[_name(i, "attn_v.weight")], m.tensors[_name(i, "attn_output.weight")]
@@ -170,13 +209,87 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set("pykvq.rope.layout", "norm", VT.STRING)
     if calib is not None:
         m.set("pykvq.calib.source", calib.source, VT.STRING)
+    if opts.kv_bits is not None:
+        _assign_layer_types(opts, rep, cb_k, cb_v)
+        type_k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
+        type_v = max(set(rep.layer_types_v), key=rep.layer_types_v.count)
+        m.set("pykvq.cache.layer_types_k", rep.layer_types_k, VT.ARRAY, VT.STRING)
+        m.set("pykvq.cache.layer_types_v", rep.layer_types_v, VT.ARRAY, VT.STRING)
+        rep.bits_per_value = layer_types.mean_bits(
+            {(i, w): t for i, (a, b) in enumerate(zip(rep.layer_types_k, rep.layer_types_v)) for w, t in (("k", a), ("v", b))})
+    else:
+        rep.bits_per_value = (layer_types.bits_per_value(type_k) + layer_types.bits_per_value(type_v)) / 2 \
+            if all(t in layer_types.STOCK_BITS or _is_nuq(t) for t in (type_k, type_v)) else None
+    for which, cbs in (("k", cb_k), ("v", cb_v)):
+        for i, cb in cbs.items():
+            padded = np.zeros(16, np.int8)
+            padded[:len(cb)] = cb
+            m.tensors[_name(i, f"kvq_codebook_{which}")] = Tensor(_name(i, f"kvq_codebook_{which}"), QT.I8, padded)
+    if cb_k or cb_v:
+        m.set("pykvq.cache.codebook_method", method, VT.STRING)
+        m.set("pykvq.cache.codebook_qnorm", bool(opts.q_norm), VT.BOOL)
+        m.set("pykvq.cache.codebook_rot_k", bool(k_quantized and not opts.ksort and hd % 64 == 0), VT.BOOL)
+        m.set("pykvq.cache.codebook_rot_v", bool(v_quantized and opts.rotate_v == "none" and hd % 64 == 0), VT.BOOL)
     m.set("pykvq.cache.type_k", type_k, VT.STRING)
     m.set("pykvq.cache.type_v", type_v, VT.STRING)
     return rep
 
 
+def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> None:
+    """Budgeted choice over all layers; keep each slot's codebook of the chosen type."""
+    errors = {}
+    for which, per_layer in (("k", rep.layer_types_k), ("v", rep.layer_types_v)):
+        for i, slot in enumerate(per_layer):
+            errors[(i, which)] = slot[which]
+    choice = layer_types.assign(errors, opts.kv_bits, opts.ladder)
+    n = len(rep.layer_types_k)
+    rep.layer_types_k = [choice[(i, "k")] for i in range(n)]
+    rep.layer_types_v = [choice[(i, "v")] for i in range(n)]
+    for which, cbs in (("k", cb_k), ("v", cb_v)):
+        for i in list(cbs):
+            t = choice[(i, which)]
+            if t in cbs[i]:
+                cbs[i] = cbs[i][t]
+            else:
+                del cbs[i]
+
+
+def _is_nuq(type_name: str) -> bool:
+    from pykvq.ref import nuq
+    return type_name in nuq.FORMATS
+
+
+def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, type_k: str, type_v: str,
+                     cb_k: dict, cb_v: dict, rep: Report) -> None:
+    """Codebooks (and, with a budget, the candidate errors) of layer i's K and V."""
+    errs = {}
+    for which, samples, uniform_type, out, types in (
+            ("k", cache_domain.keys, type_k, cb_k, rep.layer_types_k),
+            ("v", cache_domain.values, type_v, cb_v, rep.layer_types_v)):
+        cands = opts.ladder if opts.kv_bits is not None else (uniform_type,)
+        if not any(_is_nuq(t) for t in cands) and opts.kv_bits is None:
+            continue
+        x = samples(calib, i, g, dom)
+        cbs = {}
+        for t in cands:
+            if _is_nuq(t) and method != "none":
+                cbs[t] = codebook.fit(x.x, x.fisher, t, method, q_norm=opts.q_norm)
+            if opts.kv_bits is not None:
+                errs[(which, t)] = codebook.weighted_error(x.x, x.fisher, t, cbs.get(t))
+        if opts.kv_bits is not None:
+            slot = {which: {t: errs[(which, t)] for t in cands}}
+            # per-layer decisions are global (the budget is shared): record errors, decide after the loop
+            types.append(slot)
+            out[i] = cbs
+        elif uniform_type in cbs:
+            out[i] = cbs[uniform_type]
+    rep.cb_errors.append({f"{w}:{t}": e for (w, t), e in errs.items()})
+
+
 def _block(type_name: str) -> int:
-    from pykvq.ref import bfp
+    from pykvq.ref import bfp, nuq
     if type_name in bfp.FORMATS:
         return bfp.FORMATS[type_name].block
+    if type_name in nuq.FORMATS:
+        return nuq.FORMATS[type_name].block
     return 1 if type_name in cache_types.UNQUANTIZED else 32

@@ -71,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K cache type the file is prepared for; the runtime's default when the user gives none "
                         "(default: bfp4_32 with --ksort, else q4_0)")
     p.add_argument("--cache-type-v", default=None, help="V cache type the file is prepared for")
+    p.add_argument("--codebooks", choices=("auto", "fisher", "kmeans", "uniform", "none"), default="auto",
+                   help="per-layer nuq codebooks for K and V, fitted to calibration K/V as the cache holds them: "
+                        "fisher = k-means weighted by the diagonal Fisher information (KVQuant), kmeans = "
+                        "unweighted, uniform = evenly spaced, none = the runtime's fallback. auto: fisher when "
+                        "a nuq cache type is targeted or --kv-bits is given")
+    p.add_argument("--no-qnorm", action="store_true",
+                   help="do not fold Q-Norm (match mean/std of dequantized values) into the codebooks")
+    p.add_argument("--kv-bits", type=float, default=None, metavar="B",
+                   help="bits/value budget: give each layer's K and V its own type from --layer-types, ranked "
+                        "by Fisher-weighted quantization error, with the average <= B")
+    p.add_argument("--layer-types", default=",".join(pipeline.layer_types.DEFAULT_LADDER),
+                   help="candidate types for --kv-bits (default %(default)s)")
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
                    help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
                         "transform must requantize (auto = q8_0); the others keep their type")
@@ -124,9 +136,13 @@ def convert(args) -> dict:
         raise ConvertError(f"--alpha must be in [0, 1], got {args.alpha}")
     opts = pipeline.Options(ksort=args.ksort, ksort_key=args.ksort_key, smooth_qk=args.smooth_qk,
                             alpha=args.alpha, rotate_v=args.rotate_v, cache_type_k=args.cache_type_k,
-                            cache_type_v=args.cache_type_v)
+                            cache_type_v=args.cache_type_v, codebooks=args.codebooks, q_norm=not args.no_qnorm,
+                            kv_bits=args.kv_bits,
+                            ladder=tuple(t.strip() for t in args.layer_types.split(",") if t.strip()))
     try:
         opts.resolved_types()
+        for t in opts.ladder:
+            pipeline.layer_types.bits_per_value(t)
     except Exception as e:
         raise ConvertError(str(e)) from None
     progress = False if args.no_progress else None
@@ -146,15 +162,16 @@ def convert(args) -> dict:
         log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot, g.layout)
         calib = None
-        needs_calib = opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
+        needs_calib = (opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
+                       or opts.needs_fisher())
         t_cal = 0.0
         if needs_calib:
             t1 = time.time()
             text, source = calib_mod.calibration_text(args.calib or "canterbury")
             hf_dir = src if hf else _calibration_hf_dir(src, args)
             log.info("calibrating on %s: %d x %d tokens", source, args.calib_seqs, args.calib_len)
-            calib = calib_mod.collect(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                      source=source, progress=progress)
+            calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                      source=source, progress=progress, fisher=opts.needs_fisher())
             t_cal = time.time() - t1
         rep = pipeline.apply(m, opts, calib, progress=progress)
         if hf:
@@ -167,12 +184,18 @@ def convert(args) -> dict:
         if hasattr(bar, "close"):
             bar.close()
     k, v = opts.resolved_types()
+    if rep.layer_types_k:       # per-layer types: name the most common ones
+        k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
+        v = max(set(rep.layer_types_v), key=rep.layer_types_v.count)
     summary = {
         "output": str(out), "seconds": round(time.time() - t0, 1), "calibration_seconds": round(t_cal, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "transforms": {"ksort": opts.ksort, "smooth_qk": opts.smooth_qk, "rotate_v": opts.rotate_v,
                        "relayout_neox_to_norm": opts.ksort and g.layout == "neox"},
         "cache_type_k": k, "cache_type_v": v, "alphas": rep.alphas, "requantized": rep.requantized,
+        "codebooks": opts.codebook_method(), "q_norm": opts.q_norm, "kv_bits": opts.kv_bits,
+        "layer_types_k": rep.layer_types_k, "layer_types_v": rep.layer_types_v,
+        "bits_per_value": rep.bits_per_value,
         "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
     }
     return summary
@@ -194,7 +217,16 @@ def main(argv=None) -> int:
           f"peak RSS {s['peak_rss_mib']} MiB)")
     print(f"transforms: {', '.join(k for k, v in s['transforms'].items() if v and v != 'none') or 'none'}"
           f"{' (V: ' + s['transforms']['rotate_v'] + ')' if s['transforms']['rotate_v'] != 'none' else ''}; "
-          f"prepared for -ctk {s['cache_type_k']} -ctv {s['cache_type_v']}")
+          + ("per-layer cache types (mostly " if s["layer_types_k"] else "prepared for ")
+          + f"-ctk {s['cache_type_k']} -ctv {s['cache_type_v']}" + (")" if s["layer_types_k"] else ""))
+    if s["layer_types_k"]:
+        from collections import Counter
+        for w in ("k", "v"):
+            c = Counter(s[f"layer_types_{w}"])
+            print(f"{w.upper()} cache per layer: " + ", ".join(f"{t} x{n}" for t, n in c.most_common()))
+    if s["codebooks"] != "none":
+        print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
+              + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else ""))
     if s["inexact_block_scales"]:
         print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
               "(subnormal ones; each change < 6e-8)")

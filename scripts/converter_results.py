@@ -44,18 +44,20 @@ ROWS = ([("none", t, t) for t in ("q8_0", "q4_0", "bfp4_32", "bfp4_64")]
         + [("smooth+vrot", t, t) for t in ("q4_0", "bfp4_32")])
 
 
-def converted(src: Path, variant: str) -> tuple[Path, dict]:
-    """(path, {"seconds", "stdout"}) of src converted with a variant; the converter's report is
-    kept beside the file, so a cached conversion still reports its time."""
+def converted(src: Path, variant: str, flags: list[str] | None = None) -> tuple[Path, dict]:
+    """(path, {"seconds", "stdout"}) of src converted with a variant (flags default to VARIANTS');
+    the converter's report is kept beside the file, so a cached conversion still reports its time."""
     if variant == "none":
         return src, {"seconds": 0.0, "stdout": ""}
     out = cache_dir() / "converted" / f"{src.stem}.{variant}.gguf"
     meta = out.with_suffix(".json")
     if not out.exists():
+        if flags is None:
+            flags = VARIANTS[variant]
+            if "smooth" in variant:
+                flags = flags + ["--cache-type-k", "bfp4_32" if "ksort" in variant else "q4_0"]
         cmd = [sys.executable, str(ROOT / "convert" / "to_gguf.py"), str(src), "-o", str(out), "--no-progress",
-               *VARIANTS[variant]]
-        if "smooth" in variant:
-            cmd += ["--cache-type-k", "bfp4_32" if "ksort" in variant else "q4_0"]
+               *flags]
         t0 = time.time()
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:

@@ -39,19 +39,20 @@ def write_patches(tree: Path, patch_dir: Path) -> list[str]:
     return changed
 
 
-def refresh(name: str, tree: Path | None = None, patch_dir: Path | None = None) -> list[str]:
+def refresh(name: str, tree: Path | None = None, patch_dir: Path | None = None,
+            paths: list[str] | None = None) -> list[str]:
     tree, patch_dir = tree or fetch.TREE, patch_dir or fetch.PATCH_DIR
     if not name.endswith(".patch") or "/" in name:
         raise FetchError(f"patch name must look like 0002-what-it-hooks.patch, got {name!r}")
     if not (tree / ".git").exists():
         raise FetchError(f"{tree} is not a fetched tree; run third_party/fetch.py first")
-    git(tree, "add", "-A")
-    if not git(tree, "status", "--porcelain", capture=True).strip():
+    git(tree, "add", "-A", "--", *(paths or ["."]))
+    if not git(tree, "diff", "--cached", "--name-only", capture=True).strip():
         raise FetchError("no edits in the tree to save")
     commits = dict((n, c) for c, n in patch_commits(tree))
     if name in commits:
         git(tree, "commit", "-q", "--no-verify", "--fixup", commits[name])
-        git(tree, "-c", "sequence.editor=true", "rebase", "-q", "-i", "--autosquash",
+        git(tree, "-c", "sequence.editor=true", "rebase", "-q", "-i", "--autosquash", "--autostash",
             f"{commits[name]}~1")
     else:
         last = max(commits, default="")
@@ -66,9 +67,10 @@ def refresh(name: str, tree: Path | None = None, patch_dir: Path | None = None) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("patch", help="patch file name in native/patches (existing or new)")
+    ap.add_argument("paths", nargs="*", help="only these paths of the tree (default: every edit)")
     args = ap.parse_args(argv)
     try:
-        changed = refresh(args.patch)
+        changed = refresh(args.patch, paths=args.paths)
     except FetchError as e:
         print(f"refresh_patch: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,87 @@
+"""Calibration K and V as the runtime's cache will hold them, with their Fisher weights.
+
+The cache stores post-RoPE K in the file's channel order, after the baked
+transforms (pair smoothing K/s, K-sort's channel permutation, the V Hadamard)
+and, when the runtime rotates online (upstream's attn_rot: quantized cache,
+not undone by a baked transform), multiplied by a Sylvester Hadamard per
+block of `nrot` channels. Codebooks must be fitted to exactly those numbers.
+
+Each value comes with the diagonal Fisher information F = (dL/dx)^2 of the
+LM loss w.r.t. the cached value. Every map above is orthogonal or diagonal,
+so the gradient follows it: rotations R map g to R g, x/s maps g to g*s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .calib import Calib
+from .geometry import Geometry, pair_channels
+from .hadamard import hadamard
+from .smooth import rope_norm
+
+
+@dataclass
+class CacheSamples:
+    x: np.ndarray     # [T, n_kv, head_dim] float32, the values the cache quantizes
+    fisher: np.ndarray  # same shape, (dL/dx)^2
+
+
+@dataclass(frozen=True)
+class Domain:
+    """How one layer's K and V reach the cache (from the converter's choices)."""
+    k_scale: np.ndarray | None = None     # [n_kv, n_pairs] smoothing scales s (K/s)
+    k_perm: np.ndarray | None = None      # [n_kv, head_dim] K-sort channel permutation (NORM order)
+    layout: str = "norm"                  # channel order of the cache: "norm" or "neox"
+    rotate_v: bool = False                # baked per-head Hadamard on V
+    rot_k: bool = False                   # online Hadamard on K (largest power of two dividing head_dim)
+    rot_v: bool = False                   # online Hadamard on V (blocks of 64)
+
+
+def online_rot_k_size(head_dim: int) -> int:
+    return head_dim & -head_dim
+
+
+def _pairs_scale(x: np.ndarray, s: np.ndarray, mul: bool) -> np.ndarray:
+    f = np.repeat(s, 2, axis=1)[None]            # NORM order: pair p is channels 2p, 2p+1
+    return x * f if mul else x / f
+
+
+def _block_rotate(x: np.ndarray, n: int) -> np.ndarray:
+    h = hadamard(n).astype(np.float32)
+    return (x.reshape(*x.shape[:-1], -1, n) @ h).reshape(x.shape)
+
+
+def norm_to_layout(x: np.ndarray, g: Geometry, layout: str) -> np.ndarray:
+    if layout == "norm":
+        return x
+    src, dst = pair_channels(g, "norm"), pair_channels(g, layout)
+    out = np.empty_like(x)
+    out[..., dst[:, 0]] = x[..., src[:, 0]]
+    out[..., dst[:, 1]] = x[..., src[:, 1]]
+    return out
+
+
+def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
+    k = rope_norm(c.k[layer], c.pos, g)
+    gk = rope_norm(c.gk[layer], c.pos, g)       # g_post = R g_pre (R orthogonal)
+    if d.k_scale is not None:
+        k, gk = _pairs_scale(k, d.k_scale, mul=False), _pairs_scale(gk, d.k_scale, mul=True)
+    if d.k_perm is not None:
+        k = np.take_along_axis(k, d.k_perm[None], axis=2)
+        gk = np.take_along_axis(gk, d.k_perm[None], axis=2)
+    k, gk = norm_to_layout(k, g, d.layout), norm_to_layout(gk, g, d.layout)
+    if d.rot_k:
+        n = online_rot_k_size(g.head_dim)
+        k, gk = _block_rotate(k, n), _block_rotate(gk, n)
+    return CacheSamples(k.astype(np.float32), (gk.astype(np.float64) ** 2).astype(np.float32))
+
+
+def values(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
+    v, gv = c.v[layer], c.gv[layer]
+    if d.rotate_v:
+        v, gv = _block_rotate(v, g.head_dim), _block_rotate(gv, g.head_dim)
+    if d.rot_v:
+        v, gv = _block_rotate(v, 64), _block_rotate(gv, 64)
+    return CacheSamples(v.astype(np.float32), (gv.astype(np.float64) ** 2).astype(np.float32))

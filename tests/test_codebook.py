@@ -1,0 +1,88 @@
+"""Converter side of the NUQ types: codebook fitting, Q-Norm, per-layer type budgets,
+and the calibration domain (K/V as the cache holds them)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convert import cache_domain, codebook, layer_types
+from convert.geometry import Geometry
+from convert.hadamard import hadamard
+from pykvq.ref import nuq
+
+
+def test_to_int8_is_strictly_ascending_and_clipped():
+    c = codebook.to_int8([-300, -126.6, -126.4, 0.2, 0.4, 127.2, 200])
+    assert c.dtype == np.int8
+    assert c.tolist() == [-127, -126, -125, 0, 1, 126, 127]
+    nuq.check_codebook(c[:4], "nuq2")
+
+
+def test_weighted_kmeans_finds_the_two_weighted_means():
+    v = np.array([-100, -90, -80, 50, 60, 70], np.float32)
+    w = np.array([1, 1, 2, 1, 0, 1], np.float64)
+    c = codebook.weighted_kmeans(v, w, 2)
+    assert c == pytest.approx([(-100 - 90 - 160) / 4, (50 + 70) / 2])
+
+
+def test_fisher_codebook_lowers_the_weighted_error_it_optimises():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 2, 64)).astype(np.float32) * np.linspace(0.2, 3, 64, dtype=np.float32)
+    f = rng.gamma(0.3, 1.0, x.shape).astype(np.float32)           # heavy-tailed sensitivities
+    for t in ("nuq3", "nuq2o"):
+        err = {m: codebook.weighted_error(x, f, t, None if m == "fallback" else
+                                          codebook.fit(x, f, t, m, q_norm=False))
+               for m in ("fallback", "uniform", "kmeans", "fisher")}
+        assert err["fisher"] < err["kmeans"] * 1.001
+        assert err["fisher"] < err["fallback"]
+        assert err["fisher"] < err["uniform"]
+
+
+def test_qnorm_matches_mean_and_std():
+    rng = np.random.default_rng(1)
+    v = (rng.standard_normal(20000) * 40 + 5).clip(-127, 127).astype(np.float32)
+    c = codebook.qnorm(codebook.uniform(8).astype(np.float64) * 0.6, v)
+    deq = c[nuq.assign(v, codebook.to_int8(c))]
+    assert deq.mean() == pytest.approx(v.mean(), abs=1.5)
+    assert deq.std() == pytest.approx(v.std(), rel=0.03)
+
+
+def test_layer_budget_upgrades_where_error_drops_most():
+    errors = {("0", "k"): {"nuq2o": 100.0, "nuq3": 50.0, "nuq3o": 45.0, "nuq4": 20.0, "q8_0": 1.0},
+              ("1", "k"): {"nuq2o": 2.0, "nuq3": 1.0, "nuq3o": 0.9, "nuq4": 0.5, "q8_0": 0.01}}
+    lo = layer_types.assign(errors, 2.625)
+    assert lo == {("0", "k"): "nuq2o", ("1", "k"): "nuq2o"}
+    mid = layer_types.assign(errors, (2.625 + 8.5) / 2)
+    assert mid == {("0", "k"): "q8_0", ("1", "k"): "nuq2o"}
+    assert layer_types.mean_bits(mid) <= (2.625 + 8.5) / 2
+    with pytest.raises(ValueError, match="below the cheapest"):
+        layer_types.assign(errors, 2.0)
+
+
+def _geom(layout="norm", hd=64):
+    return Geometry(arch="llama", n_layer=1, n_head=2, n_head_kv=1, head_dim=hd, n_rot=hd, freq_base=10000.0,
+                    layout=layout, rope_freqs=None)
+
+
+def test_cache_domain_keeps_the_first_order_loss_change():
+    """Every map is orthogonal or diagonal, so g.x (the first-order loss change) is invariant,
+    and the rotated/permuted/scaled values are the ones the cache would hold."""
+    from convert.calib import Calib
+    rng = np.random.default_rng(2)
+    g = _geom("neox")
+    T = 16
+    k, gk = rng.standard_normal((T, 1, 64)).astype(np.float32), rng.standard_normal((T, 1, 64)).astype(np.float32)
+    v, gv = rng.standard_normal((T, 1, 64)).astype(np.float32), rng.standard_normal((T, 1, 64)).astype(np.float32)
+    c = Calib([None], [k], np.arange(T), "test", [v], [gk], [gv])
+    s = np.exp2(rng.integers(-2, 3, (1, 32))).astype(np.float32)
+    perm = np.stack([np.random.default_rng(3).permutation(64)])
+    d = cache_domain.Domain(k_scale=s, k_perm=perm, layout="neox", rotate_v=True, rot_k=True, rot_v=True)
+    ks, vs = cache_domain.keys(c, 0, g, d), cache_domain.values(c, 0, g, d)
+    # K: the samples' norms are those of x/s (RoPE, permutation, relayout and Hadamard keep norms)
+    from convert.smooth import rope_norm
+    kr = rope_norm(k, c.pos, g) / np.repeat(s, 2, axis=1)[None]
+    np.testing.assert_allclose(np.linalg.norm(ks.x, axis=-1), np.linalg.norm(kr, axis=-1), rtol=1e-5)
+    # V: rotate_v then the online 64-block rotation; hadamard(64) twice is the identity
+    np.testing.assert_allclose(vs.x, v @ hadamard(64).astype(np.float32) @ hadamard(64).astype(np.float32),
+                               atol=1e-5)
+    assert vs.fisher.shape == v.shape and np.all(vs.fisher >= 0)
