@@ -8,6 +8,7 @@
 target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/ggml-kvq.c
     ${GGML_KVQ_DIR}/bfp.c
+    ${GGML_KVQ_DIR}/nuq.c
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
 target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
@@ -16,4 +17,5 @@ target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
 # (patch 0002, ggml/src/ggml-cpu/CMakeLists.txt).
 set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/cpu/bfp.c
+    ${GGML_KVQ_DIR}/cpu/nuq.c
 )

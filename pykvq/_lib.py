@@ -128,6 +128,9 @@ bool llama_memory_can_shift(llama_memory_t mem);
 size_t llama_state_get_size(struct llama_context * ctx);
 size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
 size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
+/* pykvq patch 0006: per-layer cache types (ggml type id, -1 none) and nuq codebook source (0 not nuq, 1 file, 2 fallback) */
+int32_t llama_kvq_layer_type(const struct llama_context * ctx, int32_t il, bool v);
+int32_t llama_kvq_codebook_source(const struct llama_context * ctx, int32_t il, bool v);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
@@ -194,6 +197,66 @@ int             ggml_kvq_cpu_n_impls(void);
 const char *    ggml_kvq_cpu_impl_name(int i);
 ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, int type);
 ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, int type);
+ggml_from_float_t ggml_kvq_cpu_impl_from_float(int i, int type);
+
+/* nuq*: reference codecs with an explicit codebook (NULL = fallback), the trait functions
+   (thread-bound codebook), codebooks in op_params, thread binding (ggml-kvq.h) */
+void quantize_row_nuq4_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+void quantize_row_nuq3_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+void quantize_row_nuq2_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+void quantize_row_nuq3o_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+void quantize_row_nuq2o_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+void dequantize_row_nuq4_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+void dequantize_row_nuq3_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+void dequantize_row_nuq2_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+void dequantize_row_nuq3o_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+void dequantize_row_nuq2o_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+void quantize_row_nuq4_ref(const float * x, void * y, int64_t k);
+void quantize_row_nuq3_ref(const float * x, void * y, int64_t k);
+void quantize_row_nuq2_ref(const float * x, void * y, int64_t k);
+void quantize_row_nuq3o_ref(const float * x, void * y, int64_t k);
+void quantize_row_nuq2o_ref(const float * x, void * y, int64_t k);
+void dequantize_row_nuq4(const void * x, float * y, int64_t k);
+void dequantize_row_nuq3(const void * x, float * y, int64_t k);
+void dequantize_row_nuq2(const void * x, float * y, int64_t k);
+void dequantize_row_nuq3o(const void * x, float * y, int64_t k);
+void dequantize_row_nuq2o(const void * x, float * y, int64_t k);
+bool ggml_kvq_is_nuq(int type);
+int ggml_kvq_nuq_n_codes(int type);
+const int8_t * ggml_kvq_nuq_fallback(int type);
+bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
+void ggml_kvq_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);
+void ggml_kvq_cpu_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);
+bool ggml_validate_row_data(int type, const void * data, size_t nbytes);
+void quantize_row_q8_0_ref(const float * x, void * y, int64_t k);
+
+/* a little of ggml's graph API, to run single ops on the CPU backend in the tests */
+struct ggml_context;
+struct ggml_tensor;
+struct ggml_cgraph;
+struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; };
+struct ggml_context * ggml_init(struct ggml_init_params params);
+void ggml_free(struct ggml_context * ctx);
+struct ggml_tensor * ggml_new_tensor_1d(struct ggml_context * ctx, int type, int64_t ne0);
+struct ggml_tensor * ggml_new_tensor_2d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1);
+struct ggml_tensor * ggml_new_tensor_3d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
+void * ggml_get_data(const struct ggml_tensor * tensor);
+size_t ggml_nbytes(const struct ggml_tensor * tensor);
+struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
+struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_cpy(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_cast(struct ggml_context * ctx, struct ggml_tensor * a, int type);
+struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
+                                         struct ggml_tensor * v, struct ggml_tensor * mask, float scale, float max_bias, float logit_softcap);
+void ggml_flash_attn_ext_set_n_kv_max(struct ggml_tensor * a, int32_t n_kv_max);
+int ggml_flash_attn_ext_get_prec(const struct ggml_tensor * a);
+struct ggml_cgraph * ggml_new_graph(struct ggml_context * ctx);
+void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
+int ggml_graph_compute_with_ctx(struct ggml_context * ctx, struct ggml_cgraph * cgraph, int n_threads);
+void ggml_kvq_set_codebook(struct ggml_tensor * node, const int8_t * cb);
+void ggml_kvq_set_codebooks_fa(struct ggml_tensor * fa, const int8_t * cb_k, const int8_t * cb_v);
+unsigned ggml_kvq_get_codebooks(const struct ggml_tensor * node, int8_t * cb_a, int8_t * cb_b);
 """
 
 LIB_NAME = "libllama.so"
@@ -254,7 +317,7 @@ class _Lib:
         self.path = path
 
     def __getattr__(self, name):
-        if name.startswith(("ggml_kvq_cpu_", "ggml_get_type_traits_cpu")):
+        if name.startswith(("ggml_kvq_cpu_", "ggml_get_type_traits_cpu", "ggml_graph_compute")):
             target = self._cpu
         elif name.startswith(("ggml_", "quantize_row_", "dequantize_row_")):
             target = self._ggml

@@ -22,6 +22,12 @@ CACHE_TYPES: dict[str, int] = {
     "bfp4_32": 43,
     "bfp4_64": 44,
     "bfp8_32": 45,
+    # pykvq non-uniform codebook types (native/include/ggml-kvq.h, pykvq/ref/nuq.py)
+    "nuq4": 46,
+    "nuq3": 47,
+    "nuq2": 48,
+    "nuq3o": 49,
+    "nuq2o": 50,
 }
 
 UNQUANTIZED = {"f32", "f16", "bf16"}

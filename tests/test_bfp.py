@@ -179,7 +179,8 @@ def test_kernel_variant_matches_generic(build, tmp_path):
     inc = [f"-I{src / 'include'}", f"-I{REPO / 'third_party/llama.cpp/ggml/include'}"]
     exe = tmp_path / "bfp_check"
     cmd = [cc, "-O2", "-std=c11", *flags, *inc, str(src / "tests/bfp_check.c"), str(src / "cpu/bfp.c"),
-           str(src / "bfp.c"), str(src / "ggml-kvq.c"), "-lm", "-o", str(exe)]
+           str(src / "bfp.c"), str(src / "cpu/nuq.c"), str(src / "nuq.c"), str(src / "ggml-kvq.c"),
+           "-lm", "-o", str(exe)]   # cpu/bfp.c's impl table hands nuq types to cpu/nuq.c
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     run = [runner, "-L", "/usr/aarch64-linux-gnu", str(exe)] if runner else [str(exe)]
     res = subprocess.run(run, capture_output=True, text=True, timeout=300)

@@ -20,6 +20,29 @@ void ggml_vec_dot_bfp4_32_bfp8_32(int n, float * GGML_RESTRICT s, size_t bs, con
 void ggml_vec_dot_bfp4_64_bfp8_32(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 void ggml_vec_dot_bfp8_32_bfp8_32(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
+// nuq*: from_float quantizes with the bound slot-A codebook, bit for bit the reference
+void quantize_row_nuq4 (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_nuq3 (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_nuq2 (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_nuq3o(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_nuq2o(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+
+// K·Q with Q in q8_0: codebook lookup by byte shuffle, int32 sum per 32 values (slot A)
+void ggml_vec_dot_nuq4_q8_0 (int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_vec_dot_nuq3_q8_0 (int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_vec_dot_nuq2_q8_0 (int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_vec_dot_nuq3o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_vec_dot_nuq2o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+
+// Codebooks for the node about to run (called first thing in ggml_compute_forward, by
+// every thread): when the node or one of src[0..2] is a nuq type, its op_params slots go
+// to this thread's storage in ggml-cpu and in ggml-base (ggml_kvq_bind_codebooks), which
+// the kernels and the base trait functions read; otherwise whatever was bound is dropped.
+// NULL unbinds (the end of a graph).
+GGML_BACKEND_API void ggml_kvq_cpu_bind(const struct ggml_tensor * node);
+// Bind codebooks directly (the tests; NULL = not present, i.e. the fallback).
+GGML_BACKEND_API void ggml_kvq_cpu_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);
+
 // SIMD dequantizer for a pykvq type (V expansion in flash attention);
 // NULL for other types, which keep ggml's to_float.
 ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type);
@@ -30,6 +53,14 @@ GGML_BACKEND_API int             ggml_kvq_cpu_n_impls(void);
 GGML_BACKEND_API const char *    ggml_kvq_cpu_impl_name(int i);
 GGML_BACKEND_API ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, enum ggml_type type);
 GGML_BACKEND_API ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, enum ggml_type type);
+GGML_BACKEND_API ggml_from_float_t ggml_kvq_cpu_impl_from_float(int i, enum ggml_type type);
+
+// the nuq half of the variant table (cpu/nuq.c; same variants in the same order as cpu/bfp.c)
+int               ggml_kvq_nuq_cpu_n_impls(void);
+const char *      ggml_kvq_nuq_cpu_impl_name(int i);
+ggml_from_float_t ggml_kvq_nuq_cpu_impl_from_float(int i, enum ggml_type type);
+ggml_vec_dot_t    ggml_kvq_nuq_cpu_impl_vec_dot(int i, enum ggml_type type);
+ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float(int i, enum ggml_type type);
 
 // Entries for ggml-cpu.c's type_traits_cpu table (patch 0002).
 #define GGML_KVQ_TYPE_TRAITS_CPU                                                \
@@ -49,6 +80,36 @@ GGML_BACKEND_API ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, enum ggml_typ
         .from_float   = quantize_row_bfp8_32,                                   \
         .vec_dot      = ggml_vec_dot_bfp8_32_bfp8_32,                           \
         .vec_dot_type = GGML_TYPE_BFP8_32,                                      \
+        .nrows        = 1,                                                      \
+    },                                                                          \
+    [GGML_TYPE_NUQ4] = {                                                        \
+        .from_float   = quantize_row_nuq4,                                      \
+        .vec_dot      = ggml_vec_dot_nuq4_q8_0,                                 \
+        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
+        .nrows        = 1,                                                      \
+    },                                                                          \
+    [GGML_TYPE_NUQ3] = {                                                        \
+        .from_float   = quantize_row_nuq3,                                      \
+        .vec_dot      = ggml_vec_dot_nuq3_q8_0,                                 \
+        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
+        .nrows        = 1,                                                      \
+    },                                                                          \
+    [GGML_TYPE_NUQ2] = {                                                        \
+        .from_float   = quantize_row_nuq2,                                      \
+        .vec_dot      = ggml_vec_dot_nuq2_q8_0,                                 \
+        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
+        .nrows        = 1,                                                      \
+    },                                                                          \
+    [GGML_TYPE_NUQ3O] = {                                                       \
+        .from_float   = quantize_row_nuq3o,                                     \
+        .vec_dot      = ggml_vec_dot_nuq3o_q8_0,                                \
+        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
+        .nrows        = 1,                                                      \
+    },                                                                          \
+    [GGML_TYPE_NUQ2O] = {                                                       \
+        .from_float   = quantize_row_nuq2o,                                     \
+        .vec_dot      = ggml_vec_dot_nuq2o_q8_0,                                \
+        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
         .nrows        = 1,                                                      \
     },
 

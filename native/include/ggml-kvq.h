@@ -68,6 +68,221 @@ static inline float ggml_kvq_e8m0_to_fp32(uint8_t e) {
     return v.f;
 }
 
+//
+// Non-uniform quantization (nuq*): one f16 scale d per block and, per value, an
+// index into a codebook c of 2^bits sorted int8 entries; x ~ d * c[idx].
+// The rule (pykvq/ref/nuq.py is the reference):
+//   amax = max |x| of the block (NaN counts as 0)
+//   d    = amax / 127 (float32);  id = 1/d, or 0 when d == 0
+//   v    = x * id (float32)
+//   idx  = #{ j : v > m_j },  m_j = (c_j + c_{j+1}) / 2
+//          (nearest entry, a tie goes to the lower one, NaN -> 0)
+//   stored: fp16(d) (round to nearest even), idx;  x' = float(fp16(d)) * c[idx]
+// Outlier variants (nuq3o, nuq2o; blocks of 64) keep the block's largest |x|
+// (first of equals) as f16: position oi and value ov; the dense part is
+// quantized with x[oi] replaced by 0, and x'[oi] = float(ov).
+//
+// Codebooks: 2^bits int8 entries, strictly ascending, each in [-127, 127]. They
+// reach the kernels through the op_params of the graph node (below); a node
+// without one uses the type's fallback codebook (GGML_KVQ_NUQ_FALLBACK_*).
+//
+
+#define QK_NUQ  32
+#define QK_NUQO 64
+
+// d and ov are f16 bit patterns stored as bytes (little endian), so no struct has padding.
+typedef struct {
+    uint8_t d[2];
+    uint8_t qs[QK_NUQ/2];     // byte j: idx j (low nibble), idx j+16 (high nibble)
+} block_nuq4;                 // 18 bytes per 32 values: 4.5 bits/value
+
+typedef struct {
+    uint8_t d[2];
+    uint8_t qs[QK_NUQ/4];     // byte j, bits 2k..2k+1: idx(j + 8k) & 3, k = 0..3
+    uint8_t qh[QK_NUQ/8];     // bit i of the little-endian 32-bit word: idx(i) >> 2
+} block_nuq3;                 // 14 bytes per 32 values: 3.5 bits/value
+
+typedef struct {
+    uint8_t d[2];
+    uint8_t qs[QK_NUQ/4];     // as nuq3's qs
+} block_nuq2;                 // 10 bytes per 32 values: 2.5 bits/value
+
+typedef struct {
+    uint8_t d[2];
+    uint8_t ov[2];            // the outlier's value, f16
+    uint8_t oi;               // the outlier's position, 0..63
+    uint8_t qs[QK_NUQO/4];    // byte j, bits 2k..2k+1: idx(j + 16k) & 3, k = 0..3
+    uint8_t qh[QK_NUQO/8];    // bit i of the little-endian 64-bit word: idx(i) >> 2
+} block_nuq3o;                // 29 bytes per 64 values: 3.625 bits/value
+
+typedef struct {
+    uint8_t d[2];
+    uint8_t ov[2];
+    uint8_t oi;
+    uint8_t qs[QK_NUQO/4];    // as nuq3o's qs
+} block_nuq2o;                // 21 bytes per 64 values: 2.625 bits/value
+
+#ifdef __cplusplus
+#define GGML_KVQ_STATIC_ASSERT(c, m) static_assert(c, m)
+#else
+#define GGML_KVQ_STATIC_ASSERT(c, m) _Static_assert(c, m)
+#endif
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq4)  == 18, "block_nuq4 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3)  == 14, "block_nuq3 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2)  == 10, "block_nuq2 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3o) == 29, "block_nuq3o size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2o) == 21, "block_nuq2o size");
+
+// Fallback codebooks (pykvq/ref/nuq.py FALLBACK): Lloyd-Max centroids of Gaussian
+// blocks of 32 normalised by their absmax to [-127, 127], rounded.
+#define GGML_KVQ_NUQ_FALLBACK_4 { -123, -98, -78, -61, -46, -32, -19, -6, 6, 19, 32, 46, 61, 78, 98, 123 }
+#define GGML_KVQ_NUQ_FALLBACK_3 { -112, -71, -40, -13, 13, 40, 71, 112 }
+#define GGML_KVQ_NUQ_FALLBACK_2 { -84, -25, 25, 84 }
+
+#define GGML_KVQ_NUQ_MAX_CODES 16
+
+static inline bool ggml_kvq_type_is_nuq(enum ggml_type type) {
+    return type >= GGML_TYPE_NUQ4 && type <= GGML_TYPE_NUQ2O;
+}
+
+GGML_API bool           ggml_kvq_is_nuq(enum ggml_type type);
+GGML_API int            ggml_kvq_nuq_n_codes(enum ggml_type type);    // 16 / 8 / 4; 0 for other types
+GGML_API const int8_t * ggml_kvq_nuq_fallback(enum ggml_type type);   // NULL for other types
+GGML_API int            ggml_kvq_nuq_block(enum ggml_type type);      // 32 / 64; 0 for other types
+GGML_API size_t         ggml_kvq_nuq_type_size(enum ggml_type type);  // bytes per block; 0 for other types
+// Store one block from its indices (idx[0..block)), d, and (outlier types) ov / oi;
+// shared by the reference and the CPU kernels, so every variant writes the same bytes.
+GGML_API void           ggml_kvq_nuq_pack(enum ggml_type type, const uint8_t * idx, float d, float ov, int oi, void * blk);
+
+//
+// Codebooks in op_params. Every op that reads or writes a nuq tensor carries up
+// to two codebooks in its op_params, after the words ggml itself uses there
+// (FLASH_ATTN_EXT: [0..4] = scale, max_bias, softcap, prec, n_kv_max;
+// MUL_MAT: [0] prec, [1] hint):
+//   bytes [20, 36)   slot A: 16 int8, entries past n_codes are 0
+//   bytes [36, 52)   slot B: 16 int8
+//   int32 op_params[13] = GGML_KVQ_CB_MAGIC | presence bits (bit 0: slot A, bit 1: slot B)
+// A slot that is not present means: the fallback codebook of the kernel's type.
+// Kernels read them as follows: quantizing (from_float, from_float_ref) and
+// vec_dot use slot A, dequantizing (to_float) uses slot B. So
+//   - a non-FA op with one nuq tensor (SET_ROWS, CPY/DUP in either direction,
+//     GET_ROWS, MUL_MAT with a nuq src0): both slots hold that tensor's codebook
+//     (ggml_kvq_set_codebook);
+//   - FLASH_ATTN_EXT: slot A = K's codebook (vec_dot), slot B = V's (to_float)
+//     (ggml_kvq_set_codebooks_fa).
+// The CPU backend loads them into thread-local storage before each node
+// (ggml_kvq_cpu_bind, ggml-kvq-cpu.h); backends that do not read them must not
+// claim nuq types in supports_op.
+//
+#define GGML_KVQ_CB_OFFS_A  20
+#define GGML_KVQ_CB_OFFS_B  36
+#define GGML_KVQ_CB_TAG     13
+#define GGML_KVQ_CB_MAGIC   0x4B510000   // "QK" in the upper half; presence in bits 0-1
+#define GGML_KVQ_CB_MASK    0xFFFF0000
+GGML_KVQ_STATIC_ASSERT(GGML_KVQ_CB_OFFS_A >= 5 * 4, "codebooks must not overlap op_params[0..4]");
+GGML_KVQ_STATIC_ASSERT(GGML_KVQ_CB_OFFS_B + GGML_KVQ_NUQ_MAX_CODES <= GGML_KVQ_CB_TAG * 4, "slot B overlaps the tag");
+GGML_KVQ_STATIC_ASSERT((GGML_KVQ_CB_TAG + 1) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
+
+// cb: NULL for "not present" (fallback), else n_codes entries of the nuq tensor's
+// type; checked (strictly ascending, in [-127, 127]); aborts otherwise.
+// ggml_kvq_set_codebook aborts when the node has no nuq tensor (node, src[0..2]);
+// ggml_kvq_set_codebooks_fa drops cb_k / cb_v when K / V is not a nuq type.
+GGML_API void ggml_kvq_set_codebook(struct ggml_tensor * node, const int8_t * cb);
+GGML_API void ggml_kvq_set_codebooks_fa(struct ggml_tensor * fa, const int8_t * cb_k, const int8_t * cb_v);
+// The two slots of a node: returns the presence bits (0 when the node carries none);
+// cb_a / cb_b receive 16 entries each (zeros where not present).
+GGML_API unsigned ggml_kvq_get_codebooks(const struct ggml_tensor * node, int8_t * cb_a, int8_t * cb_b);
+// true when cb is a valid codebook of n entries
+GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
+
+// ggml-base's thread-local slots, read by the trait functions below (from_float_ref:
+// slot A, to_float: slot B). NULL = not present (fallback). Set by ggml_kvq_cpu_bind.
+GGML_API void ggml_kvq_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);
+
+// Reference codecs with an explicit codebook (NULL = the fallback for the type).
+GGML_API void quantize_row_nuq4_ref_cb (const float * x, void * y, int64_t k, const int8_t * cb);
+GGML_API void quantize_row_nuq3_ref_cb (const float * x, void * y, int64_t k, const int8_t * cb);
+GGML_API void quantize_row_nuq2_ref_cb (const float * x, void * y, int64_t k, const int8_t * cb);
+GGML_API void quantize_row_nuq3o_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+GGML_API void quantize_row_nuq2o_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+
+GGML_API void dequantize_row_nuq4_cb (const void * x, float * y, int64_t k, const int8_t * cb);
+GGML_API void dequantize_row_nuq3_cb (const void * x, float * y, int64_t k, const int8_t * cb);
+GGML_API void dequantize_row_nuq2_cb (const void * x, float * y, int64_t k, const int8_t * cb);
+GGML_API void dequantize_row_nuq3o_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+GGML_API void dequantize_row_nuq2o_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+
+// The trait functions: the codebook bound to the calling thread (slot A to quantize,
+// slot B to dequantize), else the fallback.
+GGML_API void quantize_row_nuq4_ref (const float * x, block_nuq4  * y, int64_t k);
+GGML_API void quantize_row_nuq3_ref (const float * x, block_nuq3  * y, int64_t k);
+GGML_API void quantize_row_nuq2_ref (const float * x, block_nuq2  * y, int64_t k);
+GGML_API void quantize_row_nuq3o_ref(const float * x, block_nuq3o * y, int64_t k);
+GGML_API void quantize_row_nuq2o_ref(const float * x, block_nuq2o * y, int64_t k);
+
+GGML_API void dequantize_row_nuq4 (const block_nuq4  * x, float * y, int64_t k);
+GGML_API void dequantize_row_nuq3 (const block_nuq3  * x, float * y, int64_t k);
+GGML_API void dequantize_row_nuq2 (const block_nuq2  * x, float * y, int64_t k);
+GGML_API void dequantize_row_nuq3o(const block_nuq3o * x, float * y, int64_t k);
+GGML_API void dequantize_row_nuq2o(const block_nuq2o * x, float * y, int64_t k);
+
+// Row validation for ggml_validate_row_data (patch 0005): d (and ov) finite, oi < 64.
+GGML_API bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, size_t nbytes);
+
+// f16 <-> f32 by integer arithmetic only (round to nearest even; NaN keeps sign and
+// payload, quieted), so every compiler and flag set gives the same bits.
+static inline uint16_t ggml_kvq_fp32_to_fp16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    const uint32_t sign = (v.u >> 16) & 0x8000u;
+    const uint32_t ax   = v.u & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) {                     // NaN
+        return (uint16_t) (sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    }
+    if (ax >= 0x477FF000u) {                    // >= 65520 rounds to inf
+        return (uint16_t) (sign | 0x7C00u);
+    }
+    if (ax >= 0x38800000u) {                    // normal f16 (>= 2^-14)
+        const uint32_t m   = ax - 0x38000000u;  // rebias the exponent (127 -> 15)
+        const uint32_t r   = m >> 13;
+        const uint32_t rem = m & 0x1FFFu;
+        return (uint16_t) (sign | (r + (rem > 0x1000u || (rem == 0x1000u && (r & 1)))));
+    }
+    if (ax < 0x33000000u) {                     // < 2^-25 (or the tie at it) rounds to 0
+        return (uint16_t) sign;
+    }
+    const uint32_t e    = ax >> 23;             // 102..112: f16 subnormal (units of 2^-24)
+    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    const uint32_t sh   = 126 - e;
+    const uint32_t r    = mant >> sh;
+    const uint32_t rem  = mant & ((1u << sh) - 1);
+    const uint32_t half = 1u << (sh - 1);
+    return (uint16_t) (sign | (r + (rem > half || (rem == half && (r & 1)))));
+}
+
+static inline float ggml_kvq_fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
+    const uint32_t e    = (h >> 10) & 0x1Fu;
+    uint32_t       m    = h & 0x3FFu;
+    uint32_t       u;
+    if (e == 0x1F) {
+        u = sign | 0x7F800000u | (m << 13);
+    } else if (e != 0) {
+        u = sign | ((e + 112) << 23) | (m << 13);
+    } else if (m == 0) {
+        u = sign;
+    } else {                                    // subnormal: normalise
+        int s = 0;
+        while (!(m & 0x400u)) { m <<= 1; ++s; }
+        u = sign | ((uint32_t) (113 - s) << 23) | ((m & 0x3FFu) << 13);
+    }
+    union { uint32_t u; float f; } v = { u };
+    return v.f;
+}
+
+static inline float ggml_kvq_f16_bytes(const uint8_t * p) {
+    return ggml_kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
+}
+
 // Entries for ggml.c's type_traits table (patch 0002).
 #define GGML_KVQ_TYPE_TRAITS                                                    \
     [GGML_TYPE_BFP4_32] = {                                                     \
@@ -93,6 +308,46 @@ static inline float ggml_kvq_e8m0_to_fp32(uint8_t e) {
         .is_quantized   = true,                                                 \
         .to_float       = (ggml_to_float_t) dequantize_row_bfp8_32,             \
         .from_float_ref = (ggml_from_float_t) quantize_row_bfp8_32_ref,         \
+    },                                                                          \
+    [GGML_TYPE_NUQ4] = {                                                        \
+        .type_name      = "nuq4",                                               \
+        .blck_size      = QK_NUQ,                                               \
+        .type_size      = sizeof(block_nuq4),                                   \
+        .is_quantized   = true,                                                 \
+        .to_float       = (ggml_to_float_t) dequantize_row_nuq4,                \
+        .from_float_ref = (ggml_from_float_t) quantize_row_nuq4_ref,            \
+    },                                                                          \
+    [GGML_TYPE_NUQ3] = {                                                        \
+        .type_name      = "nuq3",                                               \
+        .blck_size      = QK_NUQ,                                               \
+        .type_size      = sizeof(block_nuq3),                                   \
+        .is_quantized   = true,                                                 \
+        .to_float       = (ggml_to_float_t) dequantize_row_nuq3,                \
+        .from_float_ref = (ggml_from_float_t) quantize_row_nuq3_ref,            \
+    },                                                                          \
+    [GGML_TYPE_NUQ2] = {                                                        \
+        .type_name      = "nuq2",                                               \
+        .blck_size      = QK_NUQ,                                               \
+        .type_size      = sizeof(block_nuq2),                                   \
+        .is_quantized   = true,                                                 \
+        .to_float       = (ggml_to_float_t) dequantize_row_nuq2,                \
+        .from_float_ref = (ggml_from_float_t) quantize_row_nuq2_ref,            \
+    },                                                                          \
+    [GGML_TYPE_NUQ3O] = {                                                       \
+        .type_name      = "nuq3o",                                              \
+        .blck_size      = QK_NUQO,                                              \
+        .type_size      = sizeof(block_nuq3o),                                  \
+        .is_quantized   = true,                                                 \
+        .to_float       = (ggml_to_float_t) dequantize_row_nuq3o,               \
+        .from_float_ref = (ggml_from_float_t) quantize_row_nuq3o_ref,           \
+    },                                                                          \
+    [GGML_TYPE_NUQ2O] = {                                                       \
+        .type_name      = "nuq2o",                                              \
+        .blck_size      = QK_NUQO,                                              \
+        .type_size      = sizeof(block_nuq2o),                                  \
+        .is_quantized   = true,                                                 \
+        .to_float       = (ggml_to_float_t) dequantize_row_nuq2o,               \
+        .from_float_ref = (ggml_from_float_t) quantize_row_nuq2o_ref,           \
     },
 
 #ifdef __cplusplus

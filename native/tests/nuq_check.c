@@ -1,0 +1,183 @@
+// Standalone check of every compiled nuq kernel variant against the generic one
+// and the reference. Built by tests/test_nuq.py with several -march settings (and
+// an aarch64 cross compiler run under qemu when present), so SIMD paths this
+// machine would not select are still held to the scalar code; the reference
+// itself is held to the numpy one from Python.
+//
+//   quantize (from_float): bytes equal to quantize_row_<type>_ref_cb, every variant
+//   to_float:              bits equal to the generic variant
+//   vec_dot (Q in q8_0):   within 1e-5 of the sum of |terms| of the generic variant
+// each with the fallback codebook and with random valid codebooks.
+#include "ggml-kvq-cpu.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// nuq.c's GGML_ASSERT needs ggml_abort (ggml.c is not linked here)
+void ggml_abort(const char * file, int line, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s:%d: ", file, line);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    abort();
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+
+static uint32_t urand(void) {
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t) (rng_state >> 33);
+}
+
+static float frand(void) {  // roughly normal, with occasional outliers
+    float s = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+        s += (float) (urand() & 0xFFFFFF) / 16777216.0f - 0.5f;
+    }
+    return (urand() % 97 == 0) ? 40.0f * s : s;
+}
+
+typedef struct { uint16_t d; int8_t qs[32]; } q8_block;
+
+static void quantize_q8_0(const float * x, q8_block * y, int n) {
+    for (int i = 0; i < n / 32; ++i) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) { amax = fmaxf(amax, fabsf(x[32*i + j])); }
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        y[i].d = ggml_kvq_fp32_to_fp16(d);
+        for (int j = 0; j < 32; ++j) { y[i].qs[j] = (int8_t) roundf(x[32*i + j] * id); }
+    }
+}
+
+static void random_codebook(int n, int8_t * cb) {
+    for (;;) {
+        for (int j = 0; j < n; ++j) { cb[j] = (int8_t) ((int) (urand() % 255) - 127); }
+        for (int a = 1; a < n; ++a) {           // insertion sort
+            for (int b = a; b > 0 && cb[b] < cb[b - 1]; --b) { const int8_t t = cb[b]; cb[b] = cb[b - 1]; cb[b - 1] = t; }
+        }
+        if (ggml_kvq_nuq_codebook_ok(cb, n)) {
+            return;
+        }
+    }
+}
+
+typedef void (*quant_ref_t)(const float *, void *, int64_t, const int8_t *);
+
+enum { NMAX = 320, ROWS = 48 };
+
+// row r of the test data: cache-like rows over a wide scale range, then edge cases
+static void make_row(int r, int n, const int8_t * cb, int nc, float * x) {
+    const float scale = ldexpf(1.0f, (r % 40) - 20);
+    for (int j = 0; j < n; ++j) { x[j] = scale * frand(); }
+    switch (r % 12) {
+        case 1: memset(x, 0, sizeof(float) * n); break;                      // all zero
+        case 2: x[3] = NAN; x[n - 1] = NAN; x[0] = NAN; break;               // NaN
+        case 3: x[5] = INFINITY; break;                                      // inf
+        case 4: for (int j = 0; j < n; ++j) { x[j] = 1.5f; } break;           // all equal
+        case 5: x[0] = 3e38f; x[n / 2] = -3e38f; break;                      // huge
+        case 6:                                                              // ties exactly on midpoints
+            for (int j = 0; j < n; ++j) {
+                if (j % 32 == 0) { x[j] = 127.0f; continue; }                // amax 127: d = 1, id = 1
+                const int m = (int) (urand() % (unsigned) (nc - 1));
+                x[j] = ((float) cb[m] + (float) cb[m + 1]) * 0.5f;
+            }
+            break;
+        case 7: for (int j = 0; j < n; j += 64) { x[j] = 50.0f * scale; } break;       // outlier at 0
+        case 8: for (int j = 63; j < n; j += 64) { x[j] = -50.0f * scale; } break;     // outlier at 63
+        case 9: x[0] = NAN; for (int j = 1; j < n; ++j) { x[j] = 0.0f; } break;         // NaN alone
+        case 10: for (int j = 0; j < n; ++j) { x[j] = 1e-39f * (float) (j % 7); } break; // subnormal scale
+        default: break;
+    }
+}
+
+int main(void) {
+    const enum ggml_type types[5] = { GGML_TYPE_NUQ4, GGML_TYPE_NUQ3, GGML_TYPE_NUQ2, GGML_TYPE_NUQ3O, GGML_TYPE_NUQ2O };
+    const char * names[5] = { "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o" };
+    const quant_ref_t ref[5] = { quantize_row_nuq4_ref_cb, quantize_row_nuq3_ref_cb, quantize_row_nuq2_ref_cb,
+                                 quantize_row_nuq3o_ref_cb, quantize_row_nuq2o_ref_cb };
+    const int lens[3] = { 96, 256, 320 };
+    static float x[NMAX], q[NMAX], y0[NMAX], y1[NMAX];
+    static uint8_t k0[NMAX * 2], k1[NMAX * 2];
+    static q8_block qy[NMAX / 32];
+    int bad = 0;
+
+    if (ggml_kvq_nuq_cpu_n_impls() != ggml_kvq_cpu_n_impls()) {
+        printf("FAIL nuq has %d variants, bfp %d\n", ggml_kvq_nuq_cpu_n_impls(), ggml_kvq_cpu_n_impls());
+        return 1;
+    }
+    for (int i = 0; i < ggml_kvq_cpu_n_impls(); ++i) {
+        if (strcmp(ggml_kvq_nuq_cpu_impl_name(i), ggml_kvq_cpu_impl_name(i)) != 0) {
+            printf("FAIL variant %d: nuq %s, bfp %s\n", i, ggml_kvq_nuq_cpu_impl_name(i), ggml_kvq_cpu_impl_name(i));
+            return 1;
+        }
+    }
+
+    for (int i = 0; i < ggml_kvq_cpu_n_impls(); ++i) {
+        double worst = 0.0;
+        int    fails = 0;
+        for (int t = 0; t < 5; ++t) {
+            const int nc = ggml_kvq_nuq_n_codes(types[t]);
+            const int qk = ggml_kvq_nuq_block(types[t]);
+            for (int c = 0; c < 4; ++c) {
+                int8_t cb[16] = {0};
+                const int8_t * use = NULL;                 // c == 0: the fallback
+                if (c > 0) { random_codebook(nc, cb); use = cb; }
+                else       { memcpy(cb, ggml_kvq_nuq_fallback(types[t]), (size_t) nc); }
+                ggml_kvq_cpu_bind_codebooks(use, use);
+                for (int li = 0; li < 3; ++li) {
+                    const int n = lens[li];
+                    if (n % qk) { continue; }
+                    for (int r = 0; r < ROWS; ++r) {
+                        make_row(r, n, cb, nc, x);
+                        for (int j = 0; j < n; ++j) { q[j] = frand(); }
+
+                        ref[t](x, k0, n, use);
+                        ggml_kvq_cpu_impl_from_float(i, types[t])(x, k1, n);
+                        if (memcmp(k0, k1, (size_t) (n / qk) * ggml_kvq_nuq_type_size(types[t])) != 0) {
+                            if (fails++ < 10) printf("FAIL %s %s quantize cb %d n %d row %d\n", ggml_kvq_cpu_impl_name(i), names[t], c, n, r);
+                            bad = 1;
+                        }
+
+                        ggml_kvq_cpu_impl_to_float(0, types[t])(k0, y0, n);
+                        ggml_kvq_cpu_impl_to_float(i, types[t])(k0, y1, n);
+                        if (memcmp(y0, y1, sizeof(float) * n) != 0) {
+                            if (fails++ < 10) printf("FAIL %s %s to_float cb %d n %d row %d\n", ggml_kvq_cpu_impl_name(i), names[t], c, n, r);
+                            bad = 1;
+                        }
+
+                        quantize_q8_0(q, qy, n);
+                        float s0, s1;
+                        ggml_kvq_cpu_impl_vec_dot(0, types[t])(n, &s0, 0, k0, 0, qy, 0, 1);
+                        ggml_kvq_cpu_impl_vec_dot(i, types[t])(n, &s1, 0, k0, 0, qy, 0, 1);
+                        double mag = 0.0;  // tolerance relative to the sum of |terms|
+                        for (int j = 0; j < n; ++j) {
+                            mag += fabs((double) y0[j] * qy[j / 32].qs[j % 32] * ggml_kvq_fp16_to_fp32(qy[j / 32].d));
+                        }
+                        if (!isfinite(mag)) {
+                            // inf / NaN rows: the same non-finite class is all we ask
+                            if (isfinite(s0) != isfinite(s1)) {
+                                if (fails++ < 10) printf("FAIL %s %s vec_dot cb %d row %d: %g vs %g\n", ggml_kvq_cpu_impl_name(i), names[t], c, r, s1, s0);
+                                bad = 1;
+                            }
+                            continue;
+                        }
+                        const double err = fabs((double) s0 - s1) / (mag > 0 ? mag : 1.0);
+                        worst = err > worst ? err : worst;
+                        if (!(err <= 1e-5)) {
+                            if (fails++ < 10) printf("FAIL %s %s vec_dot cb %d n %d row %d: %.9g vs %.9g\n", ggml_kvq_cpu_impl_name(i), names[t], c, n, r, s1, s0);
+                            bad = 1;
+                        }
+                    }
+                }
+            }
+        }
+        ggml_kvq_cpu_bind_codebooks(NULL, NULL);
+        printf("impl %s ok=%d worst_rel_err=%.3g\n", ggml_kvq_cpu_impl_name(i), fails == 0, worst);
+    }
+    printf("impls %d\n", ggml_kvq_cpu_n_impls());
+    return bad;
+}
