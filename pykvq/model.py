@@ -25,6 +25,9 @@ from .progress import progress_bar
 
 GGUF_MAGIC = b"GGUF"
 FLASH_ATTN = cache_types.AUTO_OFF_ON
+# llama.h's LLAMA_KV_CACHE_TYPE_MODEL (patch 0004) is GGML_TYPE_COUNT, one past the last ggml type; pykvq's
+# types are the last ones in the enum, so that is one past the largest id in CACHE_TYPES (checked by the tests)
+KV_CACHE_TYPE_MODEL = max(cache_types.CACHE_TYPES.values()) + 1
 
 
 def check_gguf(path: Path) -> None:
@@ -41,24 +44,43 @@ def check_gguf(path: Path) -> None:
 
 @dataclass(frozen=True)
 class KVCacheInfo:
-    """Exact KV-cache geometry and size of a context."""
+    """Exact KV-cache geometry and size of a context.
+
+    The cache types can differ between layers (a GGUF's pykvq.cache.layer_types_k/v):
+    type_k / type_v are then "mixed", layer_types holds each layer's (K, V) type and
+    layer_bytes each layer's (K, V) bytes per token; the per-token-per-layer sizes are
+    means over the layers, and total_bytes / bits_per_value are exact sums.
+    """
     type_k: str
     type_v: str
     n_ctx: int
-    n_layer: int
+    n_layer: int            # layers with a KV cache
     n_embd_k_gqa: int       # K values per token per layer (n_head_kv * head_dim_k)
     n_embd_v_gqa: int
-    bytes_k_per_token_layer: int
-    bytes_v_per_token_layer: int
+    bytes_k_per_token_layer: float
+    bytes_v_per_token_layer: float
     bytes_f16_per_token_layer: int
+    layer_types: tuple = ()     # ((type_k, type_v), ...) per layer with a KV cache
+    layer_bytes: tuple = ()     # ((bytes K, bytes V) per token, ...) per layer with a KV cache
 
     @property
-    def bytes_per_token_layer(self) -> int:
+    def mixed(self) -> bool:
+        return len(set(self.layer_types)) > 1
+
+    @property
+    def bytes_per_token_layer(self) -> float:
         return self.bytes_k_per_token_layer + self.bytes_v_per_token_layer
 
     @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token takes in all layers."""
+        if self.layer_bytes:
+            return sum(k + v for k, v in self.layer_bytes)
+        return round(self.bytes_per_token_layer * self.n_layer)
+
+    @property
     def total_bytes(self) -> int:
-        return self.bytes_per_token_layer * self.n_layer * self.n_ctx
+        return self.bytes_per_token * self.n_ctx
 
     @property
     def ratio_vs_f16(self) -> float:
@@ -66,12 +88,31 @@ class KVCacheInfo:
 
     @property
     def bits_per_value(self) -> float:
-        return 8 * self.bytes_per_token_layer / (self.n_embd_k_gqa + self.n_embd_v_gqa)
+        """True average over all cached values (K and V, every layer)."""
+        return 8 * self.bytes_per_token / (self.n_layer * (self.n_embd_k_gqa + self.n_embd_v_gqa))
+
+    def type_summary(self, which: str = "k") -> str:
+        """e.g. "nuq3 x28, q8_0 x2 (layers 0,27)"; just the type when all layers agree."""
+        i = 0 if which.lower() == "k" else 1
+        names = [t[i] for t in self.layer_types]
+        if not names:
+            return self.type_k if i == 0 else self.type_v
+        counts = {}
+        for il, n in enumerate(names):
+            counts.setdefault(n, []).append(il)
+        if len(counts) == 1:
+            return names[0]
+        order = sorted(counts.items(), key=lambda kv: -len(kv[1]))
+        parts = [f"{order[0][0]} x{len(order[0][1])}"]
+        parts += [f"{n} x{len(ls)} (layer{'s' if len(ls) > 1 else ''} {','.join(map(str, ls))})" for n, ls in order[1:]]
+        return ", ".join(parts)
 
     def __str__(self) -> str:
-        return (f"KV cache K={self.type_k} V={self.type_v}: {self.total_bytes / 2**20:.2f} MiB "
+        types = (f"K={self.type_summary('k')} V={self.type_summary('v')}" if self.mixed
+                 else f"K={self.type_k} V={self.type_v}")
+        return (f"KV cache {types}: {self.total_bytes / 2**20:.2f} MiB "
                 f"for {self.n_ctx} tokens x {self.n_layer} layers "
-                f"({self.bytes_per_token_layer} B/token/layer, {self.bits_per_value:.3f} bits/value, "
+                f"({self.bytes_per_token_layer:g} B/token/layer, {self.bits_per_value:.3f} bits/value, "
                 f"{self.ratio_vs_f16:.3f}x f16 = {1 / self.ratio_vs_f16:.2f}x smaller)")
 
 
@@ -165,7 +206,10 @@ class Model:
         threads = n_threads or os.cpu_count() or 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = FLASH_ATTN[flash_attn]
-        cp.type_k, cp.type_v = type_k, type_v
+        # a type the caller left open goes to llama.cpp as "the model's": it applies the GGUF's per-layer
+        # types (pykvq.cache.layer_types_k/v) when there are any, else the same type as resolved above
+        cp.type_k = type_k if cache_type_k else KV_CACHE_TYPE_MODEL
+        cp.type_v = type_v if cache_type_v else KV_CACHE_TYPE_MODEL
         cp.attn_rot_k, cp.attn_rot_v = rot_k, rot_v
         cp.no_perf = True
         log.clear()
@@ -178,7 +222,19 @@ class Model:
         self.n_ctx = L.llama_n_ctx(self._ctx)
         self.n_batch = L.llama_n_batch(self._ctx)
         self._mem = L.llama_get_memory(self._ctx)
-        self.attn_rotation = _rotation_from_log(log.recent_text(5000))
+        ctx_log = log.recent_text(5000)
+        self.attn_rotation = _rotation_from_log(ctx_log)
+        # what llama.cpp allocated, layer by layer (per-layer types from the GGUF, or one type for all)
+        self._layer_type_ids = [(L.llama_kvq_layer_type(self._ctx, il, False), L.llama_kvq_layer_type(self._ctx, il, True))
+                                for il in range(self.n_layer)]
+        for which, i in (("k", 0), ("v", 1)):
+            names = {self._type_name(t[i]) for t in self._layer_type_ids if t[i] >= 0}
+            if len(names) > 1:
+                setattr(self, f"cache_type_{which}", "mixed")
+            elif len(names) == 1:
+                setattr(self, f"cache_type_{which}", names.pop())
+            if f"per layer (from the GGUF's pykvq.cache.layer_types_{which})" in ctx_log:
+                self.cache_type_source[which.upper()] = f"GGUF pykvq.cache.layer_types_{which}"
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self.bos = L.llama_vocab_bos(self._vocab)
         log.logger.info("pykvq: %s, %s, %s", self.path.name, self.kv_cache_info(), self.transforms())
@@ -249,17 +305,37 @@ class Model:
         return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
                 + "; baked: " + (", ".join(baked) if baked else "none"))
 
+    def _type_name(self, type_id: int) -> str:
+        try:
+            return cache_types.name_of(type_id)
+        except CacheTypeError:
+            return ffi.string(self._lib.ggml_type_name(type_id)).decode()
+
+    def layer_cache_types(self) -> list[tuple[str | None, str | None]]:
+        """(K type, V type) of each layer's cache as llama.cpp allocated it; None for a layer without one."""
+        return [tuple(self._type_name(t) if t >= 0 else None for t in ids) for ids in self._layer_type_ids]
+
+    def codebook_sources(self) -> list[tuple[str, str]]:
+        """Where each layer's K / V nuq codebook comes from: "file", "fallback", or "" (not a nuq cache)."""
+        names = {0: "", 1: "file", 2: "fallback"}
+        return [tuple(names.get(self._lib.llama_kvq_codebook_source(self._ctx, il, v), "?") for v in (False, True))
+                for il in range(self.n_layer)]
+
     def kv_cache_info(self) -> KVCacheInfo:
         L = self._lib
-        tk, tv = cache_types.resolve(self.cache_type_k), cache_types.resolve(self.cache_type_v)
         nk, nv = self.n_head_kv * self.head_dim_k, self.n_head_kv * self.head_dim_v
         f16 = cache_types.resolve("f16")
+        ids = [t for t in self._layer_type_ids if t[0] >= 0]
+        layer_bytes = tuple((L.ggml_row_size(tk, nk), L.ggml_row_size(tv, nv) if tv >= 0 else 0) for tk, tv in ids)
+        n = max(len(ids), 1)
         return KVCacheInfo(
-            type_k=self.cache_type_k, type_v=self.cache_type_v, n_ctx=self.n_ctx, n_layer=self.n_layer,
+            type_k=self.cache_type_k, type_v=self.cache_type_v, n_ctx=self.n_ctx, n_layer=len(ids),
             n_embd_k_gqa=nk, n_embd_v_gqa=nv,
-            bytes_k_per_token_layer=L.ggml_row_size(tk, nk),
-            bytes_v_per_token_layer=L.ggml_row_size(tv, nv),
-            bytes_f16_per_token_layer=L.ggml_row_size(f16, nk) + L.ggml_row_size(f16, nv))
+            bytes_k_per_token_layer=sum(b[0] for b in layer_bytes) / n,
+            bytes_v_per_token_layer=sum(b[1] for b in layer_bytes) / n,
+            bytes_f16_per_token_layer=L.ggml_row_size(f16, nk) + L.ggml_row_size(f16, nv),
+            layer_types=tuple(tuple(self._type_name(t) if t >= 0 else None for t in pair) for pair in ids),
+            layer_bytes=layer_bytes)
 
     def kv_cache_bytes(self) -> int:
         """Bytes of K and V cache this context holds (all layers, all n_ctx cells)."""
