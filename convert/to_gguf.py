@@ -143,6 +143,10 @@ def convert(args) -> dict:
         opts.resolved_types()
         for t in opts.ladder:
             pipeline.layer_types.bits_per_value(t)
+        if opts.kv_bits is not None:
+            low = min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder)
+            if opts.kv_bits < low:
+                raise ValueError(f"--kv-bits {opts.kv_bits} is below the cheapest of --layer-types ({low})")
     except Exception as e:
         raise ConvertError(str(e)) from None
     progress = False if args.no_progress else None

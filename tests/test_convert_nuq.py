@@ -1,0 +1,94 @@
+"""Converter -> runtime for the NUQ types: Fisher codebooks and per-layer types on the real model."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from convert.gguf_io import read_gguf
+from pykvq import Model
+from pykvq.ref import nuq
+
+from test_convert import run_convert
+
+CALIB = ["--calib-seqs", "1", "--calib-len", "192"]
+
+
+@pytest.fixture(scope="module")
+def mixed_file(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nuq") / "smol-mixed.gguf"
+    res = run_convert(smollm2, "-o", out, "--kv-bits", "3.6", *CALIB)
+    return out, res.stdout
+
+
+def _layer_types(m, which):
+    return [str(t) for t in m.meta(f"pykvq.cache.layer_types_{which}")]
+
+
+def test_budget_file_records_types_and_valid_codebooks(mixed_file):
+    path, stdout = mixed_file
+    m = read_gguf(path)
+    n = m.layer_count()
+    bits = []
+    for which in ("k", "v"):
+        types = _layer_types(m, which)
+        assert len(types) == n and set(types) <= {"nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0"}
+        for i, t in enumerate(types):
+            bits.append(8.5 if t == "q8_0" else nuq.FORMATS[t].bits_per_value)
+            cb = m.tensors.get(f"blk.{i}.kvq_codebook_{which}")
+            if t in nuq.FORMATS:
+                f = nuq.FORMATS[t]
+                raw = np.asarray(cb.data).reshape(-1)
+                assert raw.shape == (16,) and not raw[f.n_codes:].any()
+                nuq.check_codebook(raw[:f.n_codes], t)         # int8, strictly ascending
+            else:
+                assert cb is None
+    assert np.mean(bits) <= 3.6 + 1e-9
+    assert m.meta("pykvq.cache.codebook_method") == "fisher"
+    assert bool(m.meta("pykvq.cache.codebook_rot_k")) and bool(m.meta("pykvq.cache.codebook_rot_v"))
+    assert "bits/value" in stdout and "per layer" in stdout
+
+
+def test_runtime_takes_the_files_types_and_codebooks(mixed_file, smollm2, passage):
+    path, _ = mixed_file
+    m = read_gguf(path)
+    with Model(path, n_ctx=512) as rt:
+        got = rt.layer_cache_types()
+        assert [k for k, _ in got] == _layer_types(m, "k")
+        assert [v for _, v in got] == _layer_types(m, "v")
+        src = rt.codebook_sources()
+        for (tk, tv), (sk, sv) in zip(got, src):
+            assert sk == ("file" if tk in nuq.FORMATS else "")
+            assert sv == ("file" if tv in nuq.FORMATS else "")
+        bits = [8.5 if t == "q8_0" else nuq.FORMATS[t].bits_per_value for kv in got for t in kv]
+        assert rt.kv_cache_info().bits_per_value == pytest.approx(np.mean(bits), rel=1e-6)
+        assert rt.attn_rotation == {"K": True, "V": True}
+        ppl = rt.perplexity(passage, n_ctx=256)
+    assert math.isfinite(ppl.ppl) and ppl.ppl < 100
+    # forcing one type for every layer overrides the file (its codebooks no longer apply to nuq2)
+    with Model(path, n_ctx=512, cache_type_k="nuq2", cache_type_v="nuq2") as forced:
+        assert set(forced.layer_cache_types()) == {("nuq2", "nuq2")}
+        assert all(s == ("fallback", "fallback") for s in forced.codebook_sources())
+
+
+def test_uniform_type_file_has_one_codebook_per_layer(smollm2, tmp_path):
+    out = tmp_path / "smol-nuq3o.gguf"
+    run_convert(smollm2, "-o", out, "--cache-type-k", "nuq3o", "--cache-type-v", "nuq3o", "--codebooks", "kmeans",
+                *CALIB)
+    m = read_gguf(out)
+    assert m.meta("pykvq.cache.layer_types_k") is None
+    assert m.meta("pykvq.cache.type_k") == "nuq3o" and m.meta("pykvq.cache.codebook_method") == "kmeans"
+    assert sum(n.endswith("kvq_codebook_k") for n in m.tensors) == m.layer_count()
+    with Model(out, n_ctx=256) as rt:
+        assert rt.cache_type_k == "nuq3o" and all(s == ("file", "file") for s in rt.codebook_sources())
+
+
+def test_bad_budget_and_types_are_refused(smollm2, tmp_path):
+    out = tmp_path / "x.gguf"
+    res = run_convert(smollm2, "-o", out, "--kv-bits", "2.0", *CALIB, check=False)
+    assert res.returncode == 2 and "below the cheapest" in res.stderr
+    res = run_convert(smollm2, "-o", out, "--kv-bits", "4", "--layer-types", "nuq3,bogus", check=False)
+    assert res.returncode == 2 and "bogus" in res.stderr
+    assert not out.exists()
