@@ -203,19 +203,6 @@ static float nuq_index_block(const float * x, int n, int skip, const int8_t * cb
     return d;
 }
 
-// position of the largest |x| (first of equals; NaN counts as 0, so an all-zero/NaN block gives 0)
-static int nuq_outlier(const float * x, int n) {
-    float amax = 0.0f;
-    int   oi   = 0;
-    for (int i = 0; i < n; ++i) {
-        const float a = fabsf(x[i]);
-        if (a > amax) {
-            amax = a;
-            oi   = i;
-        }
-    }
-    return oi;
-}
 
 static inline void nuq_put_f16(uint8_t * p, float f) {
     const uint16_t h = ggml_kvq_fp32_to_fp16(f);
@@ -291,7 +278,7 @@ static void nuq_quantize_row(enum ggml_type type, const float * x, void * vy, in
     const bool    outl    = type == GGML_TYPE_NUQ3O || type == GGML_TYPE_NUQ2O;
     uint8_t       idx[QK_NUQO];
     for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        const int   oi = outl ? nuq_outlier(x, qk) : -1;
+        const int   oi = outl ? ggml_kvq_nuq_outlier(x, qk) : -1;
         const float d  = nuq_index_block(x, qk, oi, cb, n_codes, idx);
         ggml_kvq_nuq_pack(type, idx, d, outl ? x[oi] : 0.0f, outl ? oi : 0, (char *) vy + i*bs);
     }

@@ -145,18 +145,19 @@ void ggml_kvq_cpu_bind(const struct ggml_tensor * node) {
 // shared scalar pieces
 //
 
-// position of the largest |x| (first of equals; NaN counts as 0)
-static inline int nuq_outlier(const float * x, int n) {
-    float amax = 0.0f;
-    int   oi   = 0;
-    for (int i = 0; i < n; ++i) {
-        const float a = fabsf(x[i]);
-        if (a > amax) {
-            amax = a;
-            oi   = i;
-        }
+// the dense part of a block: for outlier types x with its largest value zeroed (in tmp), the
+// outlier's position and value in oi / ov; other types pass x through (oi = 0, ov = 0)
+static inline const float * nuq_dense(const enum ggml_type t, const float * x, int qk, float * tmp, int * oi, float * ov) {
+    *oi = 0;
+    *ov = 0.0f;
+    if (!nuq_outl(t)) {
+        return x;
     }
-    return oi;
+    *oi = ggml_kvq_nuq_outlier(x, qk);
+    *ov = x[*oi];
+    memcpy(tmp, x, sizeof(float) * qk);
+    tmp[*oi] = 0.0f;
+    return tmp;
 }
 
 static inline void nuq_mids(const int8_t * cb, int n_codes, float * mid) {
@@ -425,16 +426,9 @@ NUQ_INLINE void nuq_quantize_avx2(const enum ggml_type t, const float * x, void 
     uint8_t idx[QK_NUQO];
     float   tmp[QK_NUQO];
     for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        const float * xb = x;
-        int   oi = 0;
-        float ov = 0.0f;
-        if (nuq_outl(t)) {
-            oi = nuq_outlier(x, qk);
-            ov = x[oi];
-            memcpy(tmp, x, sizeof(float) * qk);
-            tmp[oi] = 0.0f;
-            xb = tmp;
-        }
+        int   oi;
+        float ov;
+        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
         const float d = nuq_index_block_avx2(xb, qk, vm, nm, idx);
         ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
     }
@@ -545,16 +539,9 @@ NUQ_INLINE void nuq_quantize_avx512(const enum ggml_type t, const float * x, voi
     uint8_t idx[QK_NUQO];
     float   tmp[QK_NUQO];
     for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        const float * xb = x;
-        int   oi = 0;
-        float ov = 0.0f;
-        if (nuq_outl(t)) {
-            oi = nuq_outlier(x, qk);
-            ov = x[oi];
-            memcpy(tmp, x, sizeof(float) * qk);
-            tmp[oi] = 0.0f;
-            xb = tmp;
-        }
+        int   oi;
+        float ov;
+        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
         const float d = nuq_index_block_avx512(xb, qk, vm, nm, idx);
         ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
     }
@@ -721,16 +708,9 @@ NUQ_INLINE void nuq_quantize_neon(const enum ggml_type t, const float * x, void 
     uint8_t idx[QK_NUQO];
     float   tmp[QK_NUQO];
     for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        const float * xb = x;
-        int   oi = 0;
-        float ov = 0.0f;
-        if (nuq_outl(t)) {
-            oi = nuq_outlier(x, qk);
-            ov = x[oi];
-            memcpy(tmp, x, sizeof(float) * qk);
-            tmp[oi] = 0.0f;
-            xb = tmp;
-        }
+        int   oi;
+        float ov;
+        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
         const float d = nuq_index_block_neon(xb, qk, vm, nm, idx);
         ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
     }

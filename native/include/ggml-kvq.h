@@ -152,6 +152,21 @@ GGML_API int            ggml_kvq_nuq_block(enum ggml_type type);      // 32 / 64
 GGML_API size_t         ggml_kvq_nuq_type_size(enum ggml_type type);  // bytes per block; 0 for other types
 // Store one block from its indices (idx[0..block)), d, and (outlier types) ov / oi;
 // shared by the reference and the CPU kernels, so every variant writes the same bytes.
+// position of the block's largest |x| (first of equals; NaN counts as 0, so an all-zero/NaN
+// block gives 0): the kept outlier of nuq3o / nuq2o, shared by the reference and the CPU kernels
+static inline int ggml_kvq_nuq_outlier(const float * x, int n) {
+    float amax = 0.0f;
+    int   oi   = 0;
+    for (int i = 0; i < n; ++i) {
+        const float a = x[i] < 0 ? -x[i] : x[i];
+        if (a > amax) {
+            amax = a;
+            oi   = i;
+        }
+    }
+    return oi;
+}
+
 GGML_API void           ggml_kvq_nuq_pack(enum ggml_type type, const uint8_t * idx, float d, float ov, int oi, void * blk);
 
 //
