@@ -18,4 +18,5 @@ target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
 set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/cpu/bfp.c
     ${GGML_KVQ_DIR}/cpu/nuq.c
+    ${GGML_KVQ_DIR}/cpu/fattn.cpp
 )

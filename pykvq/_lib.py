@@ -193,6 +193,9 @@ typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
 typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
 struct ggml_type_traits_cpu { ggml_from_float_t from_float; ggml_vec_dot_t vec_dot; int vec_dot_type; int64_t nrows; };
 const struct ggml_type_traits_cpu * ggml_get_type_traits_cpu(int type);
+struct ggml_type_traits { const char * type_name; int64_t blck_size; int64_t blck_size_interleave; size_t type_size;
+                          bool is_quantized; ggml_to_float_t to_float; ggml_from_float_t from_float_ref; };
+const struct ggml_type_traits * ggml_get_type_traits(int type);
 int             ggml_kvq_cpu_n_impls(void);
 const char *    ggml_kvq_cpu_impl_name(int i);
 ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, int type);
@@ -240,6 +243,7 @@ void ggml_free(struct ggml_context * ctx);
 struct ggml_tensor * ggml_new_tensor_1d(struct ggml_context * ctx, int type, int64_t ne0);
 struct ggml_tensor * ggml_new_tensor_2d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1);
 struct ggml_tensor * ggml_new_tensor_3d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
+struct ggml_tensor * ggml_new_tensor_4d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
 void * ggml_get_data(const struct ggml_tensor * tensor);
 size_t ggml_nbytes(const struct ggml_tensor * tensor);
 struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
@@ -249,6 +253,7 @@ struct ggml_tensor * ggml_cast(struct ggml_context * ctx, struct ggml_tensor * a
 struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
                                          struct ggml_tensor * v, struct ggml_tensor * mask, float scale, float max_bias, float logit_softcap);
+void ggml_flash_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 void ggml_flash_attn_ext_set_n_kv_max(struct ggml_tensor * a, int32_t n_kv_max);
 int ggml_flash_attn_ext_get_prec(const struct ggml_tensor * a);
 struct ggml_cgraph * ggml_new_graph(struct ggml_context * ctx);

@@ -17,6 +17,7 @@ from pykvq.ref import nuq
 from pykvq.ref.stock import roundtrip_q8_0
 
 from conftest import REPO, run_tool
+from ggml_graph import Graph
 
 # the edge cases overflow / divide by zero in the numpy reference on purpose
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -369,38 +370,6 @@ def test_kernel_variant_matches_reference_standalone(build, tmp_path):
 
 
 # ---- the codebook contract on real ggml graphs (CPU backend) --------------------------------
-
-class Graph:
-    """A ggml context with a few helpers; tensors are filled from / read into numpy."""
-
-    def __init__(self, mem: int = 64 << 20):
-        self.L = lib()
-        p = ffi.new("struct ggml_init_params *", {"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": False})
-        self.ctx = self.L.ggml_init(p[0])
-        self.gf = self.L.ggml_new_graph(self.ctx)
-
-    def tensor(self, type_name: str, *ne, data: np.ndarray | None = None):
-        t = getattr(self.L, f"ggml_new_tensor_{len(ne)}d")(self.ctx, cache_types.CACHE_TYPES.get(type_name, {"i64": 27, "i32": 26}.get(type_name)), *ne)
-        if data is not None:
-            b = np.ascontiguousarray(data).tobytes()
-            assert len(b) == self.L.ggml_nbytes(t)
-            ffi.memmove(self.L.ggml_get_data(t), b, len(b))
-        return t
-
-    def raw(self, t) -> bytes:
-        return bytes(ffi.buffer(self.L.ggml_get_data(t), self.L.ggml_nbytes(t)))
-
-    def f32(self, t) -> np.ndarray:
-        return np.frombuffer(self.raw(t), np.float32).copy()
-
-    def compute(self, *outs, n_threads: int = 2):
-        for o in outs:
-            self.L.ggml_build_forward_expand(self.gf, o)
-        assert self.L.ggml_graph_compute_with_ctx(self.ctx, self.gf, n_threads) == 0
-
-    def close(self):
-        self.L.ggml_free(self.ctx)
-
 
 def cbp(cb):
     return ffi.NULL if cb is None else ffi.new("int8_t[]", [int(v) for v in cb])

@@ -514,6 +514,13 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
     return slot < 0 ? NULL : BFP_BEST->to_float[slot];
 }
 
+ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type) {
+    if (ggml_kvq_type_is_nuq(type)) {
+        return ggml_kvq_nuq_cpu_impl_to_float_k(ggml_kvq_nuq_cpu_n_impls() - 1, type);
+    }
+    return ggml_kvq_cpu_to_float(type); // bfp: no codebook, K and V decode alike
+}
+
 int ggml_kvq_cpu_n_impls(void) {
     return BFP_N_IMPLS;
 }

@@ -224,8 +224,7 @@ NUQ_INLINE void nuq_quantize_generic(const enum ggml_type t, const float * x, vo
     }
 }
 
-NUQ_INLINE void nuq_to_float_generic(const enum ggml_type t, const void * x, float * y, int64_t k) {
-    const int8_t * cb = nuq_cb_b(t);
+NUQ_INLINE void nuq_to_float_generic(const enum ggml_type t, const int8_t * cb, const void * x, float * y, int64_t k) {
     switch (t) {
         case GGML_TYPE_NUQ4:  dequantize_row_nuq4_cb (x, y, k, cb); break;
         case GGML_TYPE_NUQ3:  dequantize_row_nuq3_cb (x, y, k, cb); break;
@@ -356,8 +355,7 @@ static inline void nuq_store32_avx2(float * y, const __m256i q, const float d) {
 typedef void (*nuq_store32_x86_t)(float * y, __m256i q, float d);
 
 // dequantizer loop shared by AVX2 and AVX-512; only the 32-value store differs
-NUQ_INLINE void nuq_to_float_x86(const enum ggml_type t, const void * vx, float * y, int64_t k, nuq_store32_x86_t store) {
-    const int8_t * cb  = nuq_cb_b(t);
+NUQ_INLINE void nuq_to_float_x86(const enum ggml_type t, const int8_t * cb, const void * vx, float * y, int64_t k, nuq_store32_x86_t store) {
     const __m256i  cbv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) cb));
     const int      qk  = nuq_qk(t);
     const size_t   bs  = nuq_bs(t);
@@ -644,8 +642,7 @@ static inline void nuq_store16_neon(float * y, const int8x16_t q, const float d)
     vst1q_f32(y + 12, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d));
 }
 
-NUQ_INLINE void nuq_to_float_neon(const enum ggml_type t, const void * vx, float * y, int64_t k) {
-    const int8_t *  cb  = nuq_cb_b(t);
+NUQ_INLINE void nuq_to_float_neon(const enum ggml_type t, const int8_t * cb, const void * vx, float * y, int64_t k) {
     const int8x16_t cbv = vld1q_s8(cb);
     const int       qk  = nuq_qk(t);
     const size_t    bs  = nuq_bs(t);
@@ -729,7 +726,9 @@ NUQ_INLINE void nuq_quantize_neon(const enum ggml_type t, const float * x, void 
         nuq_quantize_generic(T, x, y, k); }                                                                    \
     NUQ_SCALAR static void vec_dot_##name##_generic(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_generic(T, n, s, vx, vy); } \
     static void to_float_##name##_generic(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
-        nuq_to_float_generic(T, x, y, k); }
+        nuq_to_float_generic(T, nuq_cb_b(T), x, y, k); } \
+    static void to_float_k_##name##_generic(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
+        nuq_to_float_generic(T, nuq_cb_a(T), x, y, k); }
 NUQ_TYPES(NUQ_INST_GENERIC)
 
 #if defined(__AVX2__)
@@ -738,7 +737,9 @@ NUQ_TYPES(NUQ_INST_GENERIC)
         nuq_quantize_avx2(T, x, y, k); }                                                                       \
     static void vec_dot_##name##_avx2(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx2(T, n, s, vx, vy); } \
     static void to_float_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {     \
-        nuq_to_float_x86(T, x, y, k, nuq_store32_avx2); }
+        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, nuq_store32_avx2); } \
+    static void to_float_k_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
+        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, nuq_store32_avx2); }
 NUQ_TYPES(NUQ_INST_AVX2)
 #endif
 
@@ -748,7 +749,9 @@ NUQ_TYPES(NUQ_INST_AVX2)
         nuq_quantize_avx512(T, x, y, k); }                                                                     \
     static void vec_dot_##name##_avx512(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx512(T, n, s, vx, vy); } \
     static void to_float_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {   \
-        nuq_to_float_x86(T, x, y, k, nuq_store32_avx512); }
+        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, nuq_store32_avx512); } \
+    static void to_float_k_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
+        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, nuq_store32_avx512); }
 NUQ_TYPES(NUQ_INST_AVX512)
 #endif
 
@@ -758,7 +761,9 @@ NUQ_TYPES(NUQ_INST_AVX512)
         nuq_quantize_neon(T, x, y, k); }                                                                       \
     static void vec_dot_##name##_neon(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_neon(T, n, s, vx, vy); } \
     static void to_float_##name##_neon(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {     \
-        nuq_to_float_neon(T, x, y, k); }
+        nuq_to_float_neon(T, nuq_cb_b(T), x, y, k); } \
+    static void to_float_k_##name##_neon(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
+        nuq_to_float_neon(T, nuq_cb_a(T), x, y, k); }
 NUQ_TYPES(NUQ_INST_NEON)
 #endif
 
@@ -766,13 +771,15 @@ struct nuq_impl {
     const char *      name;
     ggml_from_float_t from_float[5];   // nuq4, nuq3, nuq2, nuq3o, nuq2o
     ggml_vec_dot_t    vec_dot[5];
-    ggml_to_float_t   to_float[5];
+    ggml_to_float_t   to_float[5];     // slot-B codebook (V)
+    ggml_to_float_t   to_float_k[5];   // slot-A codebook (K tiles in flash attention)
 };
 
 #define NUQ_IMPL(name, sfx) { name,                                                                  \
     { quantize_nuq4_##sfx, quantize_nuq3_##sfx, quantize_nuq2_##sfx, quantize_nuq3o_##sfx, quantize_nuq2o_##sfx }, \
     { vec_dot_nuq4_##sfx,  vec_dot_nuq3_##sfx,  vec_dot_nuq2_##sfx,  vec_dot_nuq3o_##sfx,  vec_dot_nuq2o_##sfx },  \
-    { to_float_nuq4_##sfx, to_float_nuq3_##sfx, to_float_nuq2_##sfx, to_float_nuq3o_##sfx, to_float_nuq2o_##sfx } }
+    { to_float_nuq4_##sfx, to_float_nuq3_##sfx, to_float_nuq2_##sfx, to_float_nuq3o_##sfx, to_float_nuq2o_##sfx }, \
+    { to_float_k_nuq4_##sfx, to_float_k_nuq3_##sfx, to_float_k_nuq2_##sfx, to_float_k_nuq3o_##sfx, to_float_k_nuq2o_##sfx } }
 
 // the same variants, in the same order, as cpu/bfp.c's table (ggml_kvq_cpu_impl_* index both)
 static const struct nuq_impl nuq_impls[] = {
@@ -836,4 +843,9 @@ ggml_vec_dot_t ggml_kvq_nuq_cpu_impl_vec_dot(int i, enum ggml_type type) {
 ggml_to_float_t ggml_kvq_nuq_cpu_impl_to_float(int i, enum ggml_type type) {
     const int slot = nuq_slot(type);
     return i >= 0 && i < NUQ_N_IMPLS && slot >= 0 ? nuq_impls[i].to_float[slot] : NULL;
+}
+
+ggml_to_float_t ggml_kvq_nuq_cpu_impl_to_float_k(int i, enum ggml_type type) {
+    const int slot = nuq_slot(type);
+    return i >= 0 && i < NUQ_N_IMPLS && slot >= 0 ? nuq_impls[i].to_float_k[slot] : NULL;
 }

@@ -46,6 +46,18 @@ GGML_BACKEND_API void ggml_kvq_cpu_bind_codebooks(const int8_t * cb_a, const int
 // SIMD dequantizer for a pykvq type (V expansion in flash attention);
 // NULL for other types, which keep ggml's to_float.
 ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type);
+// The same for K rows (nuq: the slot-A codebook), for flash attention's K tiles.
+ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type);
+
+// Flash attention for the caches upstream's fast CPU paths leave to the per-row
+// loop (every quantized type, mixed K/V types): native/cpu/fattn.cpp, patch 0007.
+// _supported is false for f16/f32 K and V of one type (upstream's tiled and
+// split-KV paths), for inputs it does not take, and for every node when the
+// environment sets GGML_KVQ_FA=0 (the per-row path, for comparisons).
+struct ggml_compute_params;
+bool   ggml_kvq_fattn_supported(const struct ggml_tensor * dst);
+size_t ggml_kvq_fattn_work_size(const struct ggml_tensor * dst, int n_threads);
+void   ggml_kvq_fattn(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
 // Every compiled kernel variant ("generic", "avx2", "avx512", "neon", ...), so
 // the tests can hold each one against the reference. The last one is in use.
@@ -61,6 +73,7 @@ const char *      ggml_kvq_nuq_cpu_impl_name(int i);
 ggml_from_float_t ggml_kvq_nuq_cpu_impl_from_float(int i, enum ggml_type type);
 ggml_vec_dot_t    ggml_kvq_nuq_cpu_impl_vec_dot(int i, enum ggml_type type);
 ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float(int i, enum ggml_type type);
+ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float_k(int i, enum ggml_type type);
 
 // Entries for ggml-cpu.c's type_traits_cpu table (patch 0002).
 #define GGML_KVQ_TYPE_TRAITS_CPU                                                \

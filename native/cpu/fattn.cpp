@@ -1,0 +1,582 @@
+// CPU flash attention for quantized and mixed KV caches (patch 0007 routes
+// FLASH_ATTN_EXT here when ggml_kvq_fattn_supported() says so).
+//
+// Upstream's fast CPU paths (split-KV decode, tiled prefill) take only f16/f32
+// caches with K and V of one type. Every other cache runs row by row: each query
+// head quantizes Q, re-reads and re-decodes every K and V row on its own, one
+// vec_dot and one to_float per row, and decode parallelizes over heads only.
+// A smaller cache then reads fewer bytes but spends more time decoding them.
+//
+// Here the unit of work is one KV head with the query heads that share it (GQA)
+// and a tile of query tokens: R = tokens x heads rows. Each KV tile of T rows is
+// decoded to f32 once for all R rows:
+//   S = Q·Kᵀ    one f32 dot per (row, key) when R is small (decode), else a GEMM
+//               on the transposed K tile (prefill; upstream's simd_gemm)
+//   online softmax per row (mask, ALiBi slope, softcap), skipping masked tiles
+//   O += P·V    simd_gemm on the decoded V tile
+// When there are too few units to keep every thread busy (decode), the KV range
+// is cut into chunks and threads take (unit, chunk) items; the partial (max,
+// sum, O) of each chunk are merged at the end, as in upstream's split-KV path.
+//
+// K·Q differs from the per-row path in rounding only: Q stays f32 here where the
+// per-row path quantizes it to the K type's vec_dot_type (q8_0, bfp8_32, f16).
+#include "ggml-kvq-cpu.h"
+
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+#include "simd-gemm.h"
+#include "vec.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+constexpr int FA_TILE_KV   = 64;   // keys per tile: K and V tiles of 64 x 128 f32 stay in L2
+constexpr int FA_ROWS      = 64;   // target query rows (tokens x group heads) per unit
+constexpr int FA_GEMM_ROWS = 16;   // from this many rows on, S = Q·Kᵀ is a GEMM on a transposed K tile
+constexpr int FA_MIN_CHUNK = 256;  // shortest KV chunk worth a partial result
+constexpr int FA_PAD       = 16;   // floats between per-thread scratch areas (one cache line)
+
+struct fa_plan {
+    int64_t DK, DV, G, TQ, R, n_qt, n_units, n_chunks, chunk;
+    size_t  scratch;    // floats of scratch per thread
+    size_t  partials;   // floats of partial results, all items
+};
+
+fa_plan fa_make_plan(const ggml_tensor * dst, int nth) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+
+    fa_plan p;
+    p.DK   = k->ne[0];
+    p.DV   = v->ne[0];
+    p.G    = q->ne[2] / k->ne[2];                       // query heads per KV head
+    p.TQ   = std::min<int64_t>(q->ne[1], std::max<int64_t>(1, FA_ROWS / p.G));
+    p.R    = p.TQ * p.G;
+    p.n_qt = (q->ne[1] + p.TQ - 1) / p.TQ;
+    p.n_units = q->ne[3] * k->ne[2] * p.n_qt;
+
+    // split the KV range only when the units alone leave threads idle
+    const int64_t n_kv = k->ne[1];
+    p.n_chunks = 1;
+    if (nth > 1 && p.n_units < 4*nth && n_kv >= 2*FA_MIN_CHUNK) {
+        const int64_t want = (16*nth + p.n_units - 1) / p.n_units;
+        p.n_chunks = std::max<int64_t>(1, std::min<int64_t>(want, n_kv / FA_MIN_CHUNK));
+    }
+    p.chunk = (n_kv + p.n_chunks - 1) / p.n_chunks;
+    p.chunk = (p.chunk + FA_TILE_KV - 1) / FA_TILE_KV * FA_TILE_KV;
+    p.n_chunks = (n_kv + p.chunk - 1) / p.chunk;
+
+    // Q, K tile, K tile transposed, V tile, S/P, O, max, sum and ALiBi slope per row, mask rows per token
+    p.scratch = p.R*p.DK + FA_TILE_KV*p.DK*2 + FA_TILE_KV*p.DV + p.R*FA_TILE_KV + p.R*p.DV + 3*p.R
+              + p.TQ*FA_TILE_KV + FA_PAD;
+    p.partials = p.n_chunks > 1 ? (size_t) (p.n_units*p.n_chunks*p.R*(2 + p.DV)) : 0;
+    return p;
+}
+
+// GGML_KVQ_FA: unset or 1 = this path; 0 = upstream's per-row path; match = this
+// path with Q rounded through the K type's vec_dot_type first, as the per-row path
+// does, so the two agree to float summation order; all = this path for f16/f32
+// caches too (both for the equivalence tests).
+enum fa_mode { FA_ON, FA_OFF, FA_MATCH, FA_ALL };
+
+// read on every node (a few per layer; getenv is cheap next to attention) so a
+// test can switch paths within one process
+fa_mode fa_env_mode() {
+    const char * e = getenv("GGML_KVQ_FA");
+    if (e == nullptr) {
+        return FA_ON;
+    }
+    return strcmp(e, "0")     == 0 ? FA_OFF   :
+           strcmp(e, "match") == 0 ? FA_MATCH :
+           strcmp(e, "all")   == 0 ? FA_ALL   : FA_ON;
+}
+
+void fa_f16_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) x, y, n);
+}
+
+void fa_f32_copy(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    memcpy(y, x, n*sizeof(float));
+}
+
+// q8_0 / q4_0 rows with this target's SIMD (ggml-base's to_float is scalar and
+// built for the baseline ISA); blocks as in ggml-common.h
+struct fa_block_q8_0 { ggml_fp16_t d; int8_t  qs[32]; };
+struct fa_block_q4_0 { ggml_fp16_t d; uint8_t qs[16]; };
+static_assert(sizeof(fa_block_q8_0) == 34 && sizeof(fa_block_q4_0) == 18, "ggml block layout");
+
+#if defined(__AVX2__) && defined(__F16C__)
+// 8 int8 -> 8 floats times d
+inline void fa_store8(float * y, __m128i q8, __m256 d) {
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d));
+}
+#endif
+
+void fa_q8_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    const fa_block_q8_0 * b = (const fa_block_q8_0 *) x;
+    for (int64_t i = 0; i < n/32; ++i, y += 32) {
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d));
+        for (int g = 0; g < 4; ++g) {
+            fa_store8(y + 8*g, _mm_loadl_epi64((const __m128i *) (b[i].qs + 8*g)), d);
+        }
+#else
+        const float d = GGML_CPU_FP16_TO_FP32(b[i].d);
+        for (int j = 0; j < 32; ++j) {
+            y[j] = d*(float) b[i].qs[j];
+        }
+#endif
+    }
+}
+
+void fa_q4_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    const fa_block_q4_0 * b = (const fa_block_q4_0 *) x;
+    for (int64_t i = 0; i < n/32; ++i, y += 32) {
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256  d  = _mm256_set1_ps(_cvtsh_ss(b[i].d));
+        const __m128i m4 = _mm_set1_epi8(0x0F), c8 = _mm_set1_epi8(8);
+        const __m128i q  = _mm_loadu_si128((const __m128i *) b[i].qs);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), c8);                     // values 0..15
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), c8);  // values 16..31
+        fa_store8(y +  0, lo, d);
+        fa_store8(y +  8, _mm_unpackhi_epi64(lo, lo), d);
+        fa_store8(y + 16, hi, d);
+        fa_store8(y + 24, _mm_unpackhi_epi64(hi, hi), d);
+#else
+        const float d = GGML_CPU_FP16_TO_FP32(b[i].d);
+        for (int j = 0; j < 16; ++j) {
+            y[j]      = d*(float) ((int) (b[i].qs[j] & 0x0F) - 8);
+            y[j + 16] = d*(float) ((int) (b[i].qs[j] >>   4) - 8);
+        }
+#endif
+    }
+}
+
+// row decoder for a cache type; K rows of nuq types use the K codebook (slot A)
+ggml_to_float_t fa_to_float(ggml_type type, bool is_k) {
+    switch (type) {
+        case GGML_TYPE_F32:  return fa_f32_copy;
+        case GGML_TYPE_F16:  return fa_f16_to_f32;
+        case GGML_TYPE_Q8_0: return fa_q8_0_to_f32;
+        case GGML_TYPE_Q4_0: return fa_q4_0_to_f32;
+        default: break;
+    }
+    if (ggml_to_float_t f = is_k ? ggml_kvq_cpu_to_float_k(type) : ggml_kvq_cpu_to_float(type)) {
+        return f;
+    }
+    return ggml_get_type_traits(type)->to_float;
+}
+
+// Q row -> K's vec_dot_type -> f32 (FA_MATCH only); f32/f16 K: Q as f16, as upstream
+void fa_round_q(ggml_type k_type, float * x, int64_t n, void * tmp) {
+    const ggml_type vt = ggml_get_type_traits_cpu(k_type)->vec_dot_type;
+    if (vt == GGML_TYPE_F32) {
+        return;
+    }
+    ggml_get_type_traits_cpu(vt)->from_float(x, tmp, n);
+    fa_to_float(vt, false)(tmp, x, n);
+}
+
+inline float fa_slope(float max_bias, uint32_t h, uint32_t n_head) {
+    if (max_bias <= 0.0f) {
+        return 1.0f;
+    }
+    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
+    const float m0 = powf(2.0f, -(max_bias       ) / n_head_log2);
+    const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
+    return h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1);
+}
+
+#if defined(GGML_SIMD) && !defined(__ARM_FEATURE_SVE) && !defined(__riscv_v_intrinsic)
+#define FA_SIMD 1
+inline float fa_hsum(GGML_F32_VEC v) {
+#if defined(__AVX512F__) && GGML_F32_EPR == 16
+    return _mm512_reduce_add_ps(v);
+#elif defined(__AVX__) && GGML_F32_EPR == 8
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#elif defined(__ARM_NEON) && defined(__aarch64__) && GGML_F32_EPR == 4
+    return vaddvq_f32(v);
+#else
+    float tmp[GGML_F32_EPR];
+    GGML_F32_VEC_STORE(tmp, v);
+    float sum = 0.0f;
+    for (int i = 0; i < GGML_F32_EPR; ++i) {
+        sum += tmp[i];
+    }
+    return sum;
+#endif
+}
+#endif
+
+// S[r*n + t] = Q_r·K_t for a few rows (decode): four keys per pass share each load of Q
+void fa_dots(const float * Q, int64_t R, int64_t DK, const float * Kf, int64_t n, float * S) {
+#ifdef FA_SIMD
+    constexpr int E = GGML_F32_EPR;
+    if (DK % E == 0) {
+        for (int64_t r = 0; r < R; ++r) {
+            const float * q  = Q + r*DK;
+            float       * sr = S + r*n;
+            int64_t t = 0;
+            for (; t + 4 <= n; t += 4) {
+                const float * k = Kf + t*DK;
+                GGML_F32_VEC a0 = GGML_F32_VEC_ZERO, a1 = GGML_F32_VEC_ZERO, a2 = GGML_F32_VEC_ZERO, a3 = GGML_F32_VEC_ZERO;
+                for (int64_t d = 0; d < DK; d += E) {
+                    const GGML_F32_VEC qv = GGML_F32_VEC_LOAD(q + d);
+                    a0 = GGML_F32_VEC_FMA(a0, GGML_F32_VEC_LOAD(k + 0*DK + d), qv);
+                    a1 = GGML_F32_VEC_FMA(a1, GGML_F32_VEC_LOAD(k + 1*DK + d), qv);
+                    a2 = GGML_F32_VEC_FMA(a2, GGML_F32_VEC_LOAD(k + 2*DK + d), qv);
+                    a3 = GGML_F32_VEC_FMA(a3, GGML_F32_VEC_LOAD(k + 3*DK + d), qv);
+                }
+                sr[t + 0] = fa_hsum(a0);
+                sr[t + 1] = fa_hsum(a1);
+                sr[t + 2] = fa_hsum(a2);
+                sr[t + 3] = fa_hsum(a3);
+            }
+            for (; t < n; ++t) {
+                ggml_vec_dot_f32((int) DK, sr + t, 0, q, 0, Kf + t*DK, 0, 1);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < R; ++r) {
+        for (int64_t t = 0; t < n; ++t) {
+            ggml_vec_dot_f32((int) DK, S + r*n + t, 0, Q + r*DK, 0, Kf + t*DK, 0, 1);
+        }
+    }
+}
+
+// max of a row, eight independent chains (ggml_vec_max_f32 is one serial chain)
+inline float fa_max(const float * x, int64_t n) {
+    float m[8] = { -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY };
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+            m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+        }
+    }
+    for (; i < n; ++i) {
+        m[0] = x[i] > m[0] ? x[i] : m[0];
+    }
+    for (int j = 1; j < 8; ++j) {
+        m[0] = m[j] > m[0] ? m[j] : m[0];
+    }
+    return m[0];
+}
+
+// One (unit, KV range) item: rows are (token jj, group head g) at r = jj*G + g.
+// Leaves the unnormalized O, the running max M and the sum S per row in scratch.
+struct fa_unit {
+    int64_t iq3, ik2, j0, nt, R;
+};
+
+fa_unit fa_unit_at(const fa_plan & p, const ggml_tensor * q, int64_t u) {
+    fa_unit w;
+    const int64_t n_kvh = q->ne[2] / p.G;
+    w.iq3 = u / (n_kvh*p.n_qt);
+    w.ik2 = (u / p.n_qt) % n_kvh;
+    w.j0  = (u % p.n_qt) * p.TQ;
+    w.nt  = std::min<int64_t>(p.TQ, q->ne[1] - w.j0);
+    w.R   = w.nt * p.G;
+    return w;
+}
+
+struct fa_scratch {
+    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask;
+};
+
+fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
+    fa_scratch s;
+    s.Q    = base;
+    s.Kf   = s.Q  + p.R*p.DK;
+    s.Kt   = s.Kf + FA_TILE_KV*p.DK;
+    s.Vf   = s.Kt + FA_TILE_KV*p.DK;
+    s.S    = s.Vf + FA_TILE_KV*p.DV;
+    s.O    = s.S  + p.R*FA_TILE_KV;
+    s.M    = s.O  + p.R*p.DV;
+    s.L    = s.M  + p.R;
+    s.slope = s.L + p.R;
+    s.mask = s.slope + p.R;
+    return s;
+}
+
+void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, int64_t ic0, int64_t ic1,
+                 const fa_scratch & s, ggml_to_float_t k_to_float, ggml_to_float_t v_to_float, bool match) {
+    const ggml_tensor * q    = dst->src[0];
+    const ggml_tensor * k    = dst->src[1];
+    const ggml_tensor * v    = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+
+    float scale, max_bias, softcap;
+    memcpy(&scale,    (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) dst->op_params + 2, sizeof(float));
+    if (softcap != 0.0f) {
+        scale /= softcap;
+    }
+
+    const int64_t DK = p.DK, DV = p.DV, G = p.G, R = w.R;
+    const int64_t ik3 = w.iq3 / (q->ne[3] / k->ne[3]);
+    const int64_t iv3 = w.iq3 / (q->ne[3] / v->ne[3]);
+    const uint32_t n_head = (uint32_t) q->ne[2];
+
+    // Q rows, pre-scaled: S = (scale·Q)·K
+    for (int64_t jj = 0; jj < w.nt; ++jj) {
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = w.ik2*G + g;
+            const float * pq = (const float *) ((const char *) q->data + (w.j0 + jj)*q->nb[1] + h*q->nb[2] + w.iq3*q->nb[3]);
+            float * qr = s.Q + (jj*G + g)*DK;
+            if (match) {
+                memcpy(qr, pq, DK*sizeof(float));
+                fa_round_q(k->type, qr, DK, s.Kt); // the K tiles are not in use yet
+                ggml_vec_scale_f32((int) DK, qr, scale);
+            } else {
+                for (int64_t d = 0; d < DK; ++d) {
+                    qr[d] = pq[d]*scale;
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        s.M[r] = -INFINITY;
+        s.L[r] = 0.0f;
+        s.slope[r] = fa_slope(max_bias, (uint32_t) (w.ik2*G + r % G), n_head);
+    }
+    memset(s.O, 0, R*DV*sizeof(float));
+
+    // one mask row per token serves every head of the group unless the mask has a head dimension
+    const bool mask_per_head = mask && mask->ne[2] > 1;
+
+    for (int64_t ic = ic0; ic < ic1; ic += FA_TILE_KV) {
+        const int64_t n = std::min<int64_t>(FA_TILE_KV, ic1 - ic);
+
+        if (mask && !mask_per_head) {
+            bool all_masked = true;
+            for (int64_t jj = 0; jj < w.nt; ++jj) {
+                const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (w.j0 + jj)*mask->nb[1]
+                                                                + (w.iq3 % mask->ne[3])*mask->nb[3]) + ic;
+                float * mr = s.mask + jj*FA_TILE_KV;
+                ggml_cpu_fp16_to_fp32(mp, mr, n);
+                for (int64_t t = 0; t < n && all_masked; ++t) {
+                    all_masked = mr[t] == -INFINITY;
+                }
+            }
+            if (all_masked) {
+                continue;
+            }
+        }
+
+        // K tile -> f32, then S = Q·Kᵀ (S is R x n, row stride n)
+        for (int64_t t = 0; t < n; ++t) {
+            k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
+        }
+        if (R >= FA_GEMM_ROWS) {
+            for (int64_t t = 0; t < n; ++t) {
+                for (int64_t d = 0; d < DK; ++d) {
+                    s.Kt[d*n + t] = s.Kf[t*DK + d];
+                }
+            }
+            memset(s.S, 0, R*n*sizeof(float));
+            simd_gemm(s.S, s.Q, s.Kt, (int) R, (int) DK, (int) n);
+        } else {
+            fa_dots(s.Q, R, DK, s.Kf, n, s.S);
+        }
+
+        // softcap, mask, online softmax; P overwrites S
+        for (int64_t r = 0; r < R; ++r) {
+            float * sr = s.S + r*n;
+            if (softcap != 0.0f) {
+                for (int64_t t = 0; t < n; ++t) {
+                    sr[t] = softcap*tanhf(sr[t]);
+                }
+            }
+            if (mask) {
+                const float sl = s.slope[r];
+                const float * mr;
+                if (mask_per_head) {
+                    const int64_t h = w.ik2*G + r % G;
+                    const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (w.j0 + r/G)*mask->nb[1]
+                                                                    + (h % mask->ne[2])*mask->nb[2] + (w.iq3 % mask->ne[3])*mask->nb[3]) + ic;
+                    ggml_cpu_fp16_to_fp32(mp, s.mask, n);
+                    mr = s.mask;
+                } else {
+                    mr = s.mask + (r/G)*FA_TILE_KV;
+                }
+                if (sl == 1.0f) {
+                    ggml_vec_add_f32((int) n, sr, sr, mr);
+                } else {
+                    for (int64_t t = 0; t < n; ++t) {
+                        sr[t] += sl*mr[t];
+                    }
+                }
+            }
+            const float tile_max = fa_max(sr, n);
+            if (tile_max == -INFINITY) {
+                memset(sr, 0, n*sizeof(float));
+                continue;
+            }
+            const float m_new = std::max(s.M[r], tile_max);
+            if (m_new > s.M[r]) {
+                const float ms = expf(s.M[r] - m_new);
+                ggml_vec_scale_f32((int) DV, s.O + r*DV, ms);
+                s.L[r] *= ms;
+                s.M[r] = m_new;
+            }
+            s.L[r] += (float) ggml_vec_soft_max_f32((int) n, sr, sr, m_new);
+        }
+
+        // V tile -> f32, O += P·V
+        for (int64_t t = 0; t < n; ++t) {
+            v_to_float((const char *) v->data + (ic + t)*v->nb[1] + w.ik2*v->nb[2] + iv3*v->nb[3], s.Vf + t*DV, DV);
+        }
+        simd_gemm(s.O, s.S, s.Vf, (int) R, (int) n, (int) DV);
+    }
+}
+
+// attention sinks (one extra logit per head, no value), then O/L into dst
+void fa_finish_row(const ggml_tensor * dst, int64_t iq1, int64_t h, int64_t iq3, float M, float L, float * O) {
+    const ggml_tensor * sinks = dst->src[4];
+    const int64_t DV = dst->ne[0];
+    if (sinks) {
+        const float sv = ((const float *) sinks->data)[h];
+        if (sv > M) {
+            const float ms = expf(M - sv);
+            ggml_vec_scale_f32((int) DV, O, ms);
+            L = L*ms + 1.0f;
+        } else {
+            L += expf(sv - M);
+        }
+    }
+    ggml_vec_scale_f32((int) DV, O, L == 0.0f ? 0.0f : 1.0f/L);
+    // dst is permuted (0, 2, 1, 3): head-major within a token
+    memcpy((char *) dst->data + (iq3*dst->ne[2]*dst->ne[1] + h + iq1*dst->ne[1])*dst->nb[1], O, DV*sizeof(float));
+}
+
+} // namespace
+
+bool ggml_kvq_fattn_supported(const ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+    const fa_mode mode = fa_env_mode();
+    if (mode == FA_OFF || q->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) {
+        return false;
+    }
+    const bool plain_k = k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32;
+    if (plain_k && k->type == v->type && mode != FA_ALL) {
+        return false; // upstream's tiled / split-KV paths
+    }
+    if (!fa_to_float(k->type, true) || !fa_to_float(v->type, false)) {
+        return false;
+    }
+    if (q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0 || q->ne[3] % v->ne[3] != 0 || k->ne[2] != v->ne[2]) {
+        return false;
+    }
+    const ggml_tensor * mask = dst->src[3];
+    if (mask && mask->type != GGML_TYPE_F16) {
+        return false;
+    }
+    return true;
+}
+
+size_t ggml_kvq_fattn_work_size(const ggml_tensor * dst, int n_threads) {
+    if (!ggml_kvq_fattn_supported(dst)) {
+        return 0;
+    }
+    const fa_plan p = fa_make_plan(dst, n_threads);
+    return sizeof(float)*(p.scratch*n_threads + p.partials);
+}
+
+void ggml_kvq_fattn(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    const fa_plan p = fa_make_plan(dst, nth);
+    GGML_ASSERT(params->wsize >= sizeof(float)*(p.scratch*nth + p.partials));
+
+    const ggml_to_float_t k_to_float = fa_to_float(k->type, true);
+    const ggml_to_float_t v_to_float = fa_to_float(v->type, false);
+
+    const bool match = fa_env_mode() == FA_MATCH;
+
+    float * wdata    = (float *) params->wdata;
+    float * partials = wdata + p.scratch*nth;
+    const fa_scratch s = fa_scratch_at(p, wdata + p.scratch*ith);
+    const int64_t n_kv    = k->ne[1];
+    const int64_t n_items = p.n_units*p.n_chunks;
+    const size_t  psize   = 2 + p.DV;   // M, L, O per row
+
+    // items are handed out dynamically: units differ in work when the mask skips tiles
+    if (ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, nth);
+    }
+    ggml_barrier(params->threadpool);
+
+    for (int64_t it = ith; it < n_items; it = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+        const int64_t u   = it / p.n_chunks;
+        const int64_t c   = it % p.n_chunks;
+        const fa_unit w   = fa_unit_at(p, q, u);
+        const int64_t ic0 = c*p.chunk;
+        const int64_t ic1 = std::min(n_kv, ic0 + p.chunk);
+        fa_run_item(p, dst, w, ic0, ic1, s, k_to_float, v_to_float, match);
+
+        for (int64_t r = 0; r < w.R; ++r) {
+            const int64_t iq1 = w.j0 + r / p.G;
+            const int64_t h   = w.ik2*p.G + r % p.G;
+            if (p.n_chunks == 1) {
+                fa_finish_row(dst, iq1, h, w.iq3, s.M[r], s.L[r], s.O + r*p.DV);
+            } else {
+                float * pr = partials + ((u*p.n_chunks + c)*p.R + r)*psize;
+                pr[0] = s.M[r];
+                pr[1] = s.L[r];
+                memcpy(pr + 2, s.O + r*p.DV, p.DV*sizeof(float));
+            }
+        }
+    }
+
+    if (p.n_chunks == 1) {
+        return;
+    }
+
+    // merge the chunks of each (unit, row)
+    ggml_barrier(params->threadpool);
+    float * O = s.O;
+    for (int64_t ur = ith; ur < p.n_units*p.R; ur += nth) {
+        const int64_t u = ur / p.R;
+        const int64_t r = ur % p.R;
+        const fa_unit w = fa_unit_at(p, q, u);
+        if (r >= w.R) {
+            continue;
+        }
+        float M = -INFINITY, L = 0.0f;
+        memset(O, 0, p.DV*sizeof(float));
+        for (int64_t c = 0; c < p.n_chunks; ++c) {
+            const float * pr = partials + ((u*p.n_chunks + c)*p.R + r)*psize;
+            if (pr[1] == 0.0f) {
+                continue;
+            }
+            const float m_new = std::max(M, pr[0]);
+            const float a = expf(M - m_new);
+            const float b = expf(pr[0] - m_new);
+            ggml_vec_scale_f32((int) p.DV, O, a);
+            ggml_vec_mad_f32((int) p.DV, O, pr + 2, b);
+            L = L*a + pr[1]*b;
+            M = m_new;
+        }
+        fa_finish_row(dst, w.j0 + r / p.G, w.ik2*p.G + r % p.G, w.iq3, M, L, O);
+    }
+}

@@ -1,0 +1,40 @@
+"""A small ggml graph harness for op-level tests on the CPU backend (through pykvq's cffi binding)."""
+from __future__ import annotations
+
+import numpy as np
+
+from pykvq import cache_types
+from pykvq._lib import ffi, lib
+
+
+class Graph:
+    """A ggml context with a few helpers; tensors are filled from / read into numpy."""
+
+    def __init__(self, mem: int = 64 << 20):
+        self.L = lib()
+        p = ffi.new("struct ggml_init_params *", {"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": False})
+        self.ctx = self.L.ggml_init(p[0])
+        self.gf = self.L.ggml_new_graph(self.ctx)
+
+    def tensor(self, type_name: str, *ne, data: np.ndarray | None = None):
+        tid = cache_types.CACHE_TYPES.get(type_name, {"i64": 27, "i32": 26}.get(type_name))
+        t = getattr(self.L, f"ggml_new_tensor_{len(ne)}d")(self.ctx, tid, *ne)
+        if data is not None:
+            b = np.ascontiguousarray(data).tobytes()
+            assert len(b) == self.L.ggml_nbytes(t)
+            ffi.memmove(self.L.ggml_get_data(t), b, len(b))
+        return t
+
+    def raw(self, t) -> bytes:
+        return bytes(ffi.buffer(self.L.ggml_get_data(t), self.L.ggml_nbytes(t)))
+
+    def f32(self, t) -> np.ndarray:
+        return np.frombuffer(self.raw(t), np.float32).copy()
+
+    def compute(self, *outs, n_threads: int = 2):
+        for o in outs:
+            self.L.ggml_build_forward_expand(self.gf, o)
+        assert self.L.ggml_graph_compute_with_ctx(self.ctx, self.gf, n_threads) == 0
+
+    def close(self):
+        self.L.ggml_free(self.ctx)
