@@ -359,22 +359,28 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     const bool mask_per_head = mask && mask->ne[2] > 1;
 
     for (int64_t ic = ic0; ic < ic1; ic += FA_TILE_KV) {
-        const int64_t n = std::min<int64_t>(FA_TILE_KV, ic1 - ic);
+        int64_t n = std::min<int64_t>(FA_TILE_KV, ic1 - ic);
 
+        // keys after the last one any row sees are neither decoded nor used (the end of the
+        // filled cache, the causal edge); a tile nobody sees is skipped
         if (mask && !mask_per_head) {
-            bool all_masked = true;
+            int64_t n_vis = 0;
             for (int64_t jj = 0; jj < w.nt; ++jj) {
                 const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (w.j0 + jj)*mask->nb[1]
                                                                 + (w.iq3 % mask->ne[3])*mask->nb[3]) + ic;
                 float * mr = s.mask + jj*FA_TILE_KV;
                 ggml_cpu_fp16_to_fp32(mp, mr, n);
-                for (int64_t t = 0; t < n && all_masked; ++t) {
-                    all_masked = mr[t] == -INFINITY;
+                for (int64_t t = n - 1; t >= n_vis; --t) {
+                    if (mr[t] != -INFINITY) {
+                        n_vis = t + 1;
+                        break;
+                    }
                 }
             }
-            if (all_masked) {
+            if (n_vis == 0) {
                 continue;
             }
+            n = n_vis;
         }
 
         // K tile -> f32, then S = Q·Kᵀ (S is R x n, row stride n)
