@@ -158,18 +158,6 @@ def run_convert(*args, check=True):
 
 
 @pytest.fixture(scope="session")
-def smollm2_f32(smollm2, tmp_path_factory):
-    """The same model with every tensor dequantized to f32 (a GGUF input whose matmuls are exact)."""
-    out = tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf"
-    m = read_gguf(smollm2)
-    for n, t in list(m.tensors.items()):
-        if t.qtype.name != "F32":
-            m.tensors[n] = rows.from_f32(n, rows.to_f32(t), "f32")
-    write_gguf(m, out)
-    return out
-
-
-@pytest.fixture(scope="session")
 def eval_tokens(smollm2, passage):
     with Model(smollm2, n_ctx=512) as m:
         return m.tokenize(passage)[:256]
