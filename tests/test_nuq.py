@@ -462,8 +462,10 @@ def test_graph_ops_use_the_node_codebooks(kt, vt):
         got = g.f32(mm).reshape(NQ, NKV)
         assert np.all(np.abs(got - want) <= 1e-5 * mag + 1e-30)
 
-        # attention: softmax(scale K·Q) V, V expanded with its own codebook
-        p = np.exp(scale * want - (scale * want).max(axis=1, keepdims=True))
+        # attention: softmax(scale K·Q) V, V expanded with its own codebook; the flash-attention
+        # path for quantized caches (native/cpu/fattn.cpp) keeps Q in f32
+        s_ = scale * (qsrc.astype(np.float64) @ kd.T.astype(np.float64))
+        p = np.exp(s_ - s_.max(axis=1, keepdims=True))
         att = (p / p.sum(axis=1, keepdims=True)) @ vd.astype(np.float64)
         out = g.f32(fa).reshape(NQ, D)
         err = np.abs(out - att).max() / np.abs(att).max()
