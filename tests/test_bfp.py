@@ -2,9 +2,7 @@
 every kernel variant against the scalar code, and the types end to end."""
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import numpy as np
@@ -17,6 +15,7 @@ from pykvq.model import check_block_fits
 from pykvq.ref import bfp
 
 from conftest import REPO, run_tool
+from native_build import run_check
 
 FORMATS = list(bfp.FORMATS)
 
@@ -156,37 +155,12 @@ BUILDS = {
 }
 
 
-def _cpu_flags() -> str:
-    try:
-        return open("/proc/cpuinfo").read()
-    except OSError:
-        return ""
-
-
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_kernel_variant_matches_generic(build, tmp_path):
     """native/tests/bfp_check.c compiled for each ISA: every variant it contains
     against the generic code (which the tests above hold to numpy)."""
-    cc, flags, runner = BUILDS[build]
-    if not shutil.which(cc) or (runner and not shutil.which(runner)):
-        pytest.skip(f"{cc}{' / ' + runner if runner else ''} not installed (apt: gcc-aarch64-linux-gnu qemu-user)")
-    need = {"-mavx512vnni": "avx512_vnni", "-mavx512f": "avx512bw", "-mavx2": "avx2"}
-    if not runner:
-        for flag, cpu in need.items():
-            if flag in flags and cpu not in _cpu_flags():
-                pytest.skip(f"this CPU lacks {cpu}")
-    src = REPO / "native"
-    inc = [f"-I{src / 'include'}", f"-I{REPO / 'third_party/llama.cpp/ggml/include'}"]
-    exe = tmp_path / "bfp_check"
-    cmd = [cc, "-O2", "-std=c11", *flags, *inc, str(src / "tests/bfp_check.c"), str(src / "cpu/bfp.c"),
-           str(src / "bfp.c"), str(src / "cpu/nuq.c"), str(src / "nuq.c"), str(src / "ggml-kvq.c"),
-           "-lm", "-o", str(exe)]   # cpu/bfp.c's impl table hands nuq types to cpu/nuq.c
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    run = [runner, "-L", "/usr/aarch64-linux-gnu", str(exe)] if runner else [str(exe)]
-    res = subprocess.run(run, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    n = int(re.search(r"impls (\d+)", res.stdout).group(1))
-    assert n >= 2, f"{build} compiled no SIMD variant:\n{res.stdout}"
+    n = run_check("bfp_check", *BUILDS[build], tmp_path)
+    assert n >= 2, f"{build} compiled {n} kernel variant(s), no SIMD one"
 
 
 # ---- end to end on the real model --------------------------------------------------------

@@ -5,8 +5,6 @@ and the types end to end on SmolLM2."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,7 +14,8 @@ from pykvq._lib import ffi, lib
 from pykvq.ref import nuq
 from pykvq.ref.stock import roundtrip_q8_0
 
-from conftest import REPO, run_tool
+from conftest import run_tool
+from native_build import run_check
 from ggml_graph import Graph
 
 # the edge cases overflow / divide by zero in the numpy reference on purpose
@@ -336,37 +335,13 @@ BUILDS = {
 }
 
 
-def _cpu_flags() -> str:
-    try:
-        return open("/proc/cpuinfo").read()
-    except OSError:
-        return ""
-
-
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_kernel_variant_matches_reference_standalone(build, tmp_path):
     """native/tests/nuq_check.c compiled for each ISA: every variant's quantizer equals
     the C reference byte for byte, to_float the generic one bit for bit, vec_dot the
     generic one within 1e-5 of the sum of |terms|; fallback and random codebooks."""
-    cc, flags, runner = BUILDS[build]
-    if not shutil.which(cc) or (runner and not shutil.which(runner)):
-        pytest.skip(f"{cc}{' / ' + runner if runner else ''} not installed (apt: gcc-aarch64-linux-gnu qemu-user)")
-    need = {"-mavx512vnni": "avx512_vnni", "-mavx512f": "avx512bw", "-mavx2": "avx2"}
-    if not runner:
-        for flag, cpu in need.items():
-            if flag in flags and cpu not in _cpu_flags():
-                pytest.skip(f"this CPU lacks {cpu}")
-    src = REPO / "native"
-    inc = [f"-I{src / 'include'}", f"-I{REPO / 'third_party/llama.cpp/ggml/include'}"]
-    exe = tmp_path / "nuq_check"
-    cmd = [cc, "-O2", "-std=c11", *flags, *inc, str(src / "tests/nuq_check.c"), str(src / "cpu/nuq.c"),
-           str(src / "cpu/bfp.c"), str(src / "nuq.c"), str(src / "bfp.c"), str(src / "ggml-kvq.c"), "-lm", "-o", str(exe)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    run = [runner, "-L", "/usr/aarch64-linux-gnu", str(exe)] if runner else [str(exe)]
-    res = subprocess.run(run, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    n = int(re.search(r"impls (\d+)", res.stdout).group(1))
-    assert n >= (1 if build == "x86-generic" else 2), f"{build} compiled no SIMD variant:\n{res.stdout}"
+    n = run_check("nuq_check", *BUILDS[build], tmp_path)
+    assert n >= (1 if build == "x86-generic" else 2), f"{build} compiled {n} kernel variant(s), no SIMD one"
 
 
 # ---- the codebook contract on real ggml graphs (CPU backend) --------------------------------
