@@ -20,6 +20,8 @@
 //
 // K·Q differs from the per-row path in rounding only: Q stays f32 here where the
 // per-row path quantizes it to the K type's vec_dot_type (q8_0, bfp8_32, f16).
+#define GGML_COMMON_DECL_CPP
+#include "ggml-common.h"     // block_q8_0, block_q4_0
 #include "ggml-kvq-cpu.h"
 
 #include "ggml-cpu-impl.h"
@@ -109,10 +111,7 @@ void fa_f32_copy(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t 
 }
 
 // q8_0 / q4_0 rows with this target's SIMD (ggml-base's to_float is scalar and
-// built for the baseline ISA); blocks as in ggml-common.h
-struct fa_block_q8_0 { ggml_fp16_t d; int8_t  qs[32]; };
-struct fa_block_q4_0 { ggml_fp16_t d; uint8_t qs[16]; };
-static_assert(sizeof(fa_block_q8_0) == 34 && sizeof(fa_block_q4_0) == 18, "ggml block layout");
+// built for the baseline ISA)
 
 #if defined(__AVX2__) && defined(__F16C__)
 // 8 int8 -> 8 floats times d
@@ -122,8 +121,8 @@ inline void fa_store8(float * y, __m128i q8, __m256 d) {
 #endif
 
 void fa_q8_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
-    const fa_block_q8_0 * b = (const fa_block_q8_0 *) x;
-    for (int64_t i = 0; i < n/32; ++i, y += 32) {
+    const block_q8_0 * b = (const block_q8_0 *) x;
+    for (int64_t i = 0; i < n/QK8_0; ++i, y += QK8_0) {
 #if defined(__AVX2__) && defined(__F16C__)
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d));
         for (int g = 0; g < 4; ++g) {
@@ -139,8 +138,8 @@ void fa_q8_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64
 }
 
 void fa_q4_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
-    const fa_block_q4_0 * b = (const fa_block_q4_0 *) x;
-    for (int64_t i = 0; i < n/32; ++i, y += 32) {
+    const block_q4_0 * b = (const block_q4_0 *) x;
+    for (int64_t i = 0; i < n/QK4_0; ++i, y += QK4_0) {
 #if defined(__AVX2__) && defined(__F16C__)
         const __m256  d  = _mm256_set1_ps(_cvtsh_ss(b[i].d));
         const __m128i m4 = _mm_set1_epi8(0x0F), c8 = _mm_set1_epi8(8);
@@ -275,8 +274,7 @@ inline float fa_max(const float * x, int64_t n) {
     return m[0];
 }
 
-// One (unit, KV range) item: rows are (token jj, group head g) at r = jj*G + g.
-// Leaves the unnormalized O, the running max M and the sum S per row in scratch.
+// a unit: KV head ik2 of sequence iq3 with its G query heads, tokens j0 .. j0+nt
 struct fa_unit {
     int64_t iq3, ik2, j0, nt, R;
 };
@@ -311,6 +309,8 @@ fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
     return s;
 }
 
+// One (unit, KV range) item: rows are (token jj, group head g) at r = jj*G + g.
+// Leaves the unnormalized O, the running max M and the sum L per row in scratch.
 void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, int64_t ic0, int64_t ic1,
                  const fa_scratch & s, ggml_to_float_t k_to_float, ggml_to_float_t v_to_float, bool match) {
     const ggml_tensor * q    = dst->src[0];
