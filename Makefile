@@ -2,6 +2,7 @@
 #
 #   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2, answer a question with a q4_0 cache
 #   make test   the same set-up, then pytest
+#   make results  the same set-up, then the evaluation/benchmark suite -> docs/RESULTS.md (RESULTS_ARGS="--models smollm2-135m,qwen2.5-coder-1.5b")
 #
 # Options: CMAKE_ARGS="-DPYKVQ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"  JOBS=16  PYTEST_ARGS="-k kld"
 PY      ?= python3
@@ -14,13 +15,16 @@ VPY     := $(VENV)/bin/python
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: demo test setup fetch build clean distclean
+.PHONY: demo test results setup fetch build clean distclean
 
 demo: setup build
 	$(VPY) -m pykvq demo
 
 test: setup build
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+results: setup build
+	$(VPY) -m pykvq results $(RESULTS_ARGS)
 
 setup: $(VENV)/.pykvq-setup
 

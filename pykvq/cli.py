@@ -1,9 +1,11 @@
-"""pykvq command line: generate, perplexity, kld, info, fetch, demo.
+"""pykvq command line: generate, perplexity, kld, info, fetch, demo, and the suite
+(eval, bench, passkey, report, results).
 
     pykvq generate "What is the capital of France?" -ctk q8_0 -ctv q4_0
     pykvq perplexity -ctk q4_0 -ctv q4_0 --chunks 20
     pykvq kld -ctk q4_0 -ctv q4_0 --chunks 20          # against an f16 cache
     pykvq info
+    pykvq results [--quick]                             # eval + bench + passkey + docs/RESULTS.md
 """
 from __future__ import annotations
 
@@ -175,6 +177,87 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _suite_dirs(args):
+    from pathlib import Path
+    out = Path(args.out or ("results/quick" if getattr(args, "quick", False) else "results"))
+    docs = Path(args.docs or (out / "docs" if getattr(args, "quick", False) else "docs"))
+    return out, docs
+
+
+def _suite_model(args):
+    from .models import MODELS, fetch
+    name = args.model or "smollm2-135m"
+    if name in MODELS:
+        return name, fetch(name, progress=True)
+    from pathlib import Path
+    p = Path(name)
+    if not p.is_file():
+        raise PykvqError(f"model {name!r}: not a file and not a known model ({', '.join(MODELS)})")
+    return p.stem, p
+
+
+def cmd_eval(args) -> int:
+    from .data import eval_text
+    from .suite import quality, report
+    from .suite.settings import matrix
+    name, src = _suite_model(args)
+    settings = matrix(args.settings)
+    text, text_name = eval_text(args.file)
+    out, _ = _suite_dirs(args)
+    store = quality.run(src, settings, out / f"eval_{name}.json", text=text, text_name=text_name,
+                        n_ctx=args.n_ctx, chunks=args.chunks, progress=True)
+    print("\n".join(report.quality_md({"meta": store.meta, "rows": store.rows}, name, None)))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .suite import report, speed
+    from .suite.run import type_pairs
+    name, src = _suite_model(args)
+    out, _ = _suite_dirs(args)
+    store = speed.run(src, type_pairs(args.types), out / f"bench_{name}.json",
+                      depths=[int(d) for d in args.depths.split(",")], pp=args.pp, tg=args.tg,
+                      threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    print("\n".join(report.speed_md({"meta": store.meta, "rows": store.rows}, name, None)))
+    return 0
+
+
+def cmd_passkey(args) -> int:
+    from .suite import passkey, report
+    from .suite.run import default_lengths, type_pairs
+    name, src = _suite_model(args)
+    out, _ = _suite_dirs(args)
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else default_lengths(src)
+    store = passkey.run(src, type_pairs(args.types), out / f"passkey_{name}.json", lengths=lengths,
+                        trials=args.trials)
+    print("\n".join(report.passkey_md({"meta": store.meta, "rows": store.rows})))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .suite import report
+    out, docs = _suite_dirs(args)
+    print(report.write(out, docs))
+    return 0
+
+
+def cmd_results(args) -> int:
+    from .suite.run import run_all
+    out, docs = _suite_dirs(args)
+    parts = tuple(p for p in ("eval", "bench", "passkey") if p not in (args.skip or "").split(","))
+    path = run_all(args.models.split(","), out, docs, quick=args.quick, text_file=args.file, parts=parts,
+                   threads=args.threads, n_gpu_layers=args.n_gpu_layers, progress=True)
+    print(path)
+    return 0
+
+
+def _suite_out_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="directory of the JSON result files (default: results; "
+                   "results/quick with --quick). Runs resume from what is there")
+    p.add_argument("--docs", default=None, help="where RESULTS.md and the plots go (default: docs; "
+                   "<out>/docs with --quick)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pykvq", description="KV-cache quantization for llama.cpp: "
                                  "generate, measure quality and cache size.")
@@ -216,6 +299,58 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch", help="download a known model into the cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("eval", help="quality matrix: KLD / p99 / same top-1 / PPL vs an f16 cache, "
+                       "per setting (cache types, converter transforms, rotation)",
+                       description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off] against the same "
+                       "model with an f16 cache. Transforms: none, fisher (NUQ codebooks), smooth+vrot, "
+                       "ksort+smooth, kvbits-B (per-layer types; K/V 'auto'). Converted files are cached.")
+    _model_arg(p)
+    p.add_argument("-s", "--settings", default="full",
+                   help="comma-separated settings, or a matrix name: full, core, quick (default full)")
+    p.add_argument("-f", "--file", default=None,
+                   help="text to evaluate (default: WikiText-2 test, else the KJV Bible fetched from Debian)")
+    p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    p.add_argument("--chunks", type=int, default=16, help="chunks to evaluate (default 16)")
+    _suite_out_args(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="prefill/decode tokens/s at depth, KV bytes/token, peak RSS per type",
+                       description="One process per cache type; ratios to f16 and stock q4_0 of the same run.")
+    _model_arg(p)
+    p.add_argument("--types", default="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o",
+                   help="comma-separated cache types, K/V for different ones (default: f16 and stock/new 4-2 bit)")
+    p.add_argument("--depths", default="0,4096,8192", help="KV depths in tokens (default 0,4096,8192)")
+    p.add_argument("--pp", type=int, default=512, help="prefill batch in tokens (default 512)")
+    p.add_argument("--tg", type=int, default=32, help="decoded tokens per depth (default 32)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
+    _suite_out_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("passkey", help="passkey retrieval at increasing distance, success rate per type")
+    _model_arg(p)
+    p.add_argument("--types", default="f16,q8_0,q4_0,nuq4,nuq2o", help="comma-separated cache types (K/V allowed)")
+    p.add_argument("--lengths", default=None,
+                   help="prompt lengths in tokens (default: 1024, 2048, ... up to the model's context)")
+    p.add_argument("--trials", type=int, default=3, help="keys per type (default 3)")
+    _suite_out_args(p)
+    p.set_defaults(func=cmd_passkey)
+
+    p = sub.add_parser("report", help="write RESULTS.md and the plots from the JSON results")
+    _suite_out_args(p)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("results", help="eval + bench + passkey + report in one command (resumable)")
+    p.add_argument("--models", default="smollm2-135m",
+                   help="comma-separated known models (default smollm2-135m; add qwen2.5-coder-1.5b)")
+    p.add_argument("--quick", action="store_true", help="CI-sized run into results/quick")
+    p.add_argument("--skip", default=None, help="parts to skip: eval, bench, passkey (comma-separated)")
+    p.add_argument("-f", "--file", default=None, help="text to evaluate (default: WikiText-2 test)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for bench (default: all)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="bench with layers offloaded to a GPU")
+    _suite_out_args(p)
+    p.set_defaults(func=cmd_results)
 
     p = sub.add_parser("demo", help="fetch the default model, answer a question with a quantized cache")
     p.add_argument("-ctk", "--cache-type-k", default="q4_0")

@@ -17,15 +17,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from pykvq import Model
 from pykvq.data import wikitext_test
 from pykvq.model import kld_sweep
-from pykvq.models import cache_dir, fetch
+from pykvq.models import fetch
+from pykvq.suite.converted import converted as suite_converted
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,25 +44,12 @@ ROWS = ([("none", t, t) for t in ("q8_0", "q4_0", "bfp4_32", "bfp4_64")]
 
 
 def converted(src: Path, variant: str, flags: list[str] | None = None) -> tuple[Path, dict]:
-    """(path, {"seconds", "stdout"}) of src converted with a variant (flags default to VARIANTS');
-    the converter's report is kept beside the file, so a cached conversion still reports its time."""
-    if variant == "none":
-        return src, {"seconds": 0.0, "stdout": ""}
-    out = cache_dir() / "converted" / f"{src.stem}.{variant}.gguf"
-    meta = out.with_suffix(".json")
-    if not out.exists():
-        if flags is None:
-            flags = VARIANTS[variant]
-            if "smooth" in variant:
-                flags = flags + ["--cache-type-k", "bfp4_32" if "ksort" in variant else "q4_0"]
-        cmd = [sys.executable, str(ROOT / "convert" / "to_gguf.py"), str(src), "-o", str(out), "--no-progress",
-               *flags]
-        t0 = time.time()
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise SystemExit(f"conversion failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
-        meta.write_text(json.dumps({"seconds": round(time.time() - t0, 1), "stdout": res.stdout}))
-    return out, json.loads(meta.read_text())
+    """(path, {"seconds", "stdout"}) of src converted with a variant (flags default to VARIANTS')."""
+    if variant != "none" and flags is None:
+        flags = VARIANTS[variant]
+        if "smooth" in variant:
+            flags = flags + ["--cache-type-k", "bfp4_32" if "ksort" in variant else "q4_0"]
+    return suite_converted(src, None if variant == "none" else variant, flags or [])
 
 
 def main() -> None:

@@ -210,7 +210,7 @@ def test_f16_cache_through_the_new_path_matches_upstream(smollm2_f32, passage):
     """With f32 weights and an f16 cache nothing downstream is re-quantized (the Q4_1 file
     quantizes activations to q8_1 before each matmul, which turns last-bit differences into a
     KLD of ~3e-3 between any two attention implementations, FA off included), so the new path
-    (GGML_KVQ_FA=all) must give upstream's logits up to float rounding through the whole model:
+    (GGML_KVQ_FA=all; by default it takes f16 decode only) must give upstream's (GGML_KVQ_FA=0) logits up to float rounding through the whole model:
     a 512-token prefill (GEMM path), token-by-token decode at 1k depth (split KV) and a K-shift
     round trip. Measured KLD: 1e-7 (prefill, shift), 2e-5 (decode: upstream's f16 decode
     accumulates V·P in f16, this path in f32)."""
@@ -218,7 +218,7 @@ def test_f16_cache_through_the_new_path_matches_upstream(smollm2_f32, passage):
     with Model(smollm2_f32, n_ctx=1536, flash_attn=True) as m:
         toks = np.array(m.tokenize(passage)[:1100], dtype=np.int32)
         out = {}
-        for mode in (None, "all"):
+        for mode in ("0", "all"):
             with fa_mode(mode):
                 m.reset()
                 pre = m._chunk_logits(toks[:512]).astype(np.float64)
@@ -226,7 +226,7 @@ def test_f16_cache_through_the_new_path_matches_upstream(smollm2_f32, passage):
                 m.decode(toks[:1024], 0)
                 dec = np.array([m.decode(toks[i:i + 1], i) for i in range(1024, 1032)], dtype=np.float64)
                 out[mode] = (pre, dec, shifted_run(m, toks))
-    for what, a, b in zip(("prefill", "decode", "shift"), out[None], out["all"]):
+    for what, a, b in zip(("prefill", "decode", "shift"), out["0"], out["all"]):
         assert kld(a, b) < 1e-4, what
         assert (a.reshape(-1, a.shape[-1]).argmax(-1) == b.reshape(-1, b.shape[-1]).argmax(-1)).all()
 

@@ -45,6 +45,7 @@ constexpr int FA_ROWS      = 64;   // target query rows (tokens x group heads) p
 constexpr int FA_GEMM_ROWS = 16;   // from this many rows on, S = Q·Kᵀ is a GEMM on a transposed K tile
 constexpr int FA_MIN_CHUNK = 256;  // shortest KV chunk worth a partial result
 constexpr int FA_PAD       = 16;   // floats between per-thread scratch areas (one cache line)
+constexpr int FA_F16_DECODE_ROWS = 16; // f16/f32 caches: batches of fewer query tokens take this path (decode)
 
 struct fa_plan {
     int64_t DK, DV, G, TQ, R, n_qt, n_units, n_chunks, chunk;
@@ -480,8 +481,11 @@ bool ggml_kvq_fattn_supported(const ggml_tensor * dst) {
         return false;
     }
     const bool plain_k = k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32;
-    if (plain_k && k->type == v->type && mode != FA_ALL) {
-        return false; // upstream's tiled / split-KV paths
+    // f16/f32 prefill stays on upstream's tiled path. Decode (few query rows) comes here: upstream's
+    // per-row path accumulates V in f16 with ggml_vec_mad_f16, whose SIMD loop covers multiples of
+    // GGML_F16_STEP only (128 with AVX512-FP16), so head dims 64/96 run scalar with table lookups.
+    if (plain_k && k->type == v->type && mode != FA_ALL && q->ne[1] >= FA_F16_DECODE_ROWS) {
+        return false;
     }
     if (!fa_to_float(k->type, true) || !fa_to_float(v->type, false)) {
         return false;

@@ -1,0 +1,82 @@
+"""The quality matrix: every setting against the same model with an f16 cache.
+
+The f16 baseline is evaluated once per (model, text, chunking) into a
+llama-perplexity base-logits file under $PYKVQ_CACHE/eval, then every setting
+is scored against it (mean / p99 KLD, same top-1, PPL, exact bits/value).
+Converted settings are compared with the *unconverted* model's f16 cache, so
+a transform's own effect counts. Rows are saved as they finish; a rerun skips
+the settings already in the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..model import Model
+from ..models import cache_dir
+from .converted import converted
+from .settings import Setting
+from .store import ResultStore
+
+
+def _say(msg: str) -> None:
+    print(f"[pykvq eval] {msg}", file=sys.stderr, flush=True)
+
+
+def base_logits(src: Path, text: str, text_id: str, n_ctx: int, chunks: int, progress: bool | None) -> Path:
+    """The f16-cache base-logits file for (model, text, n_ctx, chunks), computed once."""
+    path = cache_dir() / "eval" / f"{src.stem}.{text_id}.ctx{n_ctx}.c{chunks}.kld"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _say(f"f16 baseline logits -> {path}")
+        with Model(src, n_ctx=n_ctx, cache_type_k="f16", cache_type_v="f16", flash_attn=True) as base:
+            base.save_logits(path, text, n_ctx=n_ctx, n_chunks=chunks, progress=progress)
+    return path
+
+
+def evaluate(m: Model, base: Path, chunks: int, progress: bool | None) -> dict:
+    """One setting's row (without its identity fields)."""
+    t0 = time.time()
+    r = m.kl_divergence(baseline=base, n_chunks=chunks, progress=progress)
+    info = m.kv_cache_info()
+    return dict(r.as_dict(), kld_se=float(r.kld.std(ddof=1) / np.sqrt(len(r.kld))),
+                median_kld=r.median_kld, bits_per_value=info.bits_per_value,
+                kv_bytes_per_token=info.bytes_per_token,
+                cache_k=info.type_summary("k"), cache_v=info.type_summary("v"),
+                active=m.transforms(), seconds=round(time.time() - t0, 1))
+
+
+def run(src: Path, settings: list[Setting], out: Path, *, text: str, text_name: str, n_ctx: int = 512,
+        chunks: int = 16, progress: bool | None = None) -> ResultStore:
+    """Evaluate settings on src; rows go to out (JSON), resumed if out holds the same config."""
+    text_id = hashlib.sha256(text.encode()).hexdigest()[:12]
+    config = {"model": src.name, "model_bytes": src.stat().st_size, "text": text_name, "text_sha": text_id,
+              "n_ctx": n_ctx, "chunks": chunks, "flash_attn": True}
+    store = ResultStore(out, config)
+    base = base_logits(src, text, text_id, n_ctx, chunks, progress)
+    todo = [s for s in settings if s.label not in store]
+    if len(todo) < len(settings):
+        _say(f"{len(settings) - len(todo)} of {len(settings)} settings already in {out}")
+    for i, s in enumerate(todo):
+        path, conv = converted(src, s.variant(), s.converter_flags() if s.variant() else [])
+        _say(f"[{i + 1}/{len(todo)}] {s.label}")
+        with Model(path, n_ctx=n_ctx, flash_attn=True, **s.model_kwargs()) as m:
+            row = evaluate(m, base, chunks, progress)
+        row.update(label=s.label, k=s.k, v=s.v, transform=s.transform, rotation=s.rotation, stock=s.stock,
+                   convert_seconds=conv["seconds"])
+        store.put(s.label, row)
+        _say(f"{s.label}: {row['bits_per_value']:.3f} bits/value, KLD {row['mean_kld']:.4f} "
+             f"(p99 {row['p99_kld']:.3f}), same top-1 {100 * row['same_top1']:.1f}%, PPL {row['ppl']:.3f}")
+    if "f16" not in store and store.rows:
+        any_row = next(iter(store.rows.values()))
+        store.put("f16", dict(label="f16", k="f16", v="f16", transform="none", rotation="auto", stock=True,
+                              bits_per_value=16.0, mean_kld=0.0, p99_kld=0.0, median_kld=0.0, kld_se=0.0,
+                              same_top1=1.0, ppl=any_row["ppl_base"], ppl_base=any_row["ppl_base"],
+                              n_tokens=any_row["n_tokens"], n_chunks=any_row["n_chunks"], n_ctx=n_ctx,
+                              cache_k="f16", cache_v="f16", active="baseline", seconds=0.0,
+                              convert_seconds=0.0))
+    return store

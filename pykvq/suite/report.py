@@ -1,0 +1,238 @@
+"""docs/RESULTS.md and the PNG plots, from the JSON files the suite wrote.
+
+Everything here reads results/<kind>_<model>.json; nothing is measured. Ratios
+are always to rows of the same file (same run, same machine).
+"""
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from .speed import UPSTREAM_F16
+from .store import load
+
+HEADLINE = ["q8_0", "q4_0", "q8_0/q4_0", "bfp4_32", "nuq4", "nuq4@fisher", "nuq3o@fisher", "q8_0/nuq3o",
+            "auto@kvbits-3.6", "nuq2o@fisher"]
+
+
+def pareto_front(rows: list[dict]) -> list[dict]:
+    """Rows no other row beats on both bits/value and mean KLD (lower is better), by bits."""
+    front = []
+    for r in sorted(rows, key=lambda r: (r["bits_per_value"], r["mean_kld"])):
+        if not front or r["mean_kld"] < front[-1]["mean_kld"]:
+            front.append(r)
+    return front
+
+
+def kind_of(r: dict) -> str:
+    if r.get("stock", False) or r["label"] == "f16":
+        return "stock llama.cpp"
+    if r["transform"].startswith("kvbits"):
+        return "pykvq per-layer types"
+    if r["transform"] != "none":
+        return "pykvq + converter transforms"
+    return "pykvq cache types"
+
+
+STYLE = {"stock llama.cpp": ("tab:blue", "o"), "pykvq cache types": ("tab:red", "s"),
+         "pykvq + converter transforms": ("tab:green", "^"), "pykvq per-layer types": ("tab:purple", "D")}
+
+
+def plot_pareto(rows: list[dict], meta: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r["label"] != "f16"]
+    front = pareto_front(rows)
+    fig, ax = plt.subplots(figsize=(9, 5.6))
+    for kind, (color, marker) in STYLE.items():
+        pts = [r for r in rows if kind_of(r) == kind]
+        if pts:
+            ax.scatter([r["bits_per_value"] for r in pts], [r["mean_kld"] for r in pts], s=42, color=color,
+                       marker=marker, label=kind, zorder=3, edgecolors="black", linewidths=0.4)
+    ax.plot([r["bits_per_value"] for r in front], [r["mean_kld"] for r in front], color="black", lw=1,
+            ls="--", zorder=2, label="Pareto front")
+    for i, r in enumerate(sorted(rows, key=lambda r: (r["bits_per_value"], r["mean_kld"]))):
+        ax.annotate(r["label"], (r["bits_per_value"], r["mean_kld"]), textcoords="offset points",
+                    xytext=(5, 4 if i % 2 else -9), fontsize=7, color=STYLE[kind_of(r)][0])
+    ax.set_yscale("log")
+    ax.set_xlabel("KV-cache bits per value (K and V, all layers; f16 = 16)")
+    ax.set_ylabel("mean KL divergence vs f16 cache (nats, log scale)")
+    ax.set_title(f"{meta['model']}: quality vs cache size ({meta['text']}, ctx {meta['n_ctx']}, "
+                 f"{rows[0]['n_tokens']} scored tokens)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_speed(rows: list[dict], meta: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    depths = meta["depths"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, test, n in ((axes[0], "tg", meta["tg"]), (axes[1], "pp", meta["pp"])):
+        for r in rows:
+            ys = [r["tokens_per_s"].get(f"{test}{n} @ d{d}") for d in depths]
+            ours = r["label"].startswith(("bfp", "nuq"))
+            up = r["label"] == UPSTREAM_F16
+            ax.plot(depths, ys, marker="o", ls=":" if up else "-" if ours else "--", label=r["label"],
+                    lw=2.2 if r["label"] == "f16" else 1.4,
+                    color="black" if r["label"] == "f16" else "gray" if up else None)
+        ax.set_xlabel("KV depth (tokens already in the cache)")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{'decode, 1 token' if test == 'tg' else f'prefill, {n}-token batch'} at depth", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    dev = f"GPU ({meta['n_gpu_layers']} layers offloaded)" if meta.get("n_gpu_layers") else \
+        f"CPU, {meta['threads']} threads"
+    fig.suptitle(f"{meta['model']}, {dev}; dashed = stock llama.cpp types, solid = pykvq", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _f(x: float, nd: int = 4) -> str:
+    return f"{x:.{nd}f}"
+
+
+def quality_md(d: dict, model: str, img: str | None) -> list[str]:
+    meta, rows = d["meta"]["config"], list(d["rows"].values())
+    rows.sort(key=lambda r: (-r["bits_per_value"], r["mean_kld"]))
+    front = {r["label"] for r in pareto_front([r for r in rows if r["label"] != "f16"])}
+    n_tok = rows[0]["n_tokens"]
+    md = [f"### Quality: {meta['model']}", "",
+          f"{meta['text']}, {meta['chunks']} chunks of {meta['n_ctx']} tokens ({n_tok} scored), flash "
+          "attention on; every row against the unconverted model with an f16 cache. `K/V` = different "
+          "types; `@fisher` = converted with Fisher codebooks for that type; `@smooth+vrot` = pair smoothing "
+          "and V Hadamard baked in (plus codebooks); `@kvbits-B` = per-layer types for a B-bit budget; "
+          "`:rot-off` = upstream's online Hadamard rotation off (default: upstream's auto). **bold** = on "
+          "the Pareto front (no row has both fewer bits and lower KLD). ± = standard error of the mean KLD.",
+          "", "| setting | bits/value | KV size vs f16 | mean KLD | p99 KLD | same top-1 | PPL | rotation/baked |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = f"**{r['label']}**" if r["label"] in front else r["label"]
+        act = r.get("active", "").replace("online Hadamard rotation: ", "rot ").replace("; baked: none", "")
+        md.append(f"| {name} | {r['bits_per_value']:.3f} | {r['bits_per_value'] / 16:.3f} | "
+                  f"{_f(r['mean_kld'])} ± {_f(r['kld_se'])} | {r['p99_kld']:.3f} | {100 * r['same_top1']:.1f}% | "
+                  f"{r['ppl']:.3f} | {act} |")
+    if img:
+        md += ["", f"![KLD vs bits/value, {model}]({img})"]
+    return md + [""]
+
+
+def speed_md(d: dict, model: str, img: str | None) -> list[str]:
+    meta, rows = d["meta"]["config"], d["rows"]
+    depths, pp, tg = meta["depths"], meta["pp"], meta["tg"]
+    cols = [f"tg{tg} @ d{x}" for x in depths] + [f"pp{pp} @ d{x}" for x in depths]
+    f16, q4 = rows.get("f16"), rows.get("q4_0")
+    dev = (f"GPU, {meta['n_gpu_layers']} layers offloaded" if meta.get("n_gpu_layers")
+           else f"CPU ({meta['cpu']}, {meta['threads']} threads)")
+    md = [f"### Speed and memory: {meta['model']}", "",
+          f"{dev}, flash attention on, through the API in one fill per type (module `pykvq.suite.speed`): "
+          f"tg{tg} = {tg} single-token decodes at depth d, pp{pp} = one {pp}-token batch at depth d. "
+          "Tokens/s with the ratio to f16 and to stock q4_0 from the same run. `f16` decodes through pykvq's "
+          "CPU flash attention; `f16 (upstream kernel)` is the same binary with `GGML_KVQ_FA=0`, what stock "
+          "llama.cpp runs (its f16 decode accumulates V in f16 and runs scalar for head dims below "
+          "GGML_F16_STEP, 128 on AVX512-FP16 CPUs). Peak RSS is the whole process "
+          f"at the largest context ({max(depths) + pp + tg} tokens): weights, KV cache and buffers.", "",
+          "| cache | KV bytes/token (vs f16) | peak RSS MiB (vs f16) | " + " | ".join(cols) + " |",
+          "|---|---|---|" + "---|" * len(cols)]
+    for label, r in rows.items():
+        kvb = f"{r['kv_bytes_per_token']:,}" + (f" ({r['kv_bytes_per_token'] / f16['kv_bytes_per_token']:.3f}×)"
+                                                if f16 else "")
+        rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" + (f" ({r['peak_rss_bytes'] / f16['peak_rss_bytes']:.2f}×)"
+                                                      if f16 else "")
+        cells = []
+        for c in cols:
+            v = r["tokens_per_s"].get(c)
+            rel = []
+            if f16 and label != "f16":
+                rel.append(f"{v / f16['tokens_per_s'][c]:.2f}× f16")
+            if q4 and label not in ("q4_0", "f16"):
+                rel.append(f"{v / q4['tokens_per_s'][c]:.2f}× q4_0")
+            cells.append(f"{v:.1f}" + (f" ({', '.join(rel)})" if rel else ""))
+        md.append(f"| {label} | {kvb} | {rss} | " + " | ".join(cells) + " |")
+    if img:
+        md += ["", f"![decode and prefill tokens/s vs depth, {model}]({img})"]
+    return md + [""]
+
+
+def passkey_md(d: dict) -> list[str]:
+    meta, rows = d["meta"]["config"], d["rows"]
+    lengths = meta["lengths"]
+    md = [f"### Passkey retrieval: {meta['model']}", "",
+          f"{meta['trials']} trial{'s' if meta['trials'] != 1 else ''} per cache type (the same keys and positions for every type); the key sits "
+          "in the first half of the shortest prompt, so at length L it is about L tokens back; greedy answer, "
+          "success = its first number is the key (module `pykvq.suite.passkey`).", "",
+          "| cache | " + " | ".join(f"{L} tokens" for L in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for label, r in rows.items():
+        md.append(f"| {label} | " + " | ".join(f"{100 * r['success'][str(L)]:.0f}%" for L in lengths) + " |")
+    return md + [""]
+
+
+def headline_md(models: dict[str, dict]) -> list[str]:
+    md = ["| model | cache | bits/value | KV size vs f16 | mean KLD vs f16 | same top-1 | "
+          "decode at depth vs f16 (pykvq kernel / upstream kernel) |",
+          "|---|---|---|---|---|---|---|"]
+    for model, parts in models.items():
+        q, s = parts.get("eval"), parts.get("bench")
+        if not q:
+            continue
+        scol = None
+        if s:
+            c = s["meta"]["config"]
+            scol = f"tg{c['tg']} @ d{max(c['depths'])}"
+        for label in HEADLINE:
+            r = q["rows"].get(label)
+            if not r:
+                continue
+            dec = "-"
+            base_label = label.split("@")[0] if "@" in label and not label.startswith("auto") else label
+            if s and base_label in s["rows"] and "f16" in s["rows"]:
+                sr, fr = s["rows"][base_label]["tokens_per_s"], s["rows"]["f16"]["tokens_per_s"]
+                dec = f"{sr[scol] / fr[scol]:.2f}×"
+                if UPSTREAM_F16 in s["rows"]:
+                    dec += f" / {sr[scol] / s['rows'][UPSTREAM_F16]['tokens_per_s'][scol]:.2f}×"
+                dec += f" ({scol.split(' @ ')[1][1:]} tokens)"
+            md.append(f"| {model} | {label} | {r['bits_per_value']:.3f} | {r['bits_per_value'] / 16:.3f} | "
+                      f"{r['mean_kld']:.4f} | {100 * r['same_top1']:.1f}% | {dec} |")
+    return md
+
+
+def write(results: Path, docs: Path, models: list[str] | None = None) -> Path:
+    """Write docs/RESULTS.md and docs/*.png from results/{eval,bench,passkey}_<model>.json."""
+    found: dict[str, dict] = {}
+    for kind in ("eval", "bench", "passkey"):
+        for p in sorted(results.glob(f"{kind}_*.json")):
+            if p.name.endswith(".stale.json"):
+                continue
+            model = p.stem[len(kind) + 1:]
+            if models is None or model in models:
+                found.setdefault(model, {})[kind] = load(p)
+    docs.mkdir(parents=True, exist_ok=True)
+    md = ["# pykvq: measured results", "",
+          f"Generated by `pykvq report` on {datetime.date.today().isoformat()} from `{results.name}/*.json`; "
+          "regenerate everything with `make results` (`pykvq results`). Every ratio is to a row of the same "
+          "run on the same machine.", "", "## Headline", ""]
+    md += headline_md(found) + [""]
+    for model, parts in found.items():
+        md += [f"## {model}", ""]
+        if "eval" in parts:
+            img = f"pareto_{model}.png"
+            plot_pareto(list(parts["eval"]["rows"].values()), parts["eval"]["meta"]["config"], docs / img)
+            md += quality_md(parts["eval"], model, img)
+        if "bench" in parts:
+            img = f"speed_{model}.png"
+            plot_speed(list(parts["bench"]["rows"].values()), parts["bench"]["meta"]["config"], docs / img)
+            md += speed_md(parts["bench"], model, img)
+        if "passkey" in parts:
+            md += passkey_md(parts["passkey"])
+    out = docs / "RESULTS.md"
+    tmp = out.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(md) + "\n")
+    tmp.replace(out)
+    return out

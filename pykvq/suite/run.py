@@ -1,0 +1,86 @@
+"""`pykvq results`: quality matrix, speed, passkey and the report, in one command.
+
+Presets size the run: "full" is the documented run (SmolLM2 on 2 CPU cores in
+about half an hour), per-model overrides keep bigger models affordable, and
+"quick" is CI-sized (a minute or two). Every part resumes from its JSON file.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..data import eval_text
+from ..errors import PykvqError
+from . import passkey, quality, report, speed
+from .settings import matrix
+
+PRESETS = {
+    "full": dict(settings="full", n_ctx=512, chunks=16,
+                 bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o", depths=[0, 4096, 8192], pp=512, tg=32,
+                 passkey_types="f16,q8_0,q4_0,nuq4,nuq2o", lengths=None, trials=3),
+    "quick": dict(settings="quick", n_ctx=256, chunks=2, bench_types="f16,q4_0,nuq4", depths=[0, 256], pp=64,
+                  tg=8, passkey_types="f16,nuq4", lengths=[256, 512], trials=1),
+}
+# per model, on top of "full": a 1.5B model on 2 cores gets the core matrix and shorter runs
+MODEL_OVERRIDES = {
+    "qwen2.5-coder-1.5b": dict(settings="core", chunks=8, bench_types="f16,q8_0,q4_0,nuq4,nuq3o,nuq2o",
+                               depths=[0, 4096], passkey_types="f16,q4_0,nuq4", lengths=[1024, 2048, 4096],
+                               trials=2),
+}
+
+
+def type_pairs(spec: str) -> list[tuple[str, str]]:
+    """'f16,q8_0/q4_0' -> [("f16", "f16"), ("q8_0", "q4_0")], checked against the known types."""
+    from ..cache_types import resolve
+    out = []
+    for s in (x.strip() for x in spec.split(",") if x.strip()):
+        k, _, v = s.partition("/")
+        v = v or k
+        resolve(k)
+        resolve(v)
+        out.append((k, v))
+    if not out:
+        raise PykvqError("no cache types given")
+    return out
+
+
+def default_lengths(src: Path) -> list[int]:
+    """1024, 2048, ... up to the model's training context."""
+    from ..model import Model
+    with Model(src, n_ctx=256) as m:
+        n = int(m.meta(f"{m.arch}.context_length") or 4096)
+    out, L = [], 1024
+    while L <= n:
+        out.append(L)
+        L *= 2
+    return out or [n]
+
+
+def params(model: str, quick: bool) -> dict:
+    p = dict(PRESETS["quick" if quick else "full"])
+    if not quick:
+        p.update(MODEL_OVERRIDES.get(model, {}))
+    return p
+
+
+def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, text_file: str | None = None,
+            parts: tuple[str, ...] = ("eval", "bench", "passkey"), threads: int | None = None,
+            n_gpu_layers: int = 0, progress: bool | None = None) -> Path:
+    from ..models import MODELS, fetch
+    text, text_name = eval_text(text_file)
+    for name in models:
+        if name not in MODELS:
+            raise PykvqError(f"unknown model {name!r} (one of {', '.join(MODELS)})")
+        p = params(name, quick)
+        src = fetch(name, progress=progress)
+        print(f"[pykvq results] {name}: {', '.join(parts)} ({'quick' if quick else 'full'})", file=sys.stderr)
+        if "eval" in parts:
+            quality.run(src, matrix(p["settings"]), out / f"eval_{name}.json", text=text, text_name=text_name,
+                        n_ctx=p["n_ctx"], chunks=p["chunks"], progress=progress)
+        if "bench" in parts:
+            speed.run(src, type_pairs(p["bench_types"]), out / f"bench_{name}.json", depths=p["depths"],
+                      pp=p["pp"], tg=p["tg"], threads=threads, n_gpu_layers=n_gpu_layers)
+        if "passkey" in parts:
+            passkey.run(src, type_pairs(p["passkey_types"]), out / f"passkey_{name}.json",
+                        lengths=p["lengths"] or default_lengths(src), trials=p["trials"])
+    return report.write(out, docs)

@@ -1,0 +1,128 @@
+"""Settings of the quality matrix: (K type, V type, converter transform, online rotation).
+
+On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off]
+
+    q4_0              K and V q4_0, unconverted model, rotation at upstream's auto
+    q8_0/q4_0         q8_0 keys, q4_0 values
+    nuq3o@fisher      converted with Fisher codebooks fitted for nuq3o
+    nuq4@smooth+vrot  pair smoothing + V Hadamard baked in, Fisher codebooks for nuq4
+    auto@kvbits-3.6   per-layer types chosen by the converter for 3.6 bits/value
+    q4_0:rot-off      upstream's online Hadamard rotation switched off
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..cache_types import CACHE_TYPES, UNQUANTIZED
+from ..errors import PykvqError
+
+NUQ = ("nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o")
+# transform -> converter flags (before the target cache types)
+TRANSFORMS = {
+    "none": None,
+    "fisher": [],
+    "smooth+vrot": ["--smooth-qk", "--rotate-v", "hadamard"],
+    "ksort+smooth": ["--ksort", "--smooth-qk"],
+}
+_KVBITS = re.compile(r"^kvbits-(\d+(?:\.\d+)?)$")
+
+
+@dataclass(frozen=True)
+class Setting:
+    k: str                       # cache type, or "auto" = the converted file's (per-layer) types
+    v: str
+    transform: str = "none"
+    rotation: str = "auto"       # upstream's online Hadamard rotation: auto | on | off
+
+    @property
+    def label(self) -> str:
+        s = self.k if self.k == self.v else f"{self.k}/{self.v}"
+        if self.transform != "none":
+            s += f"@{self.transform}"
+        if self.rotation != "auto":
+            s += f":rot-{self.rotation}"
+        return s
+
+    @property
+    def stock(self) -> bool:
+        """Only upstream llama.cpp types and no conversion (what a stock build can run)."""
+        ours = ("bfp", "nuq", "auto")
+        return self.transform == "none" and not any(t.startswith(ours) for t in (self.k, self.v))
+
+    def variant(self) -> str | None:
+        """Name of the converted file (None: the model as fetched). Stable, so files are reused."""
+        if self.transform == "none":
+            return None
+        if _KVBITS.match(self.transform):
+            return f"mixed-{self.transform.split('-', 1)[1]}"
+        types = self.k if self.k == self.v else f"{self.k}-{self.v}"
+        if self.transform == "fisher":
+            return f"cb-fisher-{types}"
+        return f"{self.transform}+cb-{types}"
+
+    def converter_flags(self) -> list[str]:
+        m = _KVBITS.match(self.transform)
+        if m:
+            return ["--kv-bits", m.group(1)]
+        return TRANSFORMS[self.transform] + ["--cache-type-k", self.k, "--cache-type-v", self.v]
+
+    def model_kwargs(self) -> dict:
+        """Model(...) keyword arguments: cache types (None = the file's) and rotation."""
+        return dict(cache_type_k=None if self.k == "auto" else self.k,
+                    cache_type_v=None if self.v == "auto" else self.v,
+                    attn_rot_k=self.rotation, attn_rot_v=self.rotation)
+
+
+def parse_setting(spec: str) -> Setting:
+    """Parse K[/V][@TRANSFORM][:rot-on|:rot-off] (see the module doc)."""
+    s, rotation = spec.strip(), "auto"
+    m = re.search(r":rot-(on|off|auto)$", s)
+    if m:
+        rotation, s = m.group(1), s[:m.start()]
+    s, _, transform = s.partition("@")
+    transform = transform or "none"
+    k, _, v = s.partition("/")
+    v = v or k
+    if transform not in TRANSFORMS and not _KVBITS.match(transform):
+        raise PykvqError(f"setting {spec!r}: unknown transform {transform!r} "
+                         f"(one of {', '.join(TRANSFORMS)}, kvbits-B)")
+    for t in (k, v):
+        if t == "auto":
+            if not _KVBITS.match(transform):
+                raise PykvqError(f"setting {spec!r}: 'auto' types need a per-layer conversion (@kvbits-B)")
+        elif t not in CACHE_TYPES:
+            raise PykvqError(f"setting {spec!r}: unknown cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
+    if transform == "fisher" and not any(t in NUQ for t in (k, v)):
+        raise PykvqError(f"setting {spec!r}: Fisher codebooks need a nuq type for K or V")
+    if k in UNQUANTIZED and v in UNQUANTIZED and transform == "none" and rotation != "auto":
+        raise PykvqError(f"setting {spec!r}: rotation applies to quantized caches only")
+    return Setting(k, v, transform, rotation)
+
+
+def parse_settings(specs: str | list[str]) -> list[Setting]:
+    if isinstance(specs, str):
+        specs = [s for s in specs.split(",") if s.strip()]
+    out = list(dict.fromkeys(parse_setting(s) for s in specs))
+    if not out:
+        raise PykvqError("no settings given")
+    return out
+
+
+# The default matrices. "full": every format, the stock peers with and without rotation, the
+# converter's transforms and per-layer budgets. "core": the rows that matter, for a slow model.
+# "quick": CI-sized.
+MATRICES = {
+    "full": ["q8_0", "q5_0", "q4_0", "q4_0:rot-off", "iq4_nl", "q8_0/q4_0",
+             "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq3o", "nuq2", "nuq2o",
+             "nuq4@fisher", "nuq3@fisher", "nuq3o@fisher", "nuq2o@fisher",
+             "nuq4@smooth+vrot", "nuq3o@smooth+vrot", "nuq2o@smooth+vrot", "q4_0@smooth+vrot",
+             "q8_0/nuq3o", "auto@kvbits-2.75", "auto@kvbits-3.6", "auto@kvbits-4.5"],
+    "core": ["q8_0", "q4_0", "q4_0:rot-off", "q8_0/q4_0", "bfp4_32", "nuq4", "nuq3o", "nuq2o",
+             "nuq4@fisher", "nuq3o@fisher", "nuq2o@fisher", "nuq3o@smooth+vrot", "q8_0/nuq3o"],
+    "quick": ["q8_0", "q4_0", "nuq4"],
+}
+
+
+def matrix(name_or_specs: str) -> list[Setting]:
+    return parse_settings(MATRICES.get(name_or_specs, name_or_specs))

@@ -1,0 +1,151 @@
+"""The evaluation/benchmark suite: setting syntax, resumable results, and a real --quick run
+(SmolLM2, WikiText-2) checked against direct measurements."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pykvq import Model
+from pykvq.cli import main
+from pykvq.errors import PykvqError
+from pykvq.suite import passkey, report
+from pykvq.suite.settings import Setting, matrix, parse_setting
+from pykvq.suite.store import ResultStore
+
+
+@pytest.mark.parametrize("spec,label,variant,flags", [
+    ("q4_0", "q4_0", None, None),
+    ("q8_0/q4_0", "q8_0/q4_0", None, None),
+    ("nuq3o@fisher", "nuq3o@fisher", "cb-fisher-nuq3o", ["--cache-type-k", "nuq3o", "--cache-type-v", "nuq3o"]),
+    ("nuq4@smooth+vrot", "nuq4@smooth+vrot", "smooth+vrot+cb-nuq4",
+     ["--smooth-qk", "--rotate-v", "hadamard", "--cache-type-k", "nuq4", "--cache-type-v", "nuq4"]),
+    ("auto@kvbits-3.6", "auto@kvbits-3.6", "mixed-3.6", ["--kv-bits", "3.6"]),
+    ("q4_0:rot-off", "q4_0:rot-off", None, None),
+])
+def test_setting_syntax_round_trips(spec, label, variant, flags):
+    s = parse_setting(spec)
+    assert s.label == label and parse_setting(s.label) == s
+    assert s.variant() == variant
+    if flags is not None:
+        assert s.converter_flags() == flags
+
+
+def test_setting_model_kwargs_and_stock_flag():
+    assert parse_setting("q4_0:rot-off").model_kwargs() == dict(
+        cache_type_k="q4_0", cache_type_v="q4_0", attn_rot_k="off", attn_rot_v="off")
+    assert parse_setting("auto@kvbits-2.75").model_kwargs()["cache_type_k"] is None
+    assert parse_setting("q8_0/q4_0").stock and not parse_setting("nuq4").stock
+    assert not parse_setting("q4_0@smooth+vrot").stock
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("q3_z", "unknown cache type 'q3_z'"),
+    ("q4_0@magic", "unknown transform 'magic'"),
+    ("auto", "'auto' types need a per-layer conversion"),
+    ("q4_0@fisher", "Fisher codebooks need a nuq type"),
+    ("f16:rot-on", "rotation applies to quantized caches only"),
+])
+def test_bad_settings_are_clear_errors(spec, msg):
+    with pytest.raises(PykvqError, match=msg):
+        parse_setting(spec)
+
+
+def test_matrices_parse():
+    full = matrix("full")
+    assert len(full) == len({s.label for s in full}) >= 20
+    assert matrix("q8_0,nuq4") == [Setting("q8_0", "q8_0"), Setting("nuq4", "nuq4")]
+
+
+def test_pareto_front():
+    rows = [{"label": a, "bits_per_value": b, "mean_kld": k} for a, b, k in
+            [("a", 4.5, 0.04), ("b", 4.5, 0.05), ("c", 3.6, 0.17), ("d", 8.5, 0.004), ("e", 4.25, 0.11),
+             ("f", 3.5, 0.19), ("g", 2.6, 0.87)]]
+    assert [r["label"] for r in report.pareto_front(rows)] == ["g", "f", "c", "e", "a", "d"]
+
+
+def test_store_resumes_and_sets_aside_other_configs(tmp_path):
+    p = tmp_path / "eval_x.json"
+    s = ResultStore(p, {"n_ctx": 512})
+    s.put("q4_0", {"mean_kld": 0.04})
+    assert "q4_0" in ResultStore(p, {"n_ctx": 512})
+    other = ResultStore(p, {"n_ctx": 256})            # a different configuration starts afresh
+    assert "q4_0" not in other and (tmp_path / "eval_x.stale.json").is_file()
+
+
+def test_passkey_answer_check():
+    assert passkey.found(" 71432. Remember", 71432)
+    assert not passkey.found(" 71437. The", 71432)
+    assert not passkey.found(" a magical item 71432", 12345)
+    assert not passkey.found(" no number", 71432)
+
+
+def test_suite_help_explains_settings(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = capsys.readouterr().out
+    assert "K[/V][@TRANSFORM]" in out and "kvbits-B" in out
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """`pykvq results --quick` into a temporary directory (runs once for the module)."""
+    out = tmp_path_factory.mktemp("suite")
+    assert main(["results", "--quick", "--out", str(out)]) == 0
+    return out
+
+
+def _load(path):
+    return json.loads(path.read_text())
+
+
+def test_quick_run_writes_results_report_and_plots(quick):
+    for kind in ("eval", "bench", "passkey"):
+        assert (quick / f"{kind}_smollm2-135m.json").is_file()
+    docs = quick / "docs"
+    md = (docs / "RESULTS.md").read_text()
+    for needle in ("## Headline", "### Quality", "### Speed and memory", "### Passkey retrieval",
+                   "pareto_smollm2-135m.png", "speed_smollm2-135m.png"):
+        assert needle in md
+    for png in ("pareto_smollm2-135m.png", "speed_smollm2-135m.png"):
+        assert (docs / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_eval_matches_a_direct_kld_against_an_f16_model(quick, smollm2, wikitext):
+    """The suite's row (scored against the saved base-logits file) agrees with Model.kl_divergence
+    against a live f16 Model on the same chunks; the file's uint16 log-probs cost < 2% of the KLD."""
+    rows = _load(quick / "eval_smollm2-135m.json")["rows"]
+    n_ctx, chunks = 256, 2
+    with Model(smollm2, n_ctx=n_ctx, flash_attn=True) as base, \
+            Model(smollm2, n_ctx=n_ctx, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True) as m:
+        r = m.kl_divergence(wikitext, baseline=base, n_ctx=n_ctx, n_chunks=chunks)
+    row = rows["q4_0"]
+    assert row["n_tokens"] == r.n_tokens == chunks * (n_ctx // 2 - 1)
+    assert row["mean_kld"] == pytest.approx(r.mean_kld, rel=0.02)
+    assert row["same_top1"] == pytest.approx(r.same_top1, abs=1.5 / r.n_tokens)
+    assert row["bits_per_value"] == 4.5 and rows["q8_0"]["bits_per_value"] == 8.5
+    assert rows["f16"]["mean_kld"] == 0 and rows["f16"]["ppl"] == pytest.approx(r.ppl_base, rel=1e-3)
+    assert rows["q8_0"]["mean_kld"] < rows["q4_0"]["mean_kld"]
+
+
+def test_quick_bench_and_passkey_rows(quick, smollm2):
+    bench = _load(quick / "bench_smollm2-135m.json")
+    assert set(bench["rows"]) == {"f16", "f16 (upstream kernel)", "q4_0", "nuq4"}
+    for r in bench["rows"].values():
+        assert set(r["tokens_per_s"]) == {"tg8 @ d0", "tg8 @ d256", "pp64 @ d0", "pp64 @ d256"}
+        assert all(np.isfinite(v) and v > 0 for v in r["tokens_per_s"].values())
+        assert r["peak_rss_bytes"] > 50 * 2**20          # the model alone is 94 MiB
+    # 4.5 bits against f16's 16: the exact KV bytes per token (30 layers x 2 x 3 heads x 64)
+    assert bench["rows"]["f16"]["kv_bytes_per_token"] == 30 * 2 * 192 * 2
+    assert bench["rows"]["q4_0"]["kv_bytes_per_token"] == 30 * 2 * 6 * 18
+    pk = _load(quick / "passkey_smollm2-135m.json")
+    # hand-checked: SmolLM2 with an f16 cache finds the key at 256 and 512 tokens
+    assert pk["rows"]["f16"]["success"] == {"256": 1.0, "512": 1.0}
+
+
+def test_quick_run_resumes_without_measuring_again(quick, capsys):
+    before = {p.name: p.read_text() for p in quick.glob("*.json")}
+    assert main(["results", "--quick", "--out", str(quick)]) == 0
+    assert {p.name: p.read_text() for p in quick.glob("*.json")} == before
+    assert "3 of 3 settings already in" in capsys.readouterr().err
