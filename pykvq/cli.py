@@ -234,10 +234,16 @@ def cmd_passkey(args) -> int:
     return 0
 
 
+def _readme(args):
+    """README.md in the working directory, updated only for the default docs directory."""
+    from pathlib import Path
+    return Path("README.md") if args.docs is None and not getattr(args, "quick", False) else None
+
+
 def cmd_report(args) -> int:
     from .suite import report
     out, docs = _suite_dirs(args)
-    print(report.write(out, docs))
+    print(report.write(out, docs, readme=_readme(args)))
     return 0
 
 
@@ -246,7 +252,7 @@ def cmd_results(args) -> int:
     out, docs = _suite_dirs(args)
     parts = tuple(p for p in ("eval", "bench", "passkey") if p not in (args.skip or "").split(","))
     path = run_all(args.models.split(","), out, docs, quick=args.quick, text_file=args.file, parts=parts,
-                   threads=args.threads, n_gpu_layers=args.n_gpu_layers, progress=True)
+                   threads=args.threads, n_gpu_layers=args.n_gpu_layers, progress=True, readme=_readme(args))
     print(path)
     return 0
 

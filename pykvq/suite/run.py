@@ -17,15 +17,16 @@ from .settings import matrix
 PRESETS = {
     "full": dict(settings="full", n_ctx=512, chunks=16,
                  bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o", depths=[0, 4096, 8192], pp=512, tg=32,
-                 passkey_types="f16,q8_0,q4_0,nuq4,nuq2o", lengths=None, trials=3),
+                 passkey_types="f16,q4_0,nuq4,nuq2o", lengths=None, trials=2),
     "quick": dict(settings="quick", n_ctx=256, chunks=2, bench_types="f16,q4_0,nuq4", depths=[0, 256], pp=64,
                   tg=8, passkey_types="f16,nuq4", lengths=[256, 512], trials=1),
 }
 # per model, on top of "full": a 1.5B model on 2 cores gets the core matrix and shorter runs
 MODEL_OVERRIDES = {
-    "qwen2.5-coder-1.5b": dict(settings="core", chunks=8, bench_types="f16,q8_0,q4_0,nuq4,nuq3o,nuq2o",
-                               depths=[0, 4096], passkey_types="f16,q4_0,nuq4", lengths=[1024, 2048, 4096],
-                               trials=2),
+    "qwen2.5-coder-1.5b": dict(settings="q8_0,q4_0,q8_0/q4_0,bfp4_32,nuq4,nuq4@fisher,nuq3o@fisher,"
+                                        "nuq2o@fisher,q8_0/nuq3o",
+                               chunks=4, bench_types="f16,q8_0,q4_0,nuq4,nuq3o", depths=[0, 4096],
+                               passkey_types="f16,q4_0,nuq4", lengths=[1024, 2048], trials=2),
 }
 
 
@@ -65,7 +66,7 @@ def params(model: str, quick: bool) -> dict:
 
 def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, text_file: str | None = None,
             parts: tuple[str, ...] = ("eval", "bench", "passkey"), threads: int | None = None,
-            n_gpu_layers: int = 0, progress: bool | None = None) -> Path:
+            n_gpu_layers: int = 0, progress: bool | None = None, readme: Path | None = None) -> Path:
     from ..models import MODELS, fetch
     text, text_name = eval_text(text_file)
     for name in models:
@@ -83,4 +84,4 @@ def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, te
         if "passkey" in parts:
             passkey.run(src, type_pairs(p["passkey_types"]), out / f"passkey_{name}.json",
                         lengths=p["lengths"] or default_lengths(src), trials=p["trials"])
-    return report.write(out, docs)
+    return report.write(out, docs, readme=readme)

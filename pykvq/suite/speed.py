@@ -30,9 +30,23 @@ def _say(msg: str) -> None:
     print(f"[pykvq bench] {msg}", file=sys.stderr, flush=True)
 
 
+def peak_rss() -> int | None:
+    """This process's peak RSS in bytes (VmHWM: per address space, so it starts afresh at exec,
+    unlike ru_maxrss, which a spawned child inherits from its parent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, threads: int | None,
-            n_gpu_layers: int) -> dict:
-    """Tokens/s of pp@d and tg@d for every depth d (in this process)."""
+            n_gpu_layers: int, rss_only: bool = False) -> dict:
+    """Tokens/s of pp@d and tg@d for every depth d (in this process); with rss_only, only the
+    peak RSS of a context of the same size after a warm-up batch (the KV buffer is cleared at
+    creation and the compute buffers reserved, so that is already the peak)."""
     import numpy as np
 
     from ..data import eval_text
@@ -48,7 +62,7 @@ def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, thre
     m._decode(toks[pp:pp + 1], pp)
     m.reset()
     out, pos = {}, 0
-    for d in sorted(set(depths)):
+    for d in [] if rss_only else sorted(set(depths)):
         if pos > d:                   # depths closer than pp: drop the overshoot
             m.seq_rm(d, -1)
             pos = d
@@ -68,7 +82,7 @@ def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, thre
     info = m.kv_cache_info()
     res = {"tokens_per_s": out, "kv_bytes_per_token": info.bytes_per_token,
            "bits_per_value": info.bits_per_value, "n_ctx": m.n_ctx, "cache_k": m.cache_type_k,
-           "cache_v": m.cache_type_v, "active": m.transforms()}
+           "cache_v": m.cache_type_v, "active": m.transforms(), "peak_rss_bytes": peak_rss()}
     m.close()
     return res
 
@@ -86,7 +100,8 @@ def run_child(args: dict, env: dict | None = None) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark process for {args['k']}/{args['v']} failed (exit {proc.returncode})")
     res = json.loads(stdout.strip().splitlines()[-1])
-    res["peak_rss_bytes"] = ru.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if res.get("peak_rss_bytes") is None:      # no /proc: ru_maxrss (may include the parent's at spawn)
+        res["peak_rss_bytes"] = ru.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return res
 
 
@@ -127,4 +142,4 @@ def _cpu_name() -> str:
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     print(json.dumps(measure(a["path"], a["k"], a["v"], a["depths"], a["pp"], a["tg"], a["threads"],
-                             a["n_gpu_layers"])))
+                             a["n_gpu_layers"], a.get("rss_only", False))))
