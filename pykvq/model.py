@@ -588,13 +588,20 @@ class Model:
         return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
 
     def save_logits(self, path, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
-                    tokens=None, progress: bool | None = None) -> Path:
-        """Write a llama-perplexity base-logits file (--kl-divergence-base format), atomically."""
+                    tokens=None, progress: bool | None = None, nll_out: list | None = None) -> Path:
+        """Write a llama-perplexity base-logits file (--kl-divergence-base format), atomically.
+        nll_out, if given, receives each chunk's exact target NLLs (the file keeps log-probs
+        only to 16 bits, so a PPL read back from it is approximate)."""
         tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
+        first, last = scored_positions(n_ctx)
         w = LogitsWriter(path, n_ctx, self.n_vocab, tokens, n)
         try:
             for i in progress_bar(range(n), desc="baseline logits", enable=progress):
-                w.add_chunk(self._chunk_logits(tokens[i * n_ctx:(i + 1) * n_ctx]))
+                chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+                logits = self._chunk_logits(chunk)
+                if nll_out is not None:
+                    nll_out.append(nll(log_softmax(logits), chunk[first + 1:last + 1]))
+                w.add_chunk(logits)
         except BaseException:
             w.abort()
             raise

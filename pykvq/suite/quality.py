@@ -10,6 +10,7 @@ the settings already in the file.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -27,15 +28,20 @@ def _say(msg: str) -> None:
     print(f"[pykvq eval] {msg}", file=sys.stderr, flush=True)
 
 
-def base_logits(src: Path, text: str, text_id: str, n_ctx: int, chunks: int, progress: bool | None) -> Path:
-    """The f16-cache base-logits file for (model, text, n_ctx, chunks), computed once."""
+def base_logits(src: Path, text: str, text_id: str, n_ctx: int, chunks: int,
+                progress: bool | None) -> tuple[Path, float]:
+    """The f16-cache base-logits file for (model, text, n_ctx, chunks), computed once, and the
+    f16 cache's exact PPL (kept beside it: the file's 16-bit log-probs give it only to ~1%)."""
     path = cache_dir() / "eval" / f"{src.stem}.{text_id}.ctx{n_ctx}.c{chunks}.kld"
-    if not path.is_file():
+    ppl_path = path.with_suffix(".ppl.json")
+    if not (path.is_file() and ppl_path.is_file()):
         path.parent.mkdir(parents=True, exist_ok=True)
         _say(f"f16 baseline logits -> {path}")
+        nlls: list = []
         with Model(src, n_ctx=n_ctx, cache_type_k="f16", cache_type_v="f16", flash_attn=True) as base:
-            base.save_logits(path, text, n_ctx=n_ctx, n_chunks=chunks, progress=progress)
-    return path
+            base.save_logits(path, text, n_ctx=n_ctx, n_chunks=chunks, progress=progress, nll_out=nlls)
+        ppl_path.write_text(json.dumps({"ppl": float(np.exp(np.concatenate(nlls).mean()))}))
+    return path, json.loads(ppl_path.read_text())["ppl"]
 
 
 def evaluate(m: Model, base: Path, chunks: int, progress: bool | None) -> dict:
@@ -57,7 +63,7 @@ def run(src: Path, settings: list[Setting], out: Path, *, text: str, text_name: 
     config = {"model": src.name, "model_bytes": src.stat().st_size, "text": text_name, "text_sha": text_id,
               "n_ctx": n_ctx, "chunks": chunks, "flash_attn": True}
     store = ResultStore(out, config)
-    base = base_logits(src, text, text_id, n_ctx, chunks, progress)
+    base, base_ppl = base_logits(src, text, text_id, n_ctx, chunks, progress)
     todo = [s for s in settings if s.label not in store]
     if len(todo) < len(settings):
         _say(f"{len(settings) - len(todo)} of {len(settings)} settings already in {out}")
@@ -71,11 +77,11 @@ def run(src: Path, settings: list[Setting], out: Path, *, text: str, text_name: 
         store.put(s.label, row)
         _say(f"{s.label}: {row['bits_per_value']:.3f} bits/value, KLD {row['mean_kld']:.4f} "
              f"(p99 {row['p99_kld']:.3f}), same top-1 {100 * row['same_top1']:.1f}%, PPL {row['ppl']:.3f}")
-    if "f16" not in store and store.rows:
-        any_row = next(iter(store.rows.values()))
+    if store.rows and store.rows.get("f16", {}).get("ppl") != base_ppl:
+        any_row = next(r for label, r in store.rows.items() if label != "f16")
         store.put("f16", dict(label="f16", k="f16", v="f16", transform="none", rotation="auto", stock=True,
                               bits_per_value=16.0, mean_kld=0.0, p99_kld=0.0, median_kld=0.0, kld_se=0.0,
-                              same_top1=1.0, ppl=any_row["ppl_base"], ppl_base=any_row["ppl_base"],
+                              same_top1=1.0, ppl=base_ppl, ppl_base=base_ppl,
                               n_tokens=any_row["n_tokens"], n_chunks=any_row["n_chunks"], n_ctx=n_ctx,
                               cache_k="f16", cache_v="f16", active="baseline", seconds=0.0,
                               convert_seconds=0.0))
