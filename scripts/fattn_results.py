@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from pykvq.models import fetch
+from pykvq.suite.speed import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "build" / "bin" / "llama-bench"
@@ -95,7 +96,7 @@ def main() -> None:
     saved = json.loads(jpath.read_text()) if jpath.exists() else {"rows": []}
     rows = {(r["cache"], r["test"]): r["tokens_per_s"] for r in saved["rows"]}
     meta = {"model": model.name, "threads": args.threads, "machine": platform.machine(),
-            "cpu": _cpu_name()}
+            "cpu": cpu_name()}
     for label, t, env, ds in [] if args.table_only else runs:
         for d in ds:
             for k in tests:
@@ -112,16 +113,6 @@ def main() -> None:
                 Path(f"{out}.md").write_text(table(rows, meta, depths, tests))
     Path(f"{out}.md").write_text(table(rows, meta, depths, tests))
     print(table(rows, meta, depths, tests))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

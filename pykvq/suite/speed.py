@@ -110,7 +110,7 @@ def run(src: Path, types: list[tuple[str, str]], out: Path, *, depths: list[int]
     threads = threads or os.cpu_count() or 1
     config = {"model": src.name, "model_bytes": src.stat().st_size, "depths": sorted(set(depths)), "pp": pp,
               "tg": tg, "threads": threads, "n_gpu_layers": n_gpu_layers, "machine": platform.machine(),
-              "cpu": _cpu_name(), "flash_attn": True}
+              "cpu": cpu_name(), "flash_attn": True}
     store = ResultStore(out, config)
     rows = [(k if k == v else f"{k}/{v}", k, v, None) for k, v in types]
     if upstream_f16 and ("f16", "f16") in types and not n_gpu_layers:
@@ -129,7 +129,8 @@ def run(src: Path, types: list[tuple[str, str]], out: Path, *, depths: list[int]
     return store
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model line of /proc/cpuinfo (platform.processor() elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
