@@ -7,8 +7,9 @@ not undone by a baked transform), multiplied by a Sylvester Hadamard per
 block of `nrot` channels. Codebooks must be fitted to exactly those numbers.
 
 Each value comes with the diagonal Fisher information F = (dL/dx)^2 of the
-LM loss w.r.t. the cached value. Every map above is orthogonal or diagonal,
-so the gradient follows it: rotations R map g to R g, x/s maps g to g*s.
+LM loss w.r.t. the cached value. The gradient follows each map x -> M x as
+g -> M^-T g: rotations R map g to R g, x/s maps g to g*s, a learned V
+transform A maps g to A^-T g.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 from .calib import Calib
 from .geometry import Geometry, pair_channels
 from .hadamard import hadamard
+from .invariant import pair_transform
 from .smooth import rope_norm
 
 
@@ -32,11 +34,13 @@ class CacheSamples:
 class Domain:
     """How one layer's K and V reach the cache (from the converter's choices)."""
     k_scale: np.ndarray | None = None     # [n_kv, n_pairs] smoothing scales s (K/s)
+    k_angle: np.ndarray | None = None     # [n_kv, n_pairs] learned in-pair angles (K pair turned by phi)
     k_perm: np.ndarray | None = None      # [n_kv, head_dim] K-sort channel permutation (NORM order)
     layout: str = "norm"                  # channel order of the cache: "norm" or "neox"
     rotate_v: bool = False                # baked per-head Hadamard on V
     rot_k: bool = False                   # online Hadamard on K (largest power of two dividing head_dim)
     rot_v: bool = False                   # online Hadamard on V (blocks of 64)
+    v_matrix: tuple | None = None         # learned V transform (A, A^-1), each [n_kv, hd, hd]
 
 
 def online_rot_k_size(head_dim: int) -> int:
@@ -66,6 +70,9 @@ def norm_to_layout(x: np.ndarray, g: Geometry, layout: str) -> np.ndarray:
 def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
     k = rope_norm(c.k[layer], c.pos, g)
     gk = rope_norm(c.gk[layer], c.pos, g)       # g_post = R g_pre (R orthogonal)
+    if d.k_angle is not None:
+        zero = np.zeros_like(d.k_angle)
+        k, gk = pair_transform(k, zero, d.k_angle, 1.0), pair_transform(gk, zero, d.k_angle, 1.0)
     if d.k_scale is not None:
         k, gk = _pairs_scale(k, d.k_scale, mul=False), _pairs_scale(gk, d.k_scale, mul=True)
     if d.k_perm is not None:
@@ -82,6 +89,9 @@ def values(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
     v, gv = c.v[layer], c.gv[layer]
     if d.rotate_v:
         v, gv = _block_rotate(v, g.head_dim), _block_rotate(gv, g.head_dim)
+    if d.v_matrix is not None:
+        a, a_inv = d.v_matrix
+        v, gv = np.einsum("tnd,ned->tne", v, a), np.einsum("tnd,nde->tne", gv, a_inv)
     if d.rot_v:
         v, gv = _block_rotate(v, 64), _block_rotate(gv, 64)
     return CacheSamples(v.astype(np.float32), (gv.astype(np.float64) ** 2).astype(np.float32))

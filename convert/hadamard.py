@@ -23,10 +23,6 @@ def hadamard(n: int) -> np.ndarray:
 def rotate_v(wv: np.ndarray, bv: np.ndarray | None, wo: np.ndarray, n_head: int, n_head_kv: int,
              head_dim: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """(W_v', b_v', W_o') for f32 W_v [n_kv*hd, n_embd] and W_o [n_embd, n_head*hd]."""
-    h = hadamard(head_dim)
-    wv2 = np.einsum("ij,hjc->hic", h, wv.reshape(n_head_kv, head_dim, -1).astype(np.float64))
-    bv2 = None if bv is None else np.einsum("ij,hj->hi", h, bv.reshape(n_head_kv, head_dim).astype(np.float64))
-    wo2 = np.einsum("rhj,jk->rhk", wo.reshape(wo.shape[0], n_head, head_dim).astype(np.float64), h)
-    return (wv2.reshape(wv.shape).astype(np.float32),
-            None if bv2 is None else bv2.reshape(-1).astype(np.float32),
-            wo2.reshape(wo.shape).astype(np.float32))
+    from .invariant import bake_v
+    h = np.broadcast_to(hadamard(head_dim), (n_head_kv, head_dim, head_dim))
+    return bake_v(wv, bv, wo, h, h, n_head, n_head_kv, head_dim)

@@ -17,7 +17,7 @@ from gguf import GGUFValueType as VT
 from pykvq import cache_types
 from pykvq.progress import progress_bar
 
-from . import cache_domain, codebook, hadamard, ksort, layer_types, rows, smooth
+from . import cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, rows, smooth
 from .calib import Calib
 from .geometry import head_rows, pair_channels, pair_perms_to_channels
 from .gguf_io import ConvertError, GGUFModel, Tensor
@@ -32,7 +32,13 @@ class Options:
     ksort_key: str = "auto"              # "weight" (paper: W_k pair row norm), "calib" (K pair RMS), "auto"
     smooth_qk: bool = False
     alpha: float | None = None           # fixed smoothing alpha; None: chosen per layer
-    rotate_v: str = "none"               # "hadamard" or "none"
+    rotate_v: str = "none"               # "hadamard", "learned" or "none"
+    learn_k: bool = False                # learned per-pair complex scale of Q/K (learn_k.py)
+    learn_steps: int = 100               # gradient steps per layer for the learned transforms
+    learn_rank: int | None = None        # rank-one factors of the learned V transform (None: head_dim)
+    max_cond: float = learn_v.MAX_COND   # bound on cond(A) of the learned V transform
+    learn_loss: str = "output"           # V objective: "output" (through W_o) or "fisher" (diagonal Fisher)
+    learn_init: str = "hadamard"         # V starting point: "hadamard" or "identity"
     cache_type_k: str | None = None      # what the file is prepared for (None: a default per transform)
     cache_type_v: str | None = None
     requant_type: str = "q8_0"           # storage of tensors a transform must requantize
@@ -50,6 +56,17 @@ class Options:
 
     def needs_fisher(self) -> bool:
         return self.codebook_method() != "none" or self.kv_bits is not None
+
+    def check_learning(self) -> None:
+        """What the learned transforms cannot do (checked before calibration, to fail fast)."""
+        type_k, type_v = self.resolved_types()
+        if self.rotate_v == "learned" and type_v in cache_types.UNQUANTIZED:
+            raise ConvertError(f"--rotate-v learned is learned for a quantized V cache type, got {type_v}")
+        if self.learn_k and self.ksort:
+            raise ConvertError("--learn-k with --ksort is not supported (the learned pair transform would have "
+                               "to be learned through the sort); use one or the other")
+        if self.learn_k and type_k in cache_types.UNQUANTIZED:
+            raise ConvertError(f"--learn-k is learned for a quantized K cache type, got {type_k}")
 
     def resolved_types(self) -> tuple[str, str]:
         default = "bfp4_32" if self.ksort else "q4_0"
@@ -72,6 +89,8 @@ class Report:
     cb_errors: list = field(default_factory=list)          # per layer: {(kv, type): fisher-weighted error}
     bits_per_value: float | None = None
     scale_stats: dict = field(default_factory=dict)       # f16 block scales rounded by smoothing (subnormals)
+    v_learned: list = field(default_factory=list)         # per layer (--rotate-v learned): learn_v.VResult
+    k_learned: list = field(default_factory=list)         # per layer (--learn-k): learn_k.KResult
 
 
 def _name(i: int, what: str) -> str:
@@ -114,8 +133,16 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     if opts.smooth_qk and calib is None:
         raise ConvertError("smoothing needs calibration statistics")
     if opts.rotate_v != "none" and g.head_dim & (g.head_dim - 1):
-        raise ConvertError(f"--rotate-v hadamard needs a power-of-two head size, got {g.head_dim}")
+        raise ConvertError(f"--rotate-v {opts.rotate_v} needs a power-of-two head size, got {g.head_dim}")
     type_k, type_v = opts.resolved_types()
+    opts.check_learning()
+    if opts.rotate_v == "learned" and (calib is None or calib.v is None):
+        raise ConvertError("--rotate-v learned needs calibration V activations")
+    if opts.learn_k and calib is None:
+        raise ConvertError("--learn-k needs calibration text")
+    if (opts.rotate_v == "learned" or opts.learn_k) and len(learn_v.sequences(calib.pos)) < 2:
+        raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
+                           "--calib-seqs 2 or more")
     for which, t in (("K", type_k), ("V", type_v)):
         if g.head_dim % _block(t):
             raise ConvertError(f"cache type {t} ({which}) has blocks of {_block(t)}, which do not divide "
@@ -148,6 +175,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             _permute(m, i, *relayout_rows)
 
         s = np.ones((g.n_head_kv, g.n_pairs), np.float32)
+        k_angle = None
         if opts.smooth_qk:
             if opts.alpha is None:
                 c = smooth.choose(calib.q[i], calib.k[i], calib.pos, g, type_k, ksort=opts.ksort,
@@ -157,6 +185,15 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             else:
                 s = smooth.fixed_scales(calib.q[i], calib.k[i], calib.pos, g, opts.alpha)
                 rep.alphas.append(opts.alpha)
+        kr = None
+        if opts.learn_k:
+            kr = learn_k.learn(calib.q[i], calib.k[i], calib.pos, g, type_k, s, rotate=k_quantized and hd % 64 == 0,
+                               steps=opts.learn_steps)
+            rep.k_learned.append(kr)
+        if kr is not None and kr.choice == "learned":       # a continuous scale and an angle: requantize W_q/W_k
+            s, k_angle = np.exp(kr.log_scale), kr.angle
+            _bake_pairs(m, i, kr, g, opts.requant_type, rep)
+        elif opts.smooth_qk:                                 # powers of two: exact on the stored rows
             kf = np.ones((g.n_head_kv, hd), np.float32)
             kf[:, ch[:, 0]] = 1.0 / s
             kf[:, ch[:, 1]] = 1.0 / s
@@ -174,24 +211,31 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             ff = ksort.freq_factors(perm, g)
             m.tensors[_name(i, "kvq_rope_freqs")] = Tensor(_name(i, "kvq_rope_freqs"), QT.F32, ff)
 
+        vr = None
+        if opts.rotate_v == "learned":
+            wo = rows.to_f32(m.tensors[_name(i, "attn_output.weight")])
+            d = learn_v.layer_data(calib.q[i], calib.k[i], calib.v[i], calib.pos, wo, g, gv=calib.gv[i])
+            vr = learn_v.learn(d, g, type_v, steps=opts.learn_steps, rank=opts.learn_rank, max_cond=opts.max_cond,
+                               loss=opts.learn_loss, init=opts.learn_init)
+            rep.v_learned.append(vr)
+
         if opts.needs_fisher():
-            dom = cache_domain.Domain(k_scale=s if opts.smooth_qk else None, k_perm=cp, layout=gl.layout,
-                                      rotate_v=opts.rotate_v == "hadamard",
+            dom = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
+                                      k_perm=cp, layout=gl.layout, rotate_v=opts.rotate_v == "hadamard",
+                                      v_matrix=None if vr is None else (vr.a, vr.a_inv),
                                       rot_k=k_quantized and not opts.ksort and hd % 64 == 0,
                                       rot_v=v_quantized and opts.rotate_v == "none" and hd % 64 == 0)
             _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
 
-        if opts.rotate_v == "hadamard":
+        if opts.rotate_v != "none":
             wv, wo = m.tensors[_name(i, "attn_v.weight")], m.tensors[_name(i, "attn_output.weight")]
             bv = m.tensors.get(_name(i, "attn_v.bias"))
-            wv2, bv2, wo2 = hadamard.rotate_v(rows.to_f32(wv), None if bv is None else rows.to_f32(bv),
-                                              rows.to_f32(wo), g.n_head, g.n_head_kv, hd)
-            for old, new in ((wv, wv2), (wo, wo2)):
-                out_type = opts.requant_type if old.quantized or opts.requant_type in ("f32", "f16", "bf16") else "f32"
-                m.tensors[old.name] = rows.from_f32(old.name, new, out_type)
-                if i == 0:
-                    rep.requantized.append(f"{old.name.split('.', 2)[2]}: {old.qtype.name} -> "
-                                           f"{m.tensors[old.name].qtype.name}")
+            args = (rows.to_f32(wv), None if bv is None else rows.to_f32(bv), rows.to_f32(wo))
+            if vr is None:
+                wv2, bv2, wo2 = hadamard.rotate_v(*args, g.n_head, g.n_head_kv, hd)
+            else:
+                wv2, bv2, wo2 = invariant.bake_v(*args, vr.a, vr.a_inv, g.n_head, g.n_head_kv, hd)
+            _store(m, [(wv, wv2), (wo, wo2)], opts.requant_type, rep)
             if bv is not None:
                 m.tensors[bv.name] = rows.from_f32(bv.name, bv2, "f32")
 
@@ -205,6 +249,12 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set("pykvq.baked.smooth_alpha", [(-1.0 if a is None else float(a)) for a in rep.alphas],
               VT.ARRAY, VT.FLOAT32)
     m.set("pykvq.baked.rotate_v", opts.rotate_v, VT.STRING)
+    if rep.v_learned:
+        m.set("pykvq.baked.rotate_v_layers", [r.choice for r in rep.v_learned], VT.ARRAY, VT.STRING)
+        m.set("pykvq.baked.rotate_v_cond", [float(r.cond) for r in rep.v_learned], VT.ARRAY, VT.FLOAT32)
+    m.set("pykvq.baked.learn_k", bool(opts.learn_k), VT.BOOL)
+    if rep.k_learned:
+        m.set("pykvq.baked.learn_k_layers", [r.choice for r in rep.k_learned], VT.ARRAY, VT.STRING)
     if relayout:
         m.set("pykvq.rope.layout", "norm", VT.STRING)
     if calib is not None:
@@ -233,6 +283,29 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     m.set("pykvq.cache.type_k", type_k, VT.STRING)
     m.set("pykvq.cache.type_v", type_v, VT.STRING)
     return rep
+
+
+def _store(m: GGUFModel, pairs: list, requant_type: str, rep: Report) -> None:
+    """Store transformed f32 weights (old tensor, new values): requantized to requant_type."""
+    for old, new in pairs:
+        out_type = requant_type if old.quantized or requant_type in ("f32", "f16", "bf16") else "f32"
+        m.tensors[old.name] = rows.from_f32(old.name, new, out_type)
+        what = f"{old.name.split('.', 2)[2]}: {old.qtype.name} -> {m.tensors[old.name].qtype.name}"
+        if what not in rep.requantized:
+            rep.requantized.append(what)
+
+
+def _bake_pairs(m: GGUFModel, i: int, kr, g, requant_type: str, rep: Report) -> None:
+    """Layer i's learned pair transform into W_q / W_k (rows mix within a pair: requantized) and their biases."""
+    pairs = []
+    for what, sign, n_heads in (("attn_q", 1.0, g.n_head), ("attn_k", -1.0, g.n_head_kv)):
+        w = m.tensors[_name(i, f"{what}.weight")]
+        pairs.append((w, invariant.bake_pairs(rows.to_f32(w), kr.log_scale, kr.angle, sign, g, n_heads)))
+        b = m.tensors.get(_name(i, f"{what}.bias"))
+        if b is not None:
+            m.tensors[b.name] = rows.from_f32(b.name, invariant.bake_pairs(rows.to_f32(b), kr.log_scale, kr.angle,
+                                                                           sign, g, n_heads), "f32")
+    _store(m, pairs, requant_type, rep)
 
 
 def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> None:

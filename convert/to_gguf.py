@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 if __package__ in (None, ""):             # run as a script: make `convert` and `pykvq` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "convert"
@@ -61,8 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "by fake-quantized attention-score error")
     p.add_argument("--alpha", type=float, default=None,
                    help="fixed smoothing alpha in [0, 1] instead of the per-layer search")
-    p.add_argument("--rotate-v", choices=("none", "hadamard"), default="none",
-                   help="hadamard: per-KV-head Hadamard baked into W_v (b_v) and W_o, spreading V outliers")
+    p.add_argument("--rotate-v", choices=("none", "hadamard", "learned"), default="none",
+                   help="hadamard: per-KV-head Hadamard baked into W_v (b_v) and W_o, spreading V outliers; "
+                        "learned: a general invertible matrix per KV head (a product of rank-one updates of "
+                        "the Hadamard, inverted by Sherman-Morrison), learned on calibration text for the "
+                        "target V cache type by the attention output's error; a layer keeps it only if it "
+                        "beats Hadamard on held-out calibration text")
+    p.add_argument("--learn-k", action="store_true",
+                   help="learn a per-pair complex scale of Q/K (a scale and an in-pair angle: the maps that "
+                        "commute with RoPE) for the target K cache type, starting from --smooth-qk's scales "
+                        "(or 1); kept per layer only if it beats that start on held-out text. Requantizes "
+                        "W_q/W_k of the layers that keep it")
+    p.add_argument("--learn-steps", type=int, default=100,
+                   help="gradient steps per layer for --rotate-v learned / --learn-k (default 100)")
+    p.add_argument("--learn-loss", choices=("output", "fisher"), default="output",
+                   help="objective of --rotate-v learned: the attention output's error through W_o (output), "
+                        "or the V error weighted by the LM loss's diagonal Fisher information (fisher)")
+    p.add_argument("--learn-init", choices=("hadamard", "identity"), default="hadamard",
+                   help="starting point of --rotate-v learned (the held-out comparison is always against Hadamard)")
+    p.add_argument("--max-cond", type=float, default=100.0,
+                   help="bound on the condition number of each learned V transform (default 100)")
     p.add_argument("--calib", default=None, metavar="FILE|canterbury",
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
@@ -132,15 +152,23 @@ def convert(args) -> dict:
         raise ConvertError(f"input not found: {src}")
     if out.exists() and out.resolve() == src.resolve():
         raise ConvertError("the output would overwrite the input; choose another --outfile")
+    if args.learn_steps < 0 or args.max_cond <= 1.0:
+        raise ConvertError("--learn-steps must be >= 0 and --max-cond > 1")
     if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
         raise ConvertError(f"--alpha must be in [0, 1], got {args.alpha}")
     opts = pipeline.Options(ksort=args.ksort, ksort_key=args.ksort_key, smooth_qk=args.smooth_qk,
                             alpha=args.alpha, rotate_v=args.rotate_v, cache_type_k=args.cache_type_k,
                             cache_type_v=args.cache_type_v, codebooks=args.codebooks, q_norm=not args.no_qnorm,
-                            kv_bits=args.kv_bits,
+                            kv_bits=args.kv_bits, learn_k=args.learn_k, learn_steps=args.learn_steps,
+                            max_cond=args.max_cond, learn_loss=args.learn_loss,
+                            learn_init=args.learn_init,
                             ladder=tuple(t.strip() for t in args.layer_types.split(",") if t.strip()))
+    if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
+        raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
+                           "--calib-seqs 2 or more")
     try:
         opts.resolved_types()
+        opts.check_learning()
         for t in opts.ladder:
             pipeline.layer_types.bits_per_value(t)
         if opts.kv_bits is not None:
@@ -167,7 +195,7 @@ def convert(args) -> dict:
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot, g.layout)
         calib = None
         needs_calib = (opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
-                       or opts.needs_fisher())
+                       or opts.needs_fisher() or opts.learn_k or opts.rotate_v == "learned")
         t_cal = 0.0
         if needs_calib:
             t1 = time.time()
@@ -175,7 +203,8 @@ def convert(args) -> dict:
             hf_dir = src if hf else _calibration_hf_dir(src, args)
             log.info("calibrating on %s: %d x %d tokens", source, args.calib_seqs, args.calib_len)
             calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                      source=source, progress=progress, fisher=opts.needs_fisher())
+                                      source=source, progress=progress,
+                                      fisher=opts.needs_fisher() or opts.rotate_v == "learned")
             t_cal = time.time() - t1
         rep = pipeline.apply(m, opts, calib, progress=progress)
         if hf:
@@ -195,11 +224,16 @@ def convert(args) -> dict:
         "output": str(out), "seconds": round(time.time() - t0, 1), "calibration_seconds": round(t_cal, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "transforms": {"ksort": opts.ksort, "smooth_qk": opts.smooth_qk, "rotate_v": opts.rotate_v,
+                       "learn_k": opts.learn_k,
                        "relayout_neox_to_norm": opts.ksort and g.layout == "neox"},
         "cache_type_k": k, "cache_type_v": v, "alphas": rep.alphas, "requantized": rep.requantized,
         "codebooks": opts.codebook_method(), "q_norm": opts.q_norm, "kv_bits": opts.kv_bits,
         "layer_types_k": rep.layer_types_k, "layer_types_v": rep.layer_types_v,
         "bits_per_value": rep.bits_per_value,
+        "v_learned": [{"choice": r.choice, "cond": round(r.cond, 2), "heldout": r.heldout, "reason": r.reason,
+                       "seconds": round(r.seconds, 2)} for r in rep.v_learned],
+        "k_learned": [{"choice": r.choice, "heldout": r.heldout, "seconds": round(r.seconds, 2)}
+                      for r in rep.k_learned],
         "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
     }
     return summary
@@ -234,6 +268,16 @@ def main(argv=None) -> int:
     if s["inexact_block_scales"]:
         print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
               "(subnormal ones; each change < 6e-8)")
+    for what, rows_ in (("V transform", s["v_learned"]), ("K pair transform", s["k_learned"])):
+        if rows_:
+            kept = sum(r["choice"] == "learned" for r in rows_)
+            fb = "Hadamard" if what.startswith("V") else "its start"
+            ref = "hadamard" if fb == "Hadamard" else "initial"
+            ratio = np.exp(np.mean([np.log(min(r["heldout"]["learned"], r["heldout"][ref]) / r["heldout"][ref])
+                                    for r in rows_]))
+            extra = f", largest cond(A) {max(r['cond'] for r in rows_):.1f}" if what.startswith("V") else ""
+            print(f"learned {what}: kept in {kept}/{len(rows_)} layers (held-out error vs {fb}: "
+                  f"{ratio:.3f}x, geometric mean over layers){extra}, {sum(r['seconds'] for r in rows_):.0f} s")
     if s["requantized"]:
         print("requantized: " + "; ".join(s["requantized"]))
     if a_txt:

@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "per setting (cache types, converter transforms, rotation)",
                        description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off] against the same "
                        "model with an f16 cache. Transforms: none, fisher (NUQ codebooks), smooth+vrot, "
-                       "ksort+smooth, kvbits-B (per-layer types; K/V 'auto'). Converted files are cached.")
+                       "ksort+smooth, vhad, vlearned (learned V transform), smooth, smooth+klearned (learned Q/K "
+                       "pair transform), kvbits-B (per-layer types; K/V 'auto'). Converted files are cached.")
     _model_arg(p)
     p.add_argument("-s", "--settings", default="full",
                    help="comma-separated settings, or a matrix name: full, core, quick (default full)")

@@ -293,6 +293,8 @@ class Model:
             out.append("NEOX->NORM rope layout")
         if self.meta("pykvq.baked.smooth_qk") == "true":
             out.append("QK pair smoothing")
+        if self.meta("pykvq.baked.learn_k") == "true":
+            out.append("learned Q/K pair transform")
         rv = self.meta("pykvq.baked.rotate_v")
         if rv and rv != "none":
             out.append(f"V/O {rv}")

@@ -192,6 +192,46 @@ def passkey_md(d: dict) -> list[str]:
     return md + [""]
 
 
+V_TRANSFORM = {"none": "none (upstream's online Hadamard)", "fisher": "none (upstream's online Hadamard)",
+               "vhad": "Hadamard baked into W_v/W_o", "vlearned": "learned, output loss",
+               "vlearned-fisher": "learned, Fisher loss"}
+K_TRANSFORM = {"none": "none (upstream's online Hadamard)", "smooth": "pair smoothing (powers of two)",
+               "smooth+klearned": "learned pair scale + angle (from smoothing)"}
+
+
+def learned_md(d: dict) -> list[str]:
+    """The learned-transform comparison (results/learned/eval_<model>.json): V transforms with an f16 K
+    cache, per V type; K pair transforms with an f16 V cache."""
+    meta, rows = d["meta"]["config"], list(d["rows"].values())
+    md = [f"### Learned invertible transforms: {meta['model']}", "",
+          f"{meta['text']}, {meta['chunks']} chunks of {meta['n_ctx']} tokens, KLD against the unconverted "
+          "model with an f16 cache. V rows keep K in f16 and K rows keep V in f16, so each table isolates one "
+          "cache. nuq rows all use Fisher codebooks fitted in their own domain. Conversion time includes "
+          "calibration (cached after the first run) and learning on this machine's CPU, and is a wall time "
+          "taken while other jobs shared the cores: an upper bound. **bold** = lowest KLD of its type.", ""]
+    for which, table, other in (("v", V_TRANSFORM, "k"), ("k", K_TRANSFORM, "v")):
+        sel = [r for r in rows if r[other] == "f16" and r[which] != "f16" and r["transform"] in table]
+        if not sel:
+            continue
+        md += [f"| {which.upper()} cache | transform | mean KLD | p99 KLD | same top-1 | PPL | conversion s (CPU) |",
+               "|---|---|---|---|---|---|---|"]
+        order = list(table)
+        types = ("q8_0", "q4_0", "iq4_nl", "bfp4_32", "bfp4_64", "nuq4", "nuq3o", "nuq3", "nuq2o", "nuq2")
+        sel.sort(key=lambda r: (types.index(r[which]) if r[which] in types else len(types), r[which],
+                                r["rotation"] == "off", order.index(r["transform"])))
+        best = {}
+        for r in sel:
+            best[r[which]] = min(best.get(r[which], 9e9), r["mean_kld"])
+        for r in sel:
+            name = "none (online rotation off too)" if r["rotation"] == "off" else table[r["transform"]]
+            kld = f"{_f(r['mean_kld'])} ± {_f(r['kld_se'])}"
+            kld = f"**{kld}**" if r["mean_kld"] == best[r[which]] else kld
+            md.append(f"| {r[which]} | {name} | {kld} | {r['p99_kld']:.3f} | "
+                      f"{100 * r['same_top1']:.1f}% | {r['ppl']:.3f} | {r.get('convert_seconds', 0):.0f} |")
+        md.append("")
+    return md
+
+
 def headline_md(models: dict[str, dict]) -> list[str]:
     md = ["| model | cache | bits/value | KV size vs f16 | mean KLD vs f16 | same top-1 | "
           "decode at depth vs f16 (pykvq kernel / upstream kernel) |",
@@ -270,6 +310,9 @@ def write(results: Path, docs: Path, models: list[str] | None = None, readme: Pa
             md += speed_md(parts["bench"], model, img)
         if "passkey" in parts:
             md += passkey_md(parts["passkey"])
+        learned = results / "learned" / f"eval_{model}.json"
+        if learned.is_file():
+            md += learned_md(load(learned))
     out = docs / "RESULTS.md"
     tmp = out.with_suffix(".md.tmp")
     tmp.write_text("\n".join(md) + "\n")

@@ -6,6 +6,8 @@ On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off]
     q8_0/q4_0         q8_0 keys, q4_0 values
     nuq3o@fisher      converted with Fisher codebooks fitted for nuq3o
     nuq4@smooth+vrot  pair smoothing + V Hadamard baked in, Fisher codebooks for nuq4
+    f16/q4_0@vlearned a learned invertible V transform for q4_0 values (vhad: the Hadamard alone)
+    q4_0/f16@smooth+klearned  learned per-pair Q/K complex scales, started from pair smoothing
     auto@kvbits-3.6   per-layer types chosen by the converter for 3.6 bits/value
     q4_0:rot-off      upstream's online Hadamard rotation switched off
 """
@@ -24,6 +26,11 @@ TRANSFORMS = {
     "fisher": [],
     "smooth+vrot": ["--smooth-qk", "--rotate-v", "hadamard"],
     "ksort+smooth": ["--ksort", "--smooth-qk"],
+    "vhad": ["--rotate-v", "hadamard"],                    # V/O Hadamard only
+    "vlearned": ["--rotate-v", "learned"],                 # V/O learned invertible transform (issue 8)
+    "vlearned-fisher": ["--rotate-v", "learned", "--learn-loss", "fisher"],
+    "smooth": ["--smooth-qk"],
+    "smooth+klearned": ["--smooth-qk", "--learn-k"],       # learned pair scale + angle, from smoothing's
 }
 _KVBITS = re.compile(r"^kvbits-(\d+(?:\.\d+)?)$")
 
