@@ -26,7 +26,8 @@ MODEL_OVERRIDES = {
     "qwen2.5-coder-1.5b": dict(settings="q8_0,q4_0,q8_0/q4_0,bfp4_32,nuq4,nuq4@fisher,nuq3o@fisher,"
                                         "nuq2o@fisher,q8_0/nuq3o",
                                chunks=4, bench_types="f16,q8_0,q4_0,nuq4,nuq3o", depths=[0, 4096],
-                               passkey_types="f16,q4_0,nuq4", lengths=[1024, 2048], trials=2),
+                               passkey_types="f16,q4_0,nuq4,q8_0/q4_0,q8_0/nuq3o", lengths=[1024, 2048],
+                               trials=2),
 }
 
 
