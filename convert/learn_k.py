@@ -29,10 +29,10 @@ import numpy as np
 from pykvq.ref import VEC_DOT_TYPE
 
 from . import ste
-from .cache_domain import online_rot_k_size
-from .geometry import Geometry, pair_channels
+from .cache_domain import norm_to_layout, online_rot_k_size
+from .geometry import Geometry
 from .hadamard import hadamard
-from .learn_v import sequences
+from .learn_v import query_positions, sequences
 from .smooth import rope_norm
 
 
@@ -83,15 +83,12 @@ def learn(q: np.ndarray, k: np.ndarray, pos: np.ndarray, g: Geometry, type_k: st
     if len(seqs) < 2:
         raise ValueError("learning a K transform needs at least 2 calibration sequences (one is held out)")
     kv = torch.from_numpy(np.arange(g.n_head) // g.group)
-    src, dst = pair_channels(g, "norm"), pair_channels(g, g.layout)
-    order = np.empty(g.head_dim, np.int64)                 # file channel c holds NORM channel order[c]
-    order[dst[:, 0]], order[dst[:, 1]] = src[:, 0], src[:, 1]
-    order = torch.from_numpy(order)
+    order = torch.from_numpy(norm_to_layout(np.arange(g.head_dim), g, g.layout))   # file channel c = NORM order[c]
     rot = torch.from_numpy(hadamard(online_rot_k_size(g.head_dim)).astype(np.float32)) if rotate else None
     data = []
     for s in seqs:
         t = s.stop - s.start
-        qi = torch.from_numpy(np.unique(np.linspace(0, t - 1, min(n_query, t)).astype(np.int64)))
+        qi = torch.from_numpy(query_positions(t, n_query))
         data.append((torch.from_numpy(rope_norm(q[s], pos[s], g)), torch.from_numpy(rope_norm(k[s], pos[s], g)), qi))
     l0 = torch.from_numpy(np.log(np.asarray(init_scale, np.float64)).astype(np.float32))
     l = l0.clone().requires_grad_(True)

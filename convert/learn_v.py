@@ -58,12 +58,17 @@ def sequences(pos: np.ndarray) -> list[slice]:
     return [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
 
 
+def query_positions(t: int, n_query: int) -> np.ndarray:
+    """n_query evenly spaced positions of a t-token sequence (all of them if t <= n_query)."""
+    return np.unique(np.linspace(0, t - 1, min(n_query, t)).astype(np.int64))
+
+
 def attention_probs(q: np.ndarray, k: np.ndarray, pos: np.ndarray, g: Geometry, n_query: int) -> np.ndarray:
     """Causal softmax(q k^T / sqrt(hd)) [n_head, n_query, T] of one sequence's pre-RoPE NORM q, k, for
     n_query evenly spaced query positions."""
     qr, kr = rope_norm(q, pos, g), rope_norm(k, pos, g)
     t = len(pos)
-    qi = np.unique(np.linspace(0, t - 1, min(n_query, t)).astype(int))
+    qi = query_positions(t, n_query)
     kv = np.arange(g.n_head) // g.group
     s = np.einsum("qhd,thd->hqt", qr[qi].astype(np.float64), kr[:, kv].astype(np.float64)) / np.sqrt(g.head_dim)
     s = np.where(np.arange(t)[None, None, :] > qi[None, :, None], -np.inf, s)
@@ -110,7 +115,8 @@ def learn(d: VData, g: Geometry, type_v: str, *, steps: int = 100, rank: int | N
     hd, n = g.head_dim, g.n_head_kv
     r = rank or hd
     kv = torch.from_numpy(np.arange(g.n_head) // g.group)
-    h = torch.from_numpy(hadamard(hd).astype(np.float32))
+    hn = hadamard(hd)
+    h = torch.from_numpy(hn.astype(np.float32))
     base = h if init == "hadamard" else torch.eye(hd)
     tv = [torch.from_numpy(np.ascontiguousarray(x, np.float32)) for x in d.v]
     tp = [torch.from_numpy(x) for x in d.p]
@@ -166,7 +172,6 @@ def learn(d: VData, g: Geometry, type_v: str, *, steps: int = 100, rank: int | N
     elif lrn >= had:
         res.reason = "does not beat Hadamard on held-out text"
     if res.reason:
-        hn = hadamard(hd)
         res.a = res.a_inv = np.broadcast_to(hn, (n, hd, hd)).copy()
         res.choice, res.cond = "hadamard", 1.0
     res.seconds = time.time() - t0

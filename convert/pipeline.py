@@ -165,6 +165,9 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     relayout = opts.ksort and g.layout == "neox"
     k_quantized = type_k not in cache_types.UNQUANTIZED
     v_quantized = type_v not in cache_types.UNQUANTIZED
+    # where the runtime will rotate the cache online (upstream's attn_rot, not undone by a baked transform)
+    online_rot_k = k_quantized and not opts.ksort and hd % 64 == 0
+    online_rot_v = v_quantized and opts.rotate_v == "none" and hd % 64 == 0
     if relayout:
         p = neox_to_norm(g)
         relayout_rows = head_rows(p, g.n_head, hd), head_rows(p, g.n_head_kv, hd)
@@ -187,7 +190,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                 rep.alphas.append(opts.alpha)
         kr = None
         if opts.learn_k:
-            kr = learn_k.learn(calib.q[i], calib.k[i], calib.pos, g, type_k, s, rotate=k_quantized and hd % 64 == 0,
+            kr = learn_k.learn(calib.q[i], calib.k[i], calib.pos, g, type_k, s, rotate=online_rot_k,
                                steps=opts.learn_steps)
             rep.k_learned.append(kr)
         if kr is not None and kr.choice == "learned":       # a continuous scale and an angle: requantize W_q/W_k
@@ -214,7 +217,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         vr = None
         if opts.rotate_v == "learned":
             wo = rows.to_f32(m.tensors[_name(i, "attn_output.weight")])
-            d = learn_v.layer_data(calib.q[i], calib.k[i], calib.v[i], calib.pos, wo, g, gv=calib.gv[i])
+            d = learn_v.layer_data(calib.q[i], calib.k[i], calib.v[i], calib.pos, wo, g,
+                                   gv=calib.gv[i] if opts.learn_loss == "fisher" else None)
             vr = learn_v.learn(d, g, type_v, steps=opts.learn_steps, rank=opts.learn_rank, max_cond=opts.max_cond,
                                loss=opts.learn_loss, init=opts.learn_init)
             rep.v_learned.append(vr)
@@ -223,8 +227,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             dom = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
                                       k_perm=cp, layout=gl.layout, rotate_v=opts.rotate_v == "hadamard",
                                       v_matrix=None if vr is None else (vr.a, vr.a_inv),
-                                      rot_k=k_quantized and not opts.ksort and hd % 64 == 0,
-                                      rot_v=v_quantized and opts.rotate_v == "none" and hd % 64 == 0)
+                                      rot_k=online_rot_k, rot_v=online_rot_v)
             _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
 
         if opts.rotate_v != "none":
@@ -278,8 +281,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     if cb_k or cb_v:
         m.set("pykvq.cache.codebook_method", method, VT.STRING)
         m.set("pykvq.cache.codebook_qnorm", bool(opts.q_norm), VT.BOOL)
-        m.set("pykvq.cache.codebook_rot_k", bool(k_quantized and not opts.ksort and hd % 64 == 0), VT.BOOL)
-        m.set("pykvq.cache.codebook_rot_v", bool(v_quantized and opts.rotate_v == "none" and hd % 64 == 0), VT.BOOL)
+        m.set("pykvq.cache.codebook_rot_k", bool(online_rot_k), VT.BOOL)
+        m.set("pykvq.cache.codebook_rot_v", bool(online_rot_v), VT.BOOL)
     m.set("pykvq.cache.type_k", type_k, VT.STRING)
     m.set("pykvq.cache.type_v", type_v, VT.STRING)
     return rep

@@ -268,14 +268,13 @@ def main(argv=None) -> int:
     if s["inexact_block_scales"]:
         print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
               "(subnormal ones; each change < 6e-8)")
-    for what, rows_ in (("V transform", s["v_learned"]), ("K pair transform", s["k_learned"])):
+    for what, rows_, ref, fb in (("V transform", s["v_learned"], "hadamard", "Hadamard"),
+                                 ("K pair transform", s["k_learned"], "initial", "its start")):
         if rows_:
             kept = sum(r["choice"] == "learned" for r in rows_)
-            fb = "Hadamard" if what.startswith("V") else "its start"
-            ref = "hadamard" if fb == "Hadamard" else "initial"
             ratio = np.exp(np.mean([np.log(min(r["heldout"]["learned"], r["heldout"][ref]) / r["heldout"][ref])
                                     for r in rows_]))
-            extra = f", largest cond(A) {max(r['cond'] for r in rows_):.1f}" if what.startswith("V") else ""
+            extra = f", largest cond(A) {max(r['cond'] for r in rows_):.1f}" if "cond" in rows_[0] else ""
             print(f"learned {what}: kept in {kept}/{len(rows_)} layers (held-out error vs {fb}: "
                   f"{ratio:.3f}x, geometric mean over layers){extra}, {sum(r['seconds'] for r in rows_):.0f} s")
     if s["requantized"]:

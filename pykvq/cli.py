@@ -306,12 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.set_defaults(func=cmd_fetch)
 
+    from .suite.settings import TRANSFORMS
     p = sub.add_parser("eval", help="quality matrix: KLD / p99 / same top-1 / PPL vs an f16 cache, "
                        "per setting (cache types, converter transforms, rotation)",
                        description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off] against the same "
-                       "model with an f16 cache. Transforms: none, fisher (NUQ codebooks), smooth+vrot, "
-                       "ksort+smooth, vhad, vlearned (learned V transform), smooth, smooth+klearned (learned Q/K "
-                       "pair transform), kvbits-B (per-layer types; K/V 'auto'). Converted files are cached.")
+                       f"model with an f16 cache. Transforms: {', '.join(TRANSFORMS)}, kvbits-B (per-layer "
+                       "types; K/V 'auto'); what each bakes in: pykvq/suite/settings.py. Converted files are "
+                       "cached.")
     _model_arg(p)
     p.add_argument("-s", "--settings", default="full",
                    help="comma-separated settings, or a matrix name: full, core, quick (default full)")
