@@ -20,3 +20,12 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/cpu/nuq.c
     ${GGML_KVQ_DIR}/cpu/fattn.cpp
 )
+
+# CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by patch 0008, compiled with its flags
+# and architectures; they include ggml-cuda's own headers (common.cuh, fattn.cuh).
+set(GGML_KVQ_CUDA_SOURCES
+    ${GGML_KVQ_DIR}/cuda/kvq-cuda.cu
+    ${GGML_KVQ_DIR}/cuda/kvq-fattn-d64.cu
+    ${GGML_KVQ_DIR}/cuda/kvq-fattn-d128.cu
+    ${GGML_KVQ_DIR}/cuda/kvq-fattn-d256.cu
+)

@@ -1,0 +1,378 @@
+// pykvq: block codecs of the cache types for CUDA, written once for device and host.
+//
+// Every function here is __host__ __device__ and uses integer or correctly rounded float
+// operations only, so the host build (native/tests/cuda_codec_check.cpp, run by
+// tests/test_cuda.py without a GPU) checks the very code the kernels run against the
+// reference quantizers bit for bit. The rules are the ones in ggml-kvq.h / pykvq/ref/.
+//
+// On the device, ggml-cuda builds with -use_fast_math: divisions go through __fdiv_rn /
+// __frcp_rn here so d = amax/127 and 1/d stay correctly rounded; only subnormal inputs
+// (|x| < 2^-126) may flush to zero there, which the reference would keep.
+#pragma once
+
+#include "ggml-kvq.h"
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define KVQ_HD __host__ __device__ __forceinline__
+#define KVQ_UNROLL _Pragma("unroll")
+#else
+#define KVQ_UNROLL
+#define KVQ_HD static inline
+#include <math.h>
+#endif
+
+// ---- scalar helpers -----------------------------------------------------------------------
+
+KVQ_HD uint32_t kvq_f2u(float f) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    union { float f; uint32_t u; } v; v.f = f; return v.u;
+#endif
+}
+
+KVQ_HD float kvq_u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    union { uint32_t u; float f; } v; v.u = u; return v.f;
+#endif
+}
+
+KVQ_HD float kvq_div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+
+KVQ_HD float kvq_mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+KVQ_HD float kvq_rint(float x) {          // round half to even (the default mode on the host)
+#if defined(__CUDA_ARCH__)
+    return rintf(x);
+#else
+    return nearbyintf(x);
+#endif
+}
+
+KVQ_HD bool kvq_isnan(float x) { return (kvq_f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+KVQ_HD bool kvq_isinf(float x) { return (kvq_f2u(x) & 0x7FFFFFFFu) == 0x7F800000u; }
+KVQ_HD float kvq_fabs(float x) { return kvq_u2f(kvq_f2u(x) & 0x7FFFFFFFu); }
+
+// f32 -> f16 bits, round to nearest even; the same integer rule as ggml_kvq_fp32_to_fp16
+KVQ_HD uint16_t kvq_fp32_to_fp16(float f) {
+    const uint32_t u    = kvq_f2u(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t ax   = u & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) {
+        return (uint16_t) (sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    }
+    if (ax >= 0x477FF000u) {
+        return (uint16_t) (sign | 0x7C00u);
+    }
+    if (ax >= 0x38800000u) {
+        const uint32_t m   = ax - 0x38000000u;
+        const uint32_t r   = m >> 13;
+        const uint32_t rem = m & 0x1FFFu;
+        return (uint16_t) (sign | (r + (rem > 0x1000u || (rem == 0x1000u && (r & 1)))));
+    }
+    if (ax < 0x33000000u) {
+        return (uint16_t) sign;
+    }
+    const uint32_t e    = ax >> 23;
+    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    const uint32_t sh   = 126 - e;
+    const uint32_t r    = mant >> sh;
+    const uint32_t rem  = mant & ((1u << sh) - 1);
+    const uint32_t half = 1u << (sh - 1);
+    return (uint16_t) (sign | (r + (rem > half || (rem == half && (r & 1)))));
+}
+
+KVQ_HD float kvq_fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
+    const uint32_t e    = (h >> 10) & 0x1Fu;
+    uint32_t       m    = h & 0x3FFu;
+    uint32_t       u;
+    if (e == 0x1F) {
+        u = sign | 0x7F800000u | (m << 13);
+    } else if (e != 0) {
+        u = sign | ((e + 112) << 23) | (m << 13);
+    } else if (m == 0) {
+        u = sign;
+    } else {
+        int s = 0;
+        while (!(m & 0x400u)) { m <<= 1; ++s; }
+        u = sign | ((uint32_t) (113 - s) << 23) | ((m & 0x3FFu) << 13);
+    }
+    return kvq_u2f(u);
+}
+
+KVQ_HD float kvq_f16_bytes(const uint8_t * p) {
+    return kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
+}
+
+KVQ_HD void kvq_put_f16(uint8_t * p, float f) {
+    const uint16_t h = kvq_fp32_to_fp16(f);
+    p[0] = (uint8_t) (h & 0xFF);
+    p[1] = (uint8_t) (h >> 8);
+}
+
+// 2^(e - 127) of an E8M0 byte (e = 0: 2^-127)
+KVQ_HD float kvq_e8m0(uint8_t e) {
+    return kvq_u2f(e == 0 ? 0x00400000u : (uint32_t) e << 23);
+}
+
+// ---- type facts ---------------------------------------------------------------------------
+
+template <ggml_type T> struct kvq_traits;
+template <> struct kvq_traits<GGML_TYPE_BFP4_32> { static constexpr int qk = 32; static constexpr int bs = 17; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_BFP4_64> { static constexpr int qk = 64; static constexpr int bs = 33; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_BFP8_32> { static constexpr int qk = 32; static constexpr int bs = 33; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_NUQ4>    { static constexpr int qk = 32; static constexpr int bs = 18; static constexpr int ncodes = 16; static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_NUQ3>    { static constexpr int qk = 32; static constexpr int bs = 14; static constexpr int ncodes = 8;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_NUQ2>    { static constexpr int qk = 32; static constexpr int bs = 10; static constexpr int ncodes = 4;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_NUQ3O>   { static constexpr int qk = 64; static constexpr int bs = 29; static constexpr int ncodes = 8;  static constexpr bool outl = true;  };
+template <> struct kvq_traits<GGML_TYPE_NUQ2O>   { static constexpr int qk = 64; static constexpr int bs = 21; static constexpr int ncodes = 4;  static constexpr bool outl = true;  };
+// stock types the decode kernel also reads (K of the mixed pairs)
+template <> struct kvq_traits<GGML_TYPE_Q8_0>    { static constexpr int qk = 32; static constexpr int bs = 34; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_F16>     { static constexpr int qk = 1;  static constexpr int bs = 2;  static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+
+template <ggml_type T> constexpr bool kvq_is_nuq() { return kvq_traits<T>::ncodes > 0; }
+
+// ---- quantize one block (SET_ROWS, CPY) ------------------------------------------------------
+
+// smallest s with rint(amax / 2^s) <= M (M = 2^(bits-1) - 1), biased by 127; frexp by bits
+template <int bits>
+KVQ_HD uint8_t kvq_bfp_exponent(float amax) {
+    if (amax == 0.0f) {
+        return 0;
+    }
+    int s;
+    if (kvq_isinf(amax)) {
+        s = 127;
+    } else {
+        uint32_t u = kvq_f2u(amax);
+        int      E;
+        if ((u >> 23) == 0) {                    // subnormal: normalise the mantissa
+            int sh = 0;
+            uint32_t m = u & 0x7FFFFFu;
+            while (!(m & 0x800000u)) { m <<= 1; ++sh; }
+            E = -125 - sh;
+            u = (m & 0x7FFFFFu) | (126u << 23);
+        } else {
+            E = (int) (u >> 23) - 126;
+            u = (u & 0x807FFFFFu) | (126u << 23);
+        }
+        const float f = kvq_u2f(u);              // in [0.5, 1)
+        const float M = (float) ((1 << (bits - 1)) - 1);
+        s = E - (bits - 1) + (f >= (M + 0.5f) / (float) (1 << (bits - 1)));
+    }
+    s = s < -127 ? -127 : s > 127 ? 127 : s;
+    return (uint8_t) (s + 127);
+}
+
+template <int M>
+KVQ_HD int kvq_bfp_mantissa(float x, uint8_t e) {
+    if (kvq_isnan(x)) {
+        return 0;
+    }
+    if (kvq_isinf(x)) {
+        return x > 0 ? M : -M;
+    }
+    const float inv = kvq_u2f(e == 254 ? 0x00400000u : (uint32_t) (254 - e) << 23);   // 2^(127 - e)
+    const float v   = kvq_rint(kvq_mul_rn(x, inv));
+    return v > M ? M : v < -M ? -M : (int) v;
+}
+
+// nuq: indices of a dense block of n (x[skip] counts as 0); returns d (f32)
+template <int n_codes>
+KVQ_HD float kvq_nuq_index(const float * x, int n, int skip, const int8_t * cb, uint8_t * idx) {
+    float mid[n_codes - 1];
+KVQ_UNROLL
+    for (int j = 0; j + 1 < n_codes; ++j) {
+        mid[j] = ((float) cb[j] + (float) cb[j + 1]) * 0.5f;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float a = i == skip ? 0.0f : kvq_fabs(x[i]);
+        if (a > amax) {
+            amax = a;
+        }
+    }
+    const float d  = kvq_div_rn(amax, 127.0f);
+    const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float v = kvq_mul_rn(i == skip ? 0.0f : x[i], id);
+        int k = 0;
+KVQ_UNROLL
+        for (int j = 0; j + 1 < n_codes; ++j) {
+            k += v > mid[j];
+        }
+        idx[i] = (uint8_t) k;
+    }
+    return d;
+}
+
+KVQ_HD int kvq_outlier(const float * x, int n) {
+    float amax = 0.0f;
+    int   oi   = 0;
+    for (int i = 0; i < n; ++i) {
+        const float a = kvq_fabs(x[i]);
+        if (a > amax) {
+            amax = a;
+            oi   = i;
+        }
+    }
+    return oi;
+}
+
+KVQ_HD void kvq_pack_low2(const uint8_t * idx, int n, uint8_t * qs) {
+    const int q = n / 4;
+    for (int j = 0; j < q; ++j) {
+        qs[j] = (uint8_t) ((idx[j] & 3) | ((idx[j + q] & 3) << 2) | ((idx[j + 2*q] & 3) << 4) | ((idx[j + 3*q] & 3) << 6));
+    }
+}
+
+KVQ_HD void kvq_pack_high(const uint8_t * idx, int n, uint8_t * qh) {
+    for (int b = 0; b < n / 8; ++b) {
+        uint8_t v = 0;
+        for (int i = 0; i < 8; ++i) {
+            v |= (uint8_t) (((idx[8*b + i] >> 2) & 1) << i);
+        }
+        qh[b] = v;
+    }
+}
+
+// x: qk floats; y: one block. cb: the codebook (nuq types; never NULL here).
+template <ggml_type T>
+KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) {
+    constexpr int qk = kvq_traits<T>::qk;
+    if constexpr (T == GGML_TYPE_BFP4_32 || T == GGML_TYPE_BFP4_64 || T == GGML_TYPE_BFP8_32) {
+        constexpr int bits = T == GGML_TYPE_BFP8_32 ? 8 : 4;
+        float amax = 0.0f;
+        for (int j = 0; j < qk; ++j) {
+            const float a = kvq_fabs(x[j]);
+            if (a > amax) {
+                amax = a;
+            }
+        }
+        const uint8_t e = kvq_bfp_exponent<bits>(amax);
+        y[0] = e;
+        if constexpr (bits == 8) {
+            for (int j = 0; j < qk; ++j) {
+                y[1 + j] = (uint8_t) (int8_t) kvq_bfp_mantissa<127>(x[j], e);
+            }
+        } else {
+            for (int j = 0; j < qk/2; ++j) {
+                const int lo = kvq_bfp_mantissa<7>(x[j], e) + 8;
+                const int hi = kvq_bfp_mantissa<7>(x[j + qk/2], e) + 8;
+                y[1 + j] = (uint8_t) (lo | (hi << 4));
+            }
+        }
+    } else {
+        constexpr int n_codes = kvq_traits<T>::ncodes;
+        constexpr bool outl   = kvq_traits<T>::outl;
+        uint8_t idx[qk];
+        const int   oi = outl ? kvq_outlier(x, qk) : -1;
+        const float d  = kvq_nuq_index<n_codes>(x, qk, oi, cb, idx);
+        kvq_put_f16(y, d);
+        if constexpr (T == GGML_TYPE_NUQ4) {
+            for (int j = 0; j < qk/2; ++j) {
+                y[2 + j] = (uint8_t) (idx[j] | (idx[j + qk/2] << 4));
+            }
+        } else if constexpr (T == GGML_TYPE_NUQ3) {
+            kvq_pack_low2(idx, qk, y + 2);
+            kvq_pack_high(idx, qk, y + 2 + qk/4);
+        } else if constexpr (T == GGML_TYPE_NUQ2) {
+            kvq_pack_low2(idx, qk, y + 2);
+        } else {
+            kvq_put_f16(y + 2, x[oi]);
+            y[4] = (uint8_t) oi;
+            kvq_pack_low2(idx, qk, y + 5);
+            if constexpr (T == GGML_TYPE_NUQ3O) {
+                kvq_pack_high(idx, qk, y + 5 + qk/4);
+            }
+        }
+    }
+}
+
+// ---- dequantize ---------------------------------------------------------------------------
+
+// N consecutive values x[i0 .. i0+N) of a row (N divides the block and i0 % N == 0).
+// c: the codebook as floats (nuq types), ignored otherwise.
+template <ggml_type T, int N>
+KVQ_HD void kvq_dequantize(const uint8_t * row, int i0, const float * c, float * out) {
+    if constexpr (T == GGML_TYPE_F16) {
+KVQ_UNROLL
+        for (int l = 0; l < N; ++l) {
+            out[l] = kvq_f16_bytes(row + 2*(i0 + l));
+        }
+    } else {
+        constexpr int qk = kvq_traits<T>::qk;
+        static_assert(qk % N == 0, "N must divide the block");
+        const uint8_t * b = row + (i0 / qk) * kvq_traits<T>::bs;
+        const int       j = i0 % qk;
+        if constexpr (T == GGML_TYPE_BFP4_32 || T == GGML_TYPE_BFP4_64) {
+            const float d  = kvq_e8m0(b[0]);
+            const int   sh = j < qk/2 ? 0 : 4;
+            const int   jj = j % (qk/2);
+KVQ_UNROLL
+            for (int l = 0; l < N; ++l) {
+                out[l] = d * (float) (((b[1 + jj + l] >> sh) & 0x0F) - 8);
+            }
+        } else if constexpr (T == GGML_TYPE_BFP8_32) {
+            const float d = kvq_e8m0(b[0]);
+KVQ_UNROLL
+            for (int l = 0; l < N; ++l) {
+                out[l] = d * (float) (int8_t) b[1 + j + l];
+            }
+        } else if constexpr (T == GGML_TYPE_Q8_0) {
+            const float d = kvq_f16_bytes(b);
+KVQ_UNROLL
+            for (int l = 0; l < N; ++l) {
+                out[l] = d * (float) (int8_t) b[2 + j + l];
+            }
+        } else if constexpr (T == GGML_TYPE_NUQ4) {
+            const float d  = kvq_f16_bytes(b);
+            const int   sh = j < 16 ? 0 : 4;
+            const int   jj = j % 16;
+KVQ_UNROLL
+            for (int l = 0; l < N; ++l) {
+                out[l] = d * c[(b[2 + jj + l] >> sh) & 0x0F];
+            }
+        } else {
+            // 2-bit fields: byte j % (qk/4), bits 2*(j / (qk/4)); nuq3*: bit j of qh
+            constexpr int  q    = qk / 4;
+            constexpr bool outl = kvq_traits<T>::outl;
+            constexpr bool hi   = T == GGML_TYPE_NUQ3 || T == GGML_TYPE_NUQ3O;
+            const float d   = kvq_f16_bytes(b);
+            const int   off = outl ? 5 : 2;
+            const int   sh  = 2 * (j / q);
+            const int   jj  = j % q;
+KVQ_UNROLL
+            for (int l = 0; l < N; ++l) {
+                int k = (b[off + jj + l] >> sh) & 3;
+                if constexpr (hi) {
+                    k |= ((b[off + q + (j + l) / 8] >> ((j + l) % 8)) & 1) << 2;
+                }
+                out[l] = d * c[k];
+            }
+            if constexpr (outl) {
+                const int oi = b[4];
+                if (oi >= j && oi < j + N) {
+                    out[oi - j] = kvq_f16_bytes(b + 2);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,456 @@
+// pykvq: the cache types in ggml-cuda (patch 0008 calls the two entry points below).
+//
+//   SET_ROWS f32 -> type      quantize on write, one thread per block (the codec of kvq-codec.cuh,
+//                             bit for bit the reference quantizer)
+//   CPY f32 -> type, type -> f32 / f16   the K-shift round trip (same shapes)
+//   FLASH_ATTN_EXT            one query token and a compiled K/V pair: kvq-fattn.cuh's decode
+//                             kernel on the quantized cache; otherwise (prefill, other pairs,
+//                             other head sizes) K and V are decoded to f16 in pool memory and
+//                             upstream's f16 flash attention runs on them
+// Everything else that touches a pykvq type is declined in supports_op, so the scheduler
+// never sees a claim it cannot honour.
+#include "common.cuh"
+#include "convert.cuh"
+#include "fattn.cuh"
+
+#include "ggml-kvq-cuda.h"
+#include "kvq-codec.cuh"
+#include "kvq-fattn.cuh"
+
+#include <cstring>
+
+#define KVQ_CUDA_BLOCK 128
+
+struct kvq_cb {
+    int8_t c[16];
+};
+
+bool ggml_kvq_cuda_is_kvq(ggml_type type) {
+    return type >= GGML_TYPE_BFP4_32 && type <= GGML_TYPE_NUQ2O;
+}
+
+// slot A (quantize / K) or slot B (dequantize / V) of a node, else the fallback of `type`
+static kvq_cb kvq_node_codebook(const ggml_tensor * node, ggml_type type, bool slot_b) {
+    kvq_cb cb = {};
+    if (!ggml_kvq_is_nuq(type)) {
+        return cb;
+    }
+    int8_t a[16], b[16];
+    const unsigned bits = ggml_kvq_get_codebooks(node, a, b);
+    const int n = ggml_kvq_nuq_n_codes(type);
+    if (bits & (slot_b ? 2u : 1u)) {
+        memcpy(cb.c, slot_b ? b : a, 16);
+    } else {
+        memcpy(cb.c, ggml_kvq_nuq_fallback(type), (size_t) n);
+    }
+    return cb;
+}
+
+static int kvq_block_size(ggml_type type) {
+    return (int) ggml_blck_size(type);
+}
+
+// ---- quantize: SET_ROWS and CPY f32 -> type -------------------------------------------------
+
+template <ggml_type T, typename idx_t>
+static __global__ void kvq_set_rows(const char * src0, const char * src1, char * dst, const kvq_cb cb,
+        const int64_t nblk, const int64_t ne01, const int64_t ne02, const int64_t total,
+        const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12,
+        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int qk = kvq_traits<T>::qk;
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const int64_t ib  = i % nblk;
+    int64_t       r   = i / nblk;
+    const int64_t i01 = r % ne01; r /= ne01;
+    const int64_t i02 = r % ne02;
+    const int64_t i03 = r / ne02;
+    const int64_t row = (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12);
+
+    float x[qk];
+    const float * xs = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*qk;
+#pragma unroll
+    for (int j = 0; j < qk; ++j) {
+        x[j] = xs[j];
+    }
+    kvq_quantize_block<T>(x, (uint8_t *) (dst + row*nb1 + i02*nb2 + i03*nb3) + ib*kvq_traits<T>::bs, cb.c);
+}
+
+template <ggml_type T>
+static __global__ void kvq_cpy_f32_q(const char * src0, char * dst, const kvq_cb cb,
+        const int64_t nblk, const int64_t ne1, const int64_t ne2, const int64_t total,
+        const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int qk = kvq_traits<T>::qk;
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const int64_t ib = i % nblk;
+    int64_t       r  = i / nblk;
+    const int64_t i1 = r % ne1; r /= ne1;
+    const int64_t i2 = r % ne2;
+    const int64_t i3 = r / ne2;
+    float x[qk];
+    const float * xs = (const float *) (src0 + i1*nb01 + i2*nb02 + i3*nb03) + ib*qk;
+#pragma unroll
+    for (int j = 0; j < qk; ++j) {
+        x[j] = xs[j];
+    }
+    kvq_quantize_block<T>(x, (uint8_t *) (dst + i1*nb1 + i2*nb2 + i3*nb3) + ib*kvq_traits<T>::bs, cb.c);
+}
+
+// ---- dequantize: CPY type -> f32 / f16, and K / V to f16 for the prefill path ---------------------
+
+template <ggml_type T, typename dst_t>
+static __global__ void kvq_dequant(const char * src0, dst_t * dst, const kvq_cb cb,
+        const int64_t nchunk, const int64_t ne1, const int64_t ne2, const int64_t total,
+        const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int N = 8;   // divides every block size
+    __shared__ float c[16];
+    if (threadIdx.x < 16) {
+        c[threadIdx.x] = (float) cb.c[threadIdx.x];
+    }
+    __syncthreads();
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const int64_t ic = i % nchunk;
+    int64_t       r  = i / nchunk;
+    const int64_t i1 = r % ne1; r /= ne1;
+    const int64_t i2 = r % ne2;
+    const int64_t i3 = r / ne2;
+    float v[N];
+    kvq_dequantize<T, N>((const uint8_t *) (src0 + i1*nb01 + i2*nb02 + i3*nb03), (int) (ic*N), c, v);
+    dst_t * y = (dst_t *) ((char *) dst + i1*nb1 + i2*nb2 + i3*nb3) + ic*N;
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+        y[l] = ggml_cuda_cast<dst_t>(v[l]);
+    }
+}
+
+#define KVQ_TYPE_CASES(F, ...)                                   \
+    switch (type) {                                              \
+        case GGML_TYPE_BFP4_32: F(GGML_TYPE_BFP4_32, __VA_ARGS__); break; \
+        case GGML_TYPE_BFP4_64: F(GGML_TYPE_BFP4_64, __VA_ARGS__); break; \
+        case GGML_TYPE_BFP8_32: F(GGML_TYPE_BFP8_32, __VA_ARGS__); break; \
+        case GGML_TYPE_NUQ4:    F(GGML_TYPE_NUQ4,    __VA_ARGS__); break; \
+        case GGML_TYPE_NUQ3:    F(GGML_TYPE_NUQ3,    __VA_ARGS__); break; \
+        case GGML_TYPE_NUQ2:    F(GGML_TYPE_NUQ2,    __VA_ARGS__); break; \
+        case GGML_TYPE_NUQ3O:   F(GGML_TYPE_NUQ3O,   __VA_ARGS__); break; \
+        case GGML_TYPE_NUQ2O:   F(GGML_TYPE_NUQ2O,   __VA_ARGS__); break; \
+        default: GGML_ABORT("pykvq: %s is not a pykvq type", ggml_type_name(type)); \
+    }
+
+static int kvq_grid(int64_t total) {
+    return (int) ((total + KVQ_CUDA_BLOCK - 1) / KVQ_CUDA_BLOCK);
+}
+
+// src (a type's tensor, rows contiguous) -> dst_t rows at the given byte strides
+template <typename dst_t>
+static void kvq_dequant_cuda(const ggml_tensor * src, const kvq_cb & cb, dst_t * dst,
+                             const int64_t nb1, const int64_t nb2, const int64_t nb3, cudaStream_t stream) {
+    const ggml_type type   = src->type;
+    const int64_t   nchunk = src->ne[0] / 8;
+    const int64_t   total  = nchunk*src->ne[1]*src->ne[2]*src->ne[3];
+    if (total == 0) {
+        return;
+    }
+#define KVQ_DQ(T, ...) kvq_dequant<T, dst_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>( \
+        (const char *) src->data, dst, cb, nchunk, src->ne[1], src->ne[2], total,           \
+        src->nb[1], src->nb[2], src->nb[3], nb1, nb2, nb3)
+    KVQ_TYPE_CASES(KVQ_DQ, 0)
+#undef KVQ_DQ
+    CUDA_CHECK(cudaGetLastError());
+}
+
+static void kvq_set_rows_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * src0 = dst->src[0];
+    const ggml_tensor * src1 = dst->src[1];
+    const ggml_type     type = dst->type;
+    const kvq_cb        cb   = kvq_node_codebook(dst, type, false);
+    const int64_t nblk  = src0->ne[0] / kvq_block_size(type);
+    const int64_t total = nblk*src0->ne[1]*src0->ne[2]*src0->ne[3];
+    if (total == 0) {
+        return;
+    }
+    cudaStream_t stream = ctx.stream();
+#define KVQ_SR(T, idx_t) kvq_set_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(           \
+        (const char *) src0->data, (const char *) src1->data, (char *) dst->data, cb,                    \
+        nblk, src0->ne[1], src0->ne[2], total, src0->nb[1], src0->nb[2], src0->nb[3],                     \
+        src1->ne[1], src1->ne[2], src1->nb[0], src1->nb[1], src1->nb[2], dst->nb[1], dst->nb[2], dst->nb[3])
+    if (src1->type == GGML_TYPE_I64) {
+        KVQ_TYPE_CASES(KVQ_SR, int64_t)
+    } else {
+        KVQ_TYPE_CASES(KVQ_SR, int32_t)
+    }
+#undef KVQ_SR
+    CUDA_CHECK(cudaGetLastError());
+}
+
+static void kvq_cpy_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * src0   = dst->src[0];
+    cudaStream_t        stream = ctx.stream();
+    if (ggml_kvq_cuda_is_kvq(dst->type)) {
+        const ggml_type type  = dst->type;
+        const kvq_cb    cb    = kvq_node_codebook(dst, type, false);
+        const int64_t   nblk  = dst->ne[0] / kvq_block_size(type);
+        const int64_t   total = nblk*dst->ne[1]*dst->ne[2]*dst->ne[3];
+        if (total == 0) {
+            return;
+        }
+#define KVQ_CQ(T, ...) kvq_cpy_f32_q<T><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(             \
+        (const char *) src0->data, (char *) dst->data, cb, nblk, dst->ne[1], dst->ne[2], total,    \
+        src0->nb[1], src0->nb[2], src0->nb[3], dst->nb[1], dst->nb[2], dst->nb[3])
+        KVQ_TYPE_CASES(KVQ_CQ, 0)
+#undef KVQ_CQ
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+    const kvq_cb cb = kvq_node_codebook(dst, src0->type, true);
+    if (dst->type == GGML_TYPE_F32) {
+        kvq_dequant_cuda(src0, cb, (float *) dst->data, dst->nb[1], dst->nb[2], dst->nb[3], stream);
+    } else {
+        kvq_dequant_cuda(src0, cb, (half *) dst->data, dst->nb[1], dst->nb[2], dst->nb[3], stream);
+    }
+}
+
+// ---- flash attention -------------------------------------------------------------------------
+
+static bool kvq_fa_stock_to_f16(ggml_type type) {
+    return type == GGML_TYPE_F16 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_0;
+}
+
+// t with f16 type and contiguous strides (the layout the prefill path decodes into)
+static void kvq_f16_like(ggml_tensor * out, const ggml_tensor * t) {
+    *out = *t;
+    out->type  = GGML_TYPE_F16;
+    out->nb[0] = sizeof(half);
+    out->nb[1] = out->nb[0]*t->ne[0];
+    out->nb[2] = out->nb[1]*t->ne[1];
+    out->nb[3] = out->nb[2]*t->ne[2];
+}
+
+static void kvq_fattn_standin(const ggml_tensor * op, ggml_kvq_cuda_standin * s) {
+    s->node = *op;
+    kvq_f16_like(&s->k, op->src[1]);
+    kvq_f16_like(&s->v, op->src[2]);
+    s->node.src[1] = &s->k;
+    s->node.src[2] = &s->v;
+}
+
+// K or V to f16 (contiguous) in pool memory
+static void kvq_fa_to_f16(ggml_backend_cuda_context & ctx, const ggml_tensor * t, const kvq_cb & cb,
+                          ggml_cuda_pool_alloc<half> & buf, cudaStream_t stream) {
+    const int64_t n = ggml_nelements(t);
+    buf.alloc(n);
+    const int64_t nb1 = sizeof(half)*t->ne[0], nb2 = nb1*t->ne[1], nb3 = nb2*t->ne[2];
+    if (ggml_kvq_cuda_is_kvq(t->type)) {
+        kvq_dequant_cuda(t, cb, buf.ptr, nb1, nb2, nb3, stream);
+    } else {
+        const size_t ts = ggml_type_size(t->type);
+        GGML_ASSERT(t->nb[0] == ts);
+        to_fp16_nc_cuda_t to_fp16 = ggml_get_to_fp16_nc_cuda(t->type);
+        GGML_ASSERT(to_fp16 != nullptr);
+        to_fp16(t->data, buf.ptr, t->ne[0], t->ne[1], t->ne[2], t->ne[3],
+                t->nb[1]/ts, t->nb[2]/ts, t->nb[3]/ts, stream);
+    }
+}
+
+static void kvq_fattn_prefill(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const kvq_cb & cb_k, const kvq_cb & cb_v) {
+    cudaStream_t stream = ctx.stream();
+    ggml_kvq_cuda_standin s;
+    kvq_fattn_standin(dst, &s);
+    ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    if (K->type != GGML_TYPE_F16) {
+        kvq_fa_to_f16(ctx, K, cb_k, k16, stream);
+        s.k.data = k16.ptr;
+    } else {
+        s.k = *K;   // upstream reads f16 at any strides
+        s.node.src[1] = &s.k;
+    }
+    if (V->type != GGML_TYPE_F16) {
+        kvq_fa_to_f16(ctx, V, cb_v, v16, stream);
+        s.v.data = v16.ptr;
+    } else {
+        s.v = *V;
+        s.node.src[2] = &s.v;
+    }
+    ggml_cuda_flash_attn_ext(ctx, &s.node);
+}
+
+static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const kvq_cb & cb_k, const kvq_cb & cb_v) {
+    const ggml_tensor * Q     = dst->src[0];
+    const ggml_tensor * K     = dst->src[1];
+    const ggml_tensor * V     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[4];
+    const int D = (int) Q->ne[0];
+    if (Q->ne[1] != 1 || Q->type != GGML_TYPE_F32 || K->ne[0] != D || V->ne[0] != D ||
+        !(D == 64 || D == 128 || D == 256) || Q->ne[2] % K->ne[2] != 0 ||
+        (mask && mask->type != GGML_TYPE_F16) || (sinks && sinks->type != GGML_TYPE_F32) ||
+        !kvq_fattn_vec_has_pair(K->type, V->type) || !ggml_is_contiguous(dst)) {
+        return false;
+    }
+
+    kvq_fattn_args a = {};
+    float scale, max_bias, softcap;
+    memcpy(&scale,    (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) dst->op_params + 2, sizeof(float));
+    if (softcap != 0.0f) {
+        scale /= softcap;
+    }
+    const uint32_t n_head      = (uint32_t) Q->ne[2];
+    const uint32_t n_head_log2 = 1u << (uint32_t) floorf(log2f((float) n_head));
+    a.Q = (const char *) Q->data;
+    a.K = (const char *) K->data;
+    a.V = (const char *) V->data;
+    a.mask = mask ? (const char *) mask->data : nullptr;
+    a.scale = scale;
+    a.softcap = softcap;
+    a.max_bias = max_bias;
+    a.m0 = powf(2.0f, -(max_bias       )/n_head_log2);
+    a.m1 = powf(2.0f, -(max_bias / 2.0f)/n_head_log2);
+    a.n_head_log2 = n_head_log2;
+    a.ne02 = (int) Q->ne[2];
+    a.ne11 = (int) K->ne[1];
+    a.gqa  = (int) (Q->ne[2] / K->ne[2]);
+    a.ne32 = mask ? (int) mask->ne[2] : 1;
+    a.ne33 = mask ? (int) mask->ne[3] : 1;
+    a.nb02 = Q->nb[2]; a.nb03 = Q->nb[3];
+    a.nb11 = K->nb[1]; a.nb12 = K->nb[2]; a.nb13 = K->nb[3];
+    a.nb21 = V->nb[1]; a.nb22 = V->nb[2]; a.nb23 = V->nb[3];
+    a.nb32 = mask ? mask->nb[2] : 0;
+    a.nb33 = mask ? mask->nb[3] : 0;
+    memcpy(a.cb_k, cb_k.c, 16);
+    memcpy(a.cb_v, cb_v.c, 16);
+
+    // enough blocks for two per SM, each split a multiple of one pass of the block's warps
+    const int n_kv_heads = (int) K->ne[2];
+    const int n_seq      = (int) Q->ne[3];
+    const int nsm        = ggml_cuda_info().devices[ggml_cuda_get_device()].nsm;
+    const int blocks     = n_kv_heads*((a.gqa + KVQ_FA_G - 1)/KVQ_FA_G)*n_seq;
+    const int step       = WARP_SIZE*KVQ_FA_NWARPS;
+    const int max_split  = (a.ne11 + step - 1)/step;
+    int n_split = (2*nsm + blocks - 1)/blocks;
+    n_split = std::max(1, std::min(n_split, max_split));
+    a.kv_per_split = ((a.ne11 + n_split - 1)/n_split + step - 1)/step*step;
+    a.n_split      = (a.ne11 + a.kv_per_split - 1)/a.kv_per_split;
+    if (a.n_split == 0) {
+        a.n_split = 1;
+    }
+
+    cudaStream_t stream = ctx.stream();
+    ggml_cuda_pool_alloc<float>  part(ctx.pool(), (size_t) n_seq*a.ne02*a.n_split*D);
+    ggml_cuda_pool_alloc<float2> meta(ctx.pool(), (size_t) n_seq*a.ne02*a.n_split);
+    a.part = part.ptr;
+    a.meta = meta.ptr;
+
+    bool ok = false;
+    switch (D) {
+        case 64:  ok = kvq_fattn_vec_d64 (a, K->type, V->type, n_kv_heads, n_seq, stream); break;
+        case 128: ok = kvq_fattn_vec_d128(a, K->type, V->type, n_kv_heads, n_seq, stream); break;
+        case 256: ok = kvq_fattn_vec_d256(a, K->type, V->type, n_kv_heads, n_seq, stream); break;
+    }
+    GGML_ASSERT(ok);
+
+    const dim3 grid(a.ne02, n_seq, 1);
+    const float * sinks_d = sinks ? (const float *) sinks->data : nullptr;
+    switch (D) {
+        case 64:  kvq_fattn_combine< 64><<<grid,  64, 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
+        case 128: kvq_fattn_combine<128><<<grid, 128, 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
+        case 256: kvq_fattn_combine<256><<<grid, 256, 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
+    }
+    CUDA_CHECK(cudaGetLastError());
+    return true;
+}
+
+static void kvq_fattn_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    const kvq_cb cb_k = kvq_node_codebook(dst, K->type, false);
+    const kvq_cb cb_v = kvq_node_codebook(dst, V->type, true);
+    if (!kvq_fattn_decode(ctx, dst, cb_k, cb_v)) {
+        kvq_fattn_prefill(ctx, dst, cb_k, cb_v);
+    }
+}
+
+// ---- entry points ----------------------------------------------------------------------------
+
+static bool kvq_involved(const ggml_tensor * op) {
+    if (ggml_kvq_cuda_is_kvq(op->type)) {
+        return true;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        if (op->src[i] && ggml_kvq_cuda_is_kvq(op->src[i]->type)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool kvq_rows_fit(const ggml_tensor * t) {
+    return t->nb[0] == ggml_type_size(t->type) && t->ne[0] % ggml_blck_size(t->type) == 0;
+}
+
+int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * standin) {
+    if (!kvq_involved(op)) {
+        return GGML_KVQ_CUDA_NOT_OURS;
+    }
+    const ggml_tensor * src0 = op->src[0];
+    switch (op->op) {
+        case GGML_OP_SET_ROWS:
+            return ggml_kvq_cuda_is_kvq(op->type) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
+                   (op->src[1]->type == GGML_TYPE_I64 || op->src[1]->type == GGML_TYPE_I32) &&
+                   src0->ne[0] == op->ne[0] && kvq_rows_fit(op)
+                ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
+        case GGML_OP_CPY:
+        case GGML_OP_DUP: {
+            const bool quantize   = src0->type == GGML_TYPE_F32 && ggml_kvq_cuda_is_kvq(op->type);
+            const bool dequantize = ggml_kvq_cuda_is_kvq(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
+            return (quantize || dequantize) && ggml_are_same_shape(src0, op) &&
+                   src0->nb[0] == ggml_type_size(src0->type) && kvq_rows_fit(quantize ? op : src0) &&
+                   op->nb[0] == ggml_type_size(op->type)
+                ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
+        }
+        case GGML_OP_FLASH_ATTN_EXT: {
+            const ggml_tensor * K = op->src[1];
+            const ggml_tensor * V = op->src[2];
+            if (!K || !V || src0->type != GGML_TYPE_F32) {
+                return GGML_KVQ_CUDA_NO;
+            }
+            for (const ggml_tensor * t : { K, V }) {
+                if (ggml_kvq_cuda_is_kvq(t->type) ? !kvq_rows_fit(t) || t->ne[0] % 8 != 0 : !kvq_fa_stock_to_f16(t->type)) {
+                    return GGML_KVQ_CUDA_NO;
+                }
+            }
+            kvq_fattn_standin(op, standin);
+            return GGML_KVQ_CUDA_AS_F16;
+        }
+        default:
+            return GGML_KVQ_CUDA_NO;
+    }
+}
+
+bool ggml_kvq_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!kvq_involved(dst)) {
+        return false;
+    }
+    switch (dst->op) {
+        case GGML_OP_SET_ROWS:       kvq_set_rows_cuda(ctx, dst); return true;
+        case GGML_OP_CPY:
+        case GGML_OP_DUP:            kvq_cpy_cuda(ctx, dst);      return true;
+        case GGML_OP_FLASH_ATTN_EXT: kvq_fattn_cuda(ctx, dst);    return true;
+        default:
+            GGML_ABORT("pykvq: %s on %s is not implemented on CUDA (supports_op declines it)",
+                       ggml_op_name(dst->op), dst->name);
+    }
+}

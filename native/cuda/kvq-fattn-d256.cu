@@ -1,0 +1,4 @@
+// pykvq: decode kernels for head size 256 (one TU per head size keeps nvcc's jobs parallel).
+#include "kvq-fattn.cuh"
+
+KVQ_FA_DEFINE(256)

@@ -1,0 +1,318 @@
+// pykvq: flash-attention decode (one query token) straight from the quantized cache.
+//
+// One block per (KV head, group of up to 8 query heads, KV split, sequence): every K and V
+// row is read and decoded once for all query heads of its GQA group (upstream's vec kernel
+// reads it once per query head). 4 warps; a warp takes tiles of 32 keys: the K·Q dot of each
+// key is spread over the 32 lanes (D/32 values each, f32, reduced by shuffles), lane i keeps
+// the score of key i, then the tile's softmax needs one exp per lane and the V rows are
+// accumulated with the probabilities broadcast by shuffle. The warps, then the splits, are
+// merged with the usual (max, sum) rescaling; attention sinks enter at the split merge.
+// Codebooks (nuq K / V) come in the kernel arguments, so CUDA graphs replay them as they are.
+#pragma once
+
+#include "common.cuh"
+#include "kvq-codec.cuh"
+
+#define KVQ_FA_NWARPS 4
+#define KVQ_FA_G      8      // query heads per block
+
+struct kvq_fattn_args {
+    const char  * Q;
+    const char  * K;
+    const char  * V;
+    const char  * mask;     // f16 or NULL
+    float       * part;     // [seq][head][split][D]
+    float2      * meta;     // [seq][head][split]: (max, sum)
+    float    scale;         // divided by softcap when softcap != 0 (like upstream)
+    float    softcap;
+    float    max_bias, m0, m1;
+    uint32_t n_head_log2;
+    int      ne02;          // query heads
+    int      ne11;          // KV length
+    int      gqa;           // query heads per KV head
+    int      n_split;
+    int      kv_per_split;  // a multiple of 32*KVQ_FA_NWARPS
+    int      ne32, ne33;
+    int64_t  nb02, nb03;
+    int64_t  nb11, nb12, nb13;
+    int64_t  nb21, nb22, nb23;
+    int64_t  nb32, nb33;
+    int8_t   cb_k[16];
+    int8_t   cb_v[16];
+};
+
+// N consecutive values of a row; f16 rows by half2 loads, the rest through the codec
+template <ggml_type T, int N>
+static __device__ __forceinline__ void kvq_fa_load(const char * row, int i0, const float * c, float * out) {
+    if constexpr (T == GGML_TYPE_F16) {
+        const half2 * p = (const half2 *) row + i0/2;
+#pragma unroll
+        for (int l = 0; l < N/2; ++l) {
+            const float2 f = __half22float2(p[l]);
+            out[2*l + 0] = f.x;
+            out[2*l + 1] = f.y;
+        }
+    } else {
+        kvq_dequantize<T, N>((const uint8_t *) row, i0, c, out);
+    }
+}
+
+template <int D, ggml_type TK, ggml_type TV>
+__launch_bounds__(WARP_SIZE*KVQ_FA_NWARPS, 2)
+static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
+    constexpr int G   = KVQ_FA_G;
+    constexpr int NW  = KVQ_FA_NWARPS;
+    constexpr int EPL = D / WARP_SIZE;     // values per lane
+    static_assert(D % (2*WARP_SIZE) == 0, "D must be a multiple of 64");
+
+    const int lane  = threadIdx.x;
+    const int warp  = threadIdx.y;
+    const int seq   = blockIdx.z;
+    const int split = blockIdx.y;
+    const int n_hb  = (a.gqa + G - 1) / G;
+    const int kvh   = blockIdx.x / n_hb;
+    const int h0    = kvh*a.gqa + (blockIdx.x % n_hb)*G;
+    const int ng    = min(G, (kvh + 1)*a.gqa - h0);
+
+    __shared__ float cbk[16];
+    __shared__ float cbv[16];
+    const int tid = warp*WARP_SIZE + lane;
+    if (tid < 16) {
+        cbk[tid] = (float) a.cb_k[tid];
+        cbv[tid] = (float) a.cb_v[tid];
+    }
+
+    float q[G][EPL];
+    float slope[G];
+    const half * mrow[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int h = h0 + (g < ng ? g : 0);
+        const float * qp = (const float *) (a.Q + seq*a.nb03 + h*a.nb02) + lane*EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            q[g][e] = g < ng ? qp[e]*a.scale : 0.0f;
+        }
+        slope[g] = 1.0f;
+        if (a.max_bias > 0.0f) {
+            const float base = (uint32_t) h < a.n_head_log2 ? a.m0 : a.m1;
+            const int   exph = (uint32_t) h < a.n_head_log2 ? h + 1 : 2*(h - (int) a.n_head_log2) + 1;
+            slope[g] = powf(base, exph);
+        }
+        mrow[g] = a.mask ? (const half *) (a.mask + (seq % a.ne33)*a.nb33 + (h % a.ne32)*a.nb32) : nullptr;
+    }
+    __syncthreads();
+
+    const char * K = a.K + seq*a.nb13 + kvh*a.nb12;
+    const char * V = a.V + seq*a.nb23 + kvh*a.nb22;
+
+    float M[G], S[G], acc[G][EPL];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        M[g] = -FLT_MAX/2.0f;
+        S[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            acc[g][e] = 0.0f;
+        }
+    }
+
+    const int kb = split*a.kv_per_split;
+    const int ke = min(a.ne11, kb + a.kv_per_split);
+
+    for (int k0 = kb + warp*WARP_SIZE; k0 < ke; k0 += NW*WARP_SIZE) {
+        const int nk = min(WARP_SIZE, ke - k0);
+
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            sc[g] = -INFINITY;
+        }
+        for (int i = 0; i < nk; ++i) {
+            float kf[EPL];
+            kvq_fa_load<TK, EPL>(K + (int64_t) (k0 + i)*a.nb11, lane*EPL, cbk, kf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g < ng) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) {
+                        s += q[g][e]*kf[e];
+                    }
+                    s = warp_reduce_sum(s);
+                    if (lane == i) {
+                        sc[g] = s;
+                    }
+                }
+            }
+        }
+
+        float p[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g < ng) {
+                float s = sc[g];
+                if (lane < nk) {
+                    if (a.softcap != 0.0f) {
+                        s = a.softcap*tanhf(s);
+                    }
+                    if (mrow[g]) {
+                        s += slope[g]*__half2float(mrow[g][k0 + lane]);
+                    }
+                }
+                const float mt = warp_reduce_max(s);
+                const float Mn = fmaxf(M[g], mt);
+                const float c  = expf(M[g] - Mn);
+                p[g] = expf(s - Mn);
+                S[g] = S[g]*c + p[g];
+                M[g] = Mn;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) {
+                    acc[g][e] *= c;
+                }
+            }
+        }
+
+        for (int i = 0; i < nk; ++i) {
+            float vf[EPL];
+            kvq_fa_load<TV, EPL>(V + (int64_t) (k0 + i)*a.nb21, lane*EPL, cbv, vf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g < ng) {
+                    const float pi = __shfl_sync(0xFFFFFFFF, p[g], i, WARP_SIZE);
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) {
+                        acc[g][e] += pi*vf[e];
+                    }
+                }
+            }
+        }
+    }
+
+    // merge the warps
+    __shared__ float sh_acc[NW][G][D];
+    __shared__ float sh_M[NW][G];
+    __shared__ float sh_S[NW][G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const float s = warp_reduce_sum(S[g]);
+        if (lane == 0) {
+            sh_M[warp][g] = M[g];
+            sh_S[warp][g] = s;
+        }
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            sh_acc[warp][g][lane*EPL + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+
+    for (int j = tid; j < ng*D; j += NW*WARP_SIZE) {
+        const int g = j / D;
+        const int d = j % D;
+        float mx = sh_M[0][g];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) {
+            mx = fmaxf(mx, sh_M[w][g]);
+        }
+        float num = 0.0f;
+        float den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float f = expf(sh_M[w][g] - mx);
+            num += f*sh_acc[w][g][d];
+            den += f*sh_S[w][g];
+        }
+        const int64_t r = ((int64_t) seq*a.ne02 + h0 + g)*a.n_split + split;
+        a.part[r*D + d] = num;
+        if (d == 0) {
+            a.meta[r] = make_float2(mx, den);
+        }
+    }
+}
+
+// dst[seq][head][D] from the splits; sinks (f32 per head) or NULL
+template <int D>
+static __global__ void kvq_fattn_combine(const float * part, const float2 * meta, const float * sinks,
+                                         float * dst, const int ne02, const int n_split) {
+    const int h   = blockIdx.x;
+    const int seq = blockIdx.y;
+    const int64_t r0 = ((int64_t) seq*ne02 + h)*n_split;
+
+    float mx = -FLT_MAX/2.0f;
+    for (int s = 0; s < n_split; ++s) {
+        mx = fmaxf(mx, meta[r0 + s].x);
+    }
+    if (sinks) {
+        mx = fmaxf(mx, sinks[h]);
+    }
+    float den = sinks ? expf(sinks[h] - mx) : 0.0f;
+    for (int s = 0; s < n_split; ++s) {
+        den += expf(meta[r0 + s].x - mx)*meta[r0 + s].y;
+    }
+    const float inv = den == 0.0f ? 0.0f : 1.0f/den;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.0f;
+        for (int s = 0; s < n_split; ++s) {
+            num += expf(meta[r0 + s].x - mx)*part[(r0 + s)*D + d];
+        }
+        dst[((int64_t) seq*ne02 + h)*D + d] = num*inv;
+    }
+}
+
+template <int D, ggml_type TK, ggml_type TV>
+static void kvq_fattn_vec_launch(const kvq_fattn_args & a, const int n_kv_heads, const int n_seq, cudaStream_t stream) {
+    const dim3 grid(n_kv_heads*((a.gqa + KVQ_FA_G - 1)/KVQ_FA_G), a.n_split, n_seq);
+    const dim3 block(WARP_SIZE, KVQ_FA_NWARPS, 1);
+    kvq_fattn_vec<D, TK, TV><<<grid, block, 0, stream>>>(a);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+// The decode kernels compiled for head size D (kvq-fattn-d<D>.cu): runs the combination
+// and returns true, or returns false when (K type, V type) is not compiled.
+bool kvq_fattn_vec_d64 (const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, cudaStream_t stream);
+bool kvq_fattn_vec_d128(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, cudaStream_t stream);
+bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, cudaStream_t stream);
+
+// The K/V pairs compiled (issue: each type with itself; f16 / q8_0 K with each V of 4 bits or fewer).
+#define KVQ_FA_LOW_BIT_V(X, D, TK)                   \
+    X(D, TK, GGML_TYPE_BFP4_32)                      \
+    X(D, TK, GGML_TYPE_BFP4_64)                      \
+    X(D, TK, GGML_TYPE_NUQ4)                         \
+    X(D, TK, GGML_TYPE_NUQ3)                         \
+    X(D, TK, GGML_TYPE_NUQ2)                         \
+    X(D, TK, GGML_TYPE_NUQ3O)                        \
+    X(D, TK, GGML_TYPE_NUQ2O)
+
+#define KVQ_FA_PAIRS(X, D)                                 \
+    X(D, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32)             \
+    X(D, GGML_TYPE_BFP4_64, GGML_TYPE_BFP4_64)             \
+    X(D, GGML_TYPE_BFP8_32, GGML_TYPE_BFP8_32)             \
+    X(D, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4)                \
+    X(D, GGML_TYPE_NUQ3,    GGML_TYPE_NUQ3)                \
+    X(D, GGML_TYPE_NUQ2,    GGML_TYPE_NUQ2)                \
+    X(D, GGML_TYPE_NUQ3O,   GGML_TYPE_NUQ3O)               \
+    X(D, GGML_TYPE_NUQ2O,   GGML_TYPE_NUQ2O)               \
+    KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_F16)                  \
+    KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_Q8_0)
+
+#define KVQ_FA_CASE(D, TK, TV)                                          \
+    if (tk == TK && tv == TV) {                                         \
+        kvq_fattn_vec_launch<D, TK, TV>(a, n_kv_heads, n_seq, stream);  \
+        return true;                                                    \
+    }
+
+#define KVQ_FA_DEFINE(D)                                                                                      \
+    bool kvq_fattn_vec_d##D(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, \
+                            cudaStream_t stream) {                                                            \
+        KVQ_FA_PAIRS(KVQ_FA_CASE, D)                                                                          \
+        return false;                                                                                         \
+    }
+
+// true when the pair has a decode kernel (for any compiled D)
+static inline bool kvq_fattn_vec_has_pair(ggml_type tk, ggml_type tv) {
+#define KVQ_FA_HAS(D, TK, TV) if (tk == TK && tv == TV) { return true; }
+    KVQ_FA_PAIRS(KVQ_FA_HAS, 0)
+#undef KVQ_FA_HAS
+    return false;
+}

@@ -1,0 +1,190 @@
+// Host build of native/cuda/kvq-codec.cuh (the block codecs every CUDA kernel of pykvq
+// runs) checked against the C reference quantizers, which tests/test_bfp.py and
+// test_nuq.py hold to the numpy ones bit for bit. Built and run by tests/test_cuda.py
+// on any machine (no GPU needed):
+//
+//   kvq_quantize_block<T>   bytes equal to quantize_row_<type>_ref[_cb]
+//   kvq_dequantize<T, N>    bits equal to dequantize_row_<type>[_cb], N = 2, 4, 8
+// for random cache-like rows, edge cases (zeros, NaN, inf, ties, f16-range extremes)
+// and, for the nuq types, the fallback and random codebooks.
+#include "../cuda/kvq-codec.cuh"
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+extern "C" void ggml_abort(const char * file, int line, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s:%d: ", file, line);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    abort();
+}
+
+static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
+
+static uint32_t urand() {
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t) (rng_state >> 33);
+}
+
+static float frand() {
+    float s = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+        s += (float) (urand() & 0xFFFFFF) / 16777216.0f - 0.5f;
+    }
+    return s;
+}
+
+static int failures = 0;
+static int checks   = 0;
+
+static void fail(const char * what, const char * type, int row, int i) {
+    if (failures < 20) {
+        fprintf(stderr, "FAIL %s %s row %d at %d\n", what, type, row, i);
+    }
+    ++failures;
+}
+
+// rows of n values: cache-like, plus one edge case per row
+static std::vector<float> make_rows(int n, int nrows) {
+    std::vector<float> x((size_t) n * nrows);
+    for (int r = 0; r < nrows; ++r) {
+        float * y = &x[(size_t) r * n];
+        const float scale = ldexpf(1.0f, (int) (urand() % 20) - 12);
+        for (int i = 0; i < n; ++i) {
+            y[i] = frand() * scale * ((urand() % 50) == 0 ? 30.0f : 1.0f);
+        }
+        switch (r % 12) {
+            case 0: memset(y, 0, sizeof(float) * n); break;
+            case 1: y[3] = NAN; y[40 % n] = NAN; break;
+            case 2: y[5] = INFINITY; break;
+            case 3: y[9] = -INFINITY; y[50 % n] = INFINITY; break;
+            case 4: for (int i = 0; i < n; ++i) y[i] = 1.5f; break;
+            case 5: for (int i = 0; i < n; ++i) y[i] = (i % 3 - 1) * 0.125f; break;   // exact ties
+            case 6: for (int i = 0; i < n; ++i) y[i] = ldexpf(frand(), -20); break;    // tiny (normal)
+            case 7: for (int i = 0; i < n; ++i) y[i] = frand() * 60000.0f; break;      // near f16 max
+            case 8: y[0] = -y[0] * 1000.0f; break;                                    // one big outlier
+            case 9: for (int i = 0; i < n; ++i) y[i] = (float) ((int) (urand() % 15) - 7); break;
+            default: break;
+        }
+    }
+    return x;
+}
+
+template <ggml_type T>
+static void check_type(const char * name, const int8_t * cb,
+                       void (*ref_q)(const float *, void *, int64_t, const int8_t *),
+                       void (*ref_dq)(const void *, float *, int64_t, const int8_t *)) {
+    constexpr int qk = kvq_traits<T>::qk;
+    constexpr int bs = kvq_traits<T>::bs;
+    const int n     = 128;
+    const int nrows = 96;
+    const int nb    = n / qk;
+    std::vector<float> x = make_rows(n, nrows);
+    std::vector<uint8_t> qref((size_t) nb * bs), qgot((size_t) nb * bs);
+    std::vector<float> dref(n), dgot(n);
+    float c[16] = {0};
+    for (int j = 0; j < kvq_traits<T>::ncodes; ++j) {
+        c[j] = (float) cb[j];
+    }
+    for (int r = 0; r < nrows; ++r) {
+        const float * xr = &x[(size_t) r * n];
+        ref_q(xr, qref.data(), n, cb);
+        for (int b = 0; b < nb; ++b) {
+            kvq_quantize_block<T>(xr + b*qk, qgot.data() + b*bs, cb);
+        }
+        ++checks;
+        if (memcmp(qref.data(), qgot.data(), qref.size()) != 0) {
+            for (size_t i = 0; i < qref.size(); ++i) {
+                if (qref[i] != qgot[i]) { fail("quantize", name, r, (int) i); break; }
+            }
+        }
+        ref_dq(qref.data(), dref.data(), n, cb);
+        for (int N : {2, 4, 8}) {
+            for (int i0 = 0; i0 < n; i0 += N) {
+                switch (N) {
+                    case 2: kvq_dequantize<T, 2>(qref.data(), i0, c, &dgot[i0]); break;
+                    case 4: kvq_dequantize<T, 4>(qref.data(), i0, c, &dgot[i0]); break;
+                    default: kvq_dequantize<T, 8>(qref.data(), i0, c, &dgot[i0]); break;
+                }
+            }
+            ++checks;
+            if (memcmp(dref.data(), dgot.data(), sizeof(float) * n) != 0) {
+                for (int i = 0; i < n; ++i) {
+                    if (memcmp(&dref[i], &dgot[i], 4) != 0) { fail("dequantize", name, r, i); break; }
+                }
+            }
+        }
+    }
+}
+
+// the bfp reference functions have the ggml trait signature; adapt them
+#define BFP_ADAPT(name, block_t)                                                                              \
+    static void q_##name(const float * x, void * y, int64_t k, const int8_t *) { quantize_row_##name##_ref(x, (block_t *) y, k); } \
+    static void dq_##name(const void * x, float * y, int64_t k, const int8_t *) { dequantize_row_##name((const block_t *) x, y, k); }
+BFP_ADAPT(bfp4_32, block_bfp4_32)
+BFP_ADAPT(bfp4_64, block_bfp4_64)
+BFP_ADAPT(bfp8_32, block_bfp8_32)
+
+static void random_codebook(int8_t * cb, int n) {
+    for (;;) {
+        bool used[255] = {false};
+        int k = 0;
+        while (k < n) {
+            const int v = (int) (urand() % 255) - 127;
+            if (!used[v + 127]) { used[v + 127] = true; ++k; }
+        }
+        k = 0;
+        for (int v = 0; v < 255; ++v) {
+            if (used[v]) cb[k++] = (int8_t) (v - 127);
+        }
+        return;
+    }
+}
+
+template <ggml_type T>
+static void check_nuq(const char * name,
+                      void (*q)(const float *, void *, int64_t, const int8_t *),
+                      void (*dq)(const void *, float *, int64_t, const int8_t *)) {
+    constexpr int n = kvq_traits<T>::ncodes;
+    check_type<T>(name, ggml_kvq_nuq_fallback(T), q, dq);
+    for (int s = 0; s < 4; ++s) {
+        int8_t cb[16];
+        random_codebook(cb, n);
+        check_type<T>(name, cb, q, dq);
+    }
+}
+
+// f16 <-> f32: every f16 bit pattern, and f32 values around every rounding boundary
+static void check_f16() {
+    for (uint32_t h = 0; h < 65536; ++h) {
+        const float a = ggml_kvq_fp16_to_fp32((uint16_t) h), b = kvq_fp16_to_fp32((uint16_t) h);
+        ++checks;
+        if (memcmp(&a, &b, 4) != 0) fail("fp16_to_fp32", "f16", 0, (int) h);
+    }
+    for (int i = 0; i < 2000000; ++i) {
+        uint32_t u = urand() ^ (urand() << 16);
+        float f; memcpy(&f, &u, 4);
+        ++checks;
+        if (ggml_kvq_fp32_to_fp16(f) != kvq_fp32_to_fp16(f)) fail("fp32_to_fp16", "f16", 0, i);
+    }
+}
+
+int main() {
+    check_f16();
+    check_type<GGML_TYPE_BFP4_32>("bfp4_32", nullptr, q_bfp4_32, dq_bfp4_32);
+    check_type<GGML_TYPE_BFP4_64>("bfp4_64", nullptr, q_bfp4_64, dq_bfp4_64);
+    check_type<GGML_TYPE_BFP8_32>("bfp8_32", nullptr, q_bfp8_32, dq_bfp8_32);
+    check_nuq<GGML_TYPE_NUQ4>("nuq4", quantize_row_nuq4_ref_cb, dequantize_row_nuq4_cb);
+    check_nuq<GGML_TYPE_NUQ3>("nuq3", quantize_row_nuq3_ref_cb, dequantize_row_nuq3_cb);
+    check_nuq<GGML_TYPE_NUQ2>("nuq2", quantize_row_nuq2_ref_cb, dequantize_row_nuq2_cb);
+    check_nuq<GGML_TYPE_NUQ3O>("nuq3o", quantize_row_nuq3o_ref_cb, dequantize_row_nuq3o_cb);
+    check_nuq<GGML_TYPE_NUQ2O>("nuq2o", quantize_row_nuq2o_ref_cb, dequantize_row_nuq2o_cb);
+    printf("checks %d failures %d\n", checks, failures);
+    return failures != 0;
+}

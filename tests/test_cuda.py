@@ -1,0 +1,77 @@
+"""CUDA without a GPU: the block codecs every CUDA kernel runs, built for the host and held to
+the reference quantizers bit for bit; and every CUDA translation unit pykvq adds or patches
+compiled by nvcc for sm_90 (ggml-cuda's flags), with the cuBLAS headers of the pinned
+nvidia-cublas wheel. The checks that need a device are scripts/gpu_check.py (`make gpu-check`)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NATIVE = REPO / "native"
+GGML = REPO / "third_party" / "llama.cpp" / "ggml"
+
+# every .cu of ours, and the upstream TUs patch 0008 changes (the hooks, the 2-D rope factors)
+CUDA_TUS = sorted(str(p) for p in (NATIVE / "cuda").glob("*.cu")) + [
+    str(GGML / "src" / "ggml-cuda" / "ggml-cuda.cu"),
+    str(GGML / "src" / "ggml-cuda" / "rope.cu"),
+]
+
+
+def test_codec_host_build_matches_reference(tmp_path):
+    """kvq-codec.cuh compiled by g++: quantize bytes and dequantized bits equal the C
+    reference (itself equal to the numpy one) for every type, codebook kind and edge case."""
+    inc = [f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
+    objs = []
+    for src in ("bfp.c", "nuq.c", "ggml-kvq.c"):
+        obj = tmp_path / (src + ".o")
+        subprocess.run(["gcc", "-O2", "-std=c11", *inc, "-c", str(NATIVE / src), "-o", str(obj)], check=True)
+        objs.append(str(obj))
+    exe = tmp_path / "cuda_codec_check"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Werror", *inc, str(NATIVE / "tests" / "cuda_codec_check.cpp"),
+                    *objs, "-lm", "-o", str(exe)], check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = int(res.stdout.split()[1])
+    assert checks > 2_000_000 and "failures 0" in res.stdout
+
+
+def _nvcc_flags(cublas_inc: Path) -> list[str]:
+    # what ggml-cuda's CMakeLists gives its TUs (CUDA_FLAGS, defines), for one Hopper arch
+    return ["-std=c++17", "-arch=sm_90", "-use_fast_math", "-extended-lambda", "-O3", "-DNDEBUG",
+            "-DGGML_KVQ", "-DGGML_CUDA_USE_GRAPHS", "-DGGML_SCHED_MAX_COPIES=4", "-Xcompiler", "-fPIC",
+            f"-I{GGML / 'include'}", f"-I{GGML / 'src'}", f"-I{GGML / 'src' / 'ggml-cuda'}",
+            f"-I{NATIVE / 'include'}", f"-I{cublas_inc}"]
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc not installed")
+def test_cuda_sources_compile(tmp_path):
+    """No GPU in CI: at least every CUDA TU pykvq adds or patches must compile (a full
+    ggml-cuda build takes hours on 2 cores; these are the affected ones)."""
+    sys.path.insert(0, str(REPO / "third_party"))
+    import cuda_headers
+    flags = _nvcc_flags(cuda_headers.include_dir())
+    launcher = ["ccache"] if shutil.which("ccache") else []
+    env = dict(os.environ, CCACHE_BASEDIR=str(REPO), CCACHE_NOHASHDIR="1")
+
+    def compile_one(src: str) -> tuple[str, subprocess.CompletedProcess]:
+        obj = tmp_path / (Path(src).name + ".o")
+        cmd = [*launcher, "nvcc", *flags, "-c", src, "-o", str(obj)]
+        return src, subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(compile_one, CUDA_TUS))
+    failed = [(Path(s).name, r.stderr[-3000:]) for s, r in results if r.returncode != 0]
+    assert not failed, failed
+    assert all((tmp_path / (Path(s).name + ".o")).stat().st_size > 0 for s in CUDA_TUS)
+    # the decode kernels exist for every compiled pair and head size
+    fattn = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / "kvq-fattn-d128.cu.o")],
+                           capture_output=True, text=True) if shutil.which("cuobjdump") else None
+    if fattn is not None and fattn.returncode == 0:
+        assert fattn.stdout.count("kvq_fattn_vec") >= 22, fattn.stdout[-2000:]
