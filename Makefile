@@ -2,6 +2,7 @@
 #
 #   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2, answer a question with a q4_0 cache
 #   make test   the same set-up, then pytest
+#   make gpu-check  on a machine with an NVIDIA GPU: build with CUDA, run every GPU check and benchmark
 #   make results  the same set-up, then the evaluation/benchmark suite -> docs/RESULTS.md (RESULTS_ARGS="--models smollm2-135m,qwen2.5-coder-1.5b")
 #
 # Options: CMAKE_ARGS="-DPYKVQ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"  JOBS=16  PYTEST_ARGS="-k kld"
@@ -15,7 +16,7 @@ VPY     := $(VENV)/bin/python
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: demo test results setup fetch build clean distclean
+.PHONY: demo test results gpu-check setup fetch build clean distclean
 
 demo: setup build
 	$(VPY) -m pykvq demo
@@ -25,6 +26,11 @@ test: setup build
 
 results: setup build
 	$(VPY) -m pykvq results $(RESULTS_ARGS)
+
+# Every GPU check and benchmark (scripts/gpu_check.py): CUDA build in build-cuda/, test-backend-ops
+# for the pykvq types, no CPU fallback, generation, KLD GPU = CPU, llama-bench ratios. GPU_ARGS="--steps ops"
+gpu-check: fetch
+	$(if $(wildcard $(VPY)),$(VPY),$(PY)) scripts/gpu_check.py $(GPU_ARGS)
 
 setup: $(VENV)/.pykvq-setup
 

@@ -2,7 +2,8 @@
 //
 //   SET_ROWS f32 -> type      quantize on write, one thread per block (the codec of kvq-codec.cuh,
 //                             bit for bit the reference quantizer)
-//   CPY f32 -> type, type -> f32 / f16   the K-shift round trip (same shapes)
+//   CPY f32 -> type, type -> f32 / f16   the K-shift round trip (same shapes); type -> same type
+//                             (contiguous: cache copies) as bytes
 //   FLASH_ATTN_EXT            one query token and a compiled K/V pair: kvq-fattn.cuh's decode
 //                             kernel on the quantized cache; otherwise (prefill, other pairs,
 //                             other head sizes) K and V are decoded to f16 in pool memory and
@@ -196,6 +197,12 @@ static void kvq_set_rows_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst
 static void kvq_cpy_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * src0   = dst->src[0];
     cudaStream_t        stream = ctx.stream();
+    if (src0->type == dst->type) {
+        if (src0->data != dst->data) {
+            CUDA_CHECK(cudaMemcpyAsync(dst->data, src0->data, ggml_nbytes(dst), cudaMemcpyDeviceToDevice, stream));
+        }
+        return;
+    }
     if (ggml_kvq_cuda_is_kvq(dst->type)) {
         const ggml_type type  = dst->type;
         const kvq_cb    cb    = kvq_node_codebook(dst, type, false);
@@ -414,6 +421,10 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
                 ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
         case GGML_OP_CPY:
         case GGML_OP_DUP: {
+            if (src0->type == op->type) {   // cache copies between sequences / cells: bytes as they are
+                return ggml_is_contiguous(src0) && ggml_is_contiguous(op) && ggml_nbytes(src0) == ggml_nbytes(op)
+                    ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
+            }
             const bool quantize   = src0->type == GGML_TYPE_F32 && ggml_kvq_cuda_is_kvq(op->type);
             const bool dequantize = ggml_kvq_cuda_is_kvq(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
             return (quantize || dequantize) && ggml_are_same_shape(src0, op) &&

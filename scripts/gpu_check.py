@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Every check and measurement of the CUDA backend that needs a GPU, in one command:
+
+    make gpu-check                       # or: python3 scripts/gpu_check.py
+    python3 scripts/gpu_check.py --model path/to/model.gguf --steps ops,fallback,kld,bench
+
+Standard library only (the lent GPU machines have no pykvq venv); model paths default to
+pykvq's registry when pykvq imports. Steps (each writes $OUT or results/gpu/):
+
+  build     cmake -DPYKVQ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=<arch> -DPYKVQ_BACKEND_OPS=ON into
+            build-cuda/, targets pykvq and test-backend-ops
+  ops       test-backend-ops -b CUDA0 on SET_ROWS / CPY / FLASH_ATTN_EXT for the pykvq types
+            (GPU against the CPU backend, NMSE bounds of test-backend-ops) and ROPE (all cases):
+            every case must be OK and none "not supported" (supports_op claims them all)
+  fallback  llama-completion -ngl 99 -fa on per cache setting: the scheduler's graph split count
+            must equal the f16 cache's (a pykvq op left to the CPU adds splits), and the
+            generated text is printed
+  pykvq     `python -m pykvq generate -ngl 99` per cache setting through the CUDA libllama
+            (PYKVQ_LIB=build-cuda/bin); skipped where pykvq's venv (cffi) is missing
+  kld       llama-perplexity --kl-divergence against an f16-cache base: the same settings on CPU
+            (-ngl 0) and GPU (-ngl 99); mean KLD must agree within max(5%, 2e-3)
+  bench     llama-bench -ngl 99 -fa 1, tg32 at depths 0 / 8192 / 32768 and pp512, each setting
+            as a ratio to f16 in the same run; the issue's targets are checked and printed
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = ["build", "ops", "fallback", "pykvq", "kld", "bench"]
+# stock baselines first; "K/V" = different K and V types
+SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
+            "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
+KVQ_RE = "bfp|nuq"
+FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
+THREE_BIT = ["nuq3", "nuq3o"]
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    log(" ".join(str(c) for c in cmd))
+    return subprocess.run([str(c) for c in cmd], text=True, capture_output=True, **kw)
+
+
+def kv(setting: str) -> tuple[str, str]:
+    k, _, v = setting.partition("/")
+    return k, v or k
+
+
+def default_model(name: str) -> Path | None:
+    try:
+        sys.path.insert(0, str(REPO))
+        from pykvq.models import fetch
+        return fetch(name)
+    except Exception as e:  # noqa: BLE001 - no venv on the GPU machine: the caller names a path
+        log(f"no pykvq model registry here ({type(e).__name__}: {e}); pass --model / --bench-model")
+        return None
+
+
+def default_text() -> Path | None:
+    try:
+        sys.path.insert(0, str(REPO))
+        from pykvq.data import wikitext_test
+        out = REPO / "results" / "gpu" / "wikitext-2-test.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(wikitext_test())
+        return out
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+
+def step_build(a) -> None:
+    cfg = ["cmake", "-S", REPO, "-B", a.build, "-DCMAKE_BUILD_TYPE=Release", "-DPYKVQ_CUDA=ON",
+           f"-DCMAKE_CUDA_ARCHITECTURES={a.arch}", "-DPYKVQ_BACKEND_OPS=ON"]
+    for cmd in (cfg, ["cmake", "--build", a.build, "-j", str(a.jobs), "--target", "pykvq", "test-backend-ops"]):
+        r = run(cmd)
+        if r.returncode != 0:
+            sys.exit(r.stdout[-4000:] + r.stderr[-4000:])
+
+
+def step_ops(a) -> dict:
+    tbo = Path(a.build) / "bin" / "test-backend-ops"
+    out = {}
+    for op, filt in (("SET_ROWS", KVQ_RE), ("CPY", KVQ_RE), ("FLASH_ATTN_EXT", KVQ_RE), ("ROPE", None)):
+        cmd = [tbo, "-b", "CUDA0", "-o", op] + (["-p", filt] if filt else [])
+        r = run(cmd, timeout=1800)
+        text = r.stdout + r.stderr
+        ok = len(re.findall(r"\bOK\b", text))
+        fail = len(re.findall(r"\bFAIL\b", text))
+        unsupported = len(re.findall(r"not supported", text))
+        out[op] = {"ok": ok, "fail": fail, "not_supported": unsupported, "rc": r.returncode}
+        log(f"{op}: {ok} OK, {fail} FAIL, {unsupported} not supported (rc {r.returncode})")
+        if fail:
+            print("\n".join(line for line in text.splitlines() if "FAIL" in line)[:6000])
+        if op != "ROPE" and (fail or unsupported or ok == 0 or r.returncode != 0):
+            a.failures.append(f"test-backend-ops {op}: {out[op]}")
+    return out
+
+
+def _splits(text: str) -> int | None:
+    m = re.findall(r"graph: nodes = \d+, splits = (\d+)", text)
+    return int(m[-1]) if m else None
+
+
+def step_fallback(a) -> dict:
+    exe = Path(a.build) / "bin" / "llama-completion"
+    out = {}
+    for s in SETTINGS:
+        k, v = kv(s)
+        r = run([exe, "-m", a.model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
+        text = r.stdout + r.stderr
+        out[s] = {"splits": _splits(text), "rc": r.returncode, "text": r.stdout[-300:]}
+        log(f"{s}: graph splits {out[s]['splits']}, rc {r.returncode}: {r.stdout.strip()[-120:]!r}")
+    base = out["f16"]["splits"]
+    for s, o in out.items():
+        if o["rc"] != 0 or o["splits"] is None or o["splits"] != base:
+            a.failures.append(f"fallback {s}: {o['splits']} graph splits vs f16 {base} (rc {o['rc']})")
+    return out
+
+
+def step_pykvq(a) -> dict:
+    try:
+        import cffi  # noqa: F401
+    except ImportError:
+        log("pykvq step skipped: no cffi here (run it where `make setup` has made the venv)")
+        return {"skipped": "no cffi"}
+    env = dict(os.environ, PYKVQ_LIB=str(Path(a.build) / "bin"))
+    out = {}
+    for s in ("f16", "bfp4_32", "nuq4", "q8_0/nuq3o"):
+        k, v = kv(s)
+        r = run([sys.executable, "-m", "pykvq", "generate", "-m", a.model, "-ngl", "99", "-fa", "on",
+                 "-ctk", k, "-ctv", v, "-n", "32", "The capital of France is"], env=env, cwd=REPO, timeout=600)
+        out[s] = {"rc": r.returncode, "text": r.stdout.strip()[-300:]}
+        log(f"pykvq {s}: rc {r.returncode}: {r.stdout.strip()[-120:]!r}")
+        if r.returncode != 0 or not r.stdout.strip():
+            a.failures.append(f"pykvq generate {s}: rc {r.returncode}: {r.stderr[-800:]}")
+    return out
+
+
+def _kld(text: str) -> float | None:
+    m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", text)
+    return float(m.group(1)) if m else None
+
+
+def step_kld(a) -> dict:
+    exe = Path(a.build) / "bin" / "llama-perplexity"
+    base = Path(a.out) / "kld-base.bin"
+    common = ["-m", a.model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
+    r = run([exe, *common, "-ngl", "0", "--kl-divergence-base", base], timeout=1800)
+    if r.returncode != 0:
+        a.failures.append("kld: base run failed: " + r.stderr[-2000:])
+        return {}
+    out = {}
+    for s in SETTINGS[1:]:
+        k, v = kv(s)
+        row = {}
+        for dev, ngl in (("cpu", "0"), ("gpu", "99")):
+            r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
+                     "--kl-divergence"], timeout=1800)
+            row[dev] = _kld(r.stdout + r.stderr)
+        out[s] = row
+        log(f"{s}: KLD cpu {row['cpu']} gpu {row['gpu']}")
+        c, g = row["cpu"], row["gpu"]
+        if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
+            a.failures.append(f"kld {s}: cpu {c} vs gpu {g}")
+    return out
+
+
+def step_bench(a) -> dict:
+    exe = Path(a.build) / "bin" / "llama-bench"
+    rows = []
+    for s in SETTINGS:
+        k, v = kv(s)
+        r = run([exe, "-m", a.bench_model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "512", "-n", "32",
+                 "-d", a.depths, "-r", str(a.reps), "-o", "json"], timeout=3600)
+        if r.returncode != 0:
+            a.failures.append(f"bench {s}: rc {r.returncode}: {r.stderr[-1000:]}")
+            continue
+        for t in json.loads(r.stdout):
+            rows.append({"setting": s, "n_prompt": t["n_prompt"], "n_gen": t["n_gen"], "depth": t.get("n_depth", 0),
+                         "tps": t["avg_ts"], "std": t["stddev_ts"]})
+    # ratios to f16 in the same run
+    f16 = {(r["n_prompt"], r["n_gen"], r["depth"]): r["tps"] for r in rows if r["setting"] == "f16"}
+    for r in rows:
+        r["ratio"] = r["tps"] / f16[(r["n_prompt"], r["n_gen"], r["depth"])] if (r["n_prompt"], r["n_gen"], r["depth"]) in f16 else None
+    lines = ["| cache | " + " | ".join(f"tg32 @{d}" for d in a.depths.split(",")) + " | " +
+             " | ".join(f"pp512 @{d}" for d in a.depths.split(",")) + " |",
+             "|---" * (1 + 2*len(a.depths.split(","))) + "|"]
+    for s in SETTINGS:
+        cells = []
+        for kind in ("tg", "pp"):
+            for d in a.depths.split(","):
+                m = [r for r in rows if r["setting"] == s and r["depth"] == int(d) and ((r["n_gen"] > 0) == (kind == "tg"))]
+                cells.append(f"{m[0]['tps']:.1f} ({m[0]['ratio']:.2f}×)" if m and m[0]["ratio"] else "–")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    (Path(a.out) / "bench.md").write_text(table + "\n")
+    # the issue's targets, at the deepest depth
+    deep = int(a.depths.split(",")[-1])
+    tg = {r["setting"]: r for r in rows if r["n_gen"] > 0 and r["depth"] == deep}
+    if "f16" in tg and "q4_0" in tg:
+        for s in FOUR_BIT:
+            if s in tg:
+                log(f"target @{deep}: {s} {tg[s]['ratio']:.2f}× f16 (≥ 1.0), {tg[s]['tps']/tg['q4_0']['tps']:.2f}× q4_0 (≥ 1.0)")
+        for s in THREE_BIT:
+            if s in tg:
+                log(f"target @{deep}: {s} {tg[s]['ratio']:.2f}× f16 (≥ 1.1)")
+    return {"rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    ap.add_argument("--build", default=str(REPO / "build-cuda"), help="CUDA build directory")
+    ap.add_argument("--arch", default="90", help="CMAKE_CUDA_ARCHITECTURES (90: H100/H200)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
+    ap.add_argument("--model", help="GGUF for fallback and KLD (default: SmolLM2-135M from pykvq's registry)")
+    ap.add_argument("--bench-model", help="GGUF for the benchmark (default: Qwen2.5-Coder-1.5B)")
+    ap.add_argument("--text", help="evaluation text (default: WikiText-2 test via pykvq)")
+    ap.add_argument("--chunks", type=int, default=8, help="512-token chunks for KLD")
+    ap.add_argument("--depths", default="0,8192,32768", help="llama-bench -d")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results" / "gpu"), help="where results go")
+    a = ap.parse_args()
+    a.failures = []
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    steps = [s for s in a.steps.split(",") if s]
+    bad = set(steps) - set(STEPS)
+    if bad:
+        ap.error(f"unknown step(s) {sorted(bad)}; choose from {STEPS}")
+    if {"fallback", "pykvq", "kld"} & set(steps):
+        a.model = a.model or default_model("smollm2-135m")
+        if not a.model:
+            ap.error("--model is needed for fallback / kld")
+    if "kld" in steps:
+        a.text = a.text or default_text()
+        if not a.text:
+            ap.error("--text is needed for kld")
+    if "bench" in steps:
+        a.bench_model = a.bench_model or default_model("qwen2.5-coder-1.5b")
+        if not a.bench_model:
+            ap.error("--bench-model is needed for bench")
+    try:
+        device = run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).stdout.strip()
+    except FileNotFoundError:
+        device = "no nvidia-smi: no NVIDIA GPU here"
+    log(f"device: {device}")
+    report = {"device": device}
+    for s in steps:
+        report[s] = globals()[f"step_{s}"](a) or {}
+    report["failures"] = a.failures
+    (Path(a.out) / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    log(f"wrote {Path(a.out) / 'gpu_check.json'}")
+    if a.failures:
+        print("FAILED:\n  " + "\n  ".join(a.failures))
+        sys.exit(1)
+    log("all GPU checks passed")
+
+
+if __name__ == "__main__":
+    main()
