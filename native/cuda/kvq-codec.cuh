@@ -17,6 +17,7 @@
 #if defined(__CUDACC__)
 #define KVQ_HD __host__ __device__ __forceinline__
 #define KVQ_UNROLL _Pragma("unroll")
+#include <cuda_fp16.h>
 #else
 #define KVQ_UNROLL
 #define KVQ_HD static inline
@@ -69,67 +70,19 @@ KVQ_HD bool kvq_isnan(float x) { return (kvq_f2u(x) & 0x7FFFFFFFu) > 0x7F800000u
 KVQ_HD bool kvq_isinf(float x) { return (kvq_f2u(x) & 0x7FFFFFFFu) == 0x7F800000u; }
 KVQ_HD float kvq_fabs(float x) { return kvq_u2f(kvq_f2u(x) & 0x7FFFFFFFu); }
 
-// f32 -> f16 bits, round to nearest even; the same integer rule as ggml_kvq_fp32_to_fp16
-KVQ_HD uint16_t kvq_fp32_to_fp16(float f) {
-    const uint32_t u    = kvq_f2u(f);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    const uint32_t ax   = u & 0x7FFFFFFFu;
-    if (ax > 0x7F800000u) {
-        return (uint16_t) (sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
-    }
-    if (ax >= 0x477FF000u) {
-        return (uint16_t) (sign | 0x7C00u);
-    }
-    if (ax >= 0x38800000u) {
-        const uint32_t m   = ax - 0x38000000u;
-        const uint32_t r   = m >> 13;
-        const uint32_t rem = m & 0x1FFFu;
-        return (uint16_t) (sign | (r + (rem > 0x1000u || (rem == 0x1000u && (r & 1)))));
-    }
-    if (ax < 0x33000000u) {
-        return (uint16_t) sign;
-    }
-    const uint32_t e    = ax >> 23;
-    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
-    const uint32_t sh   = 126 - e;
-    const uint32_t r    = mant >> sh;
-    const uint32_t rem  = mant & ((1u << sh) - 1);
-    const uint32_t half = 1u << (sh - 1);
-    return (uint16_t) (sign | (r + (rem > half || (rem == half && (r & 1)))));
-}
-
-KVQ_HD float kvq_fp16_to_fp32(uint16_t h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
-    const uint32_t e    = (h >> 10) & 0x1Fu;
-    uint32_t       m    = h & 0x3FFu;
-    uint32_t       u;
-    if (e == 0x1F) {
-        u = sign | 0x7F800000u | (m << 13);
-    } else if (e != 0) {
-        u = sign | ((e + 112) << 23) | (m << 13);
-    } else if (m == 0) {
-        u = sign;
-    } else {
-        int s = 0;
-        while (!(m & 0x400u)) { m <<= 1; ++s; }
-        u = sign | ((uint32_t) (113 - s) << 23) | ((m & 0x3FFu) << 13);
-    }
-    return kvq_u2f(u);
-}
-
 KVQ_HD float kvq_f16_bytes(const uint8_t * p) {
-    return kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
+#if defined(__CUDA_ARCH__)
+    // the hardware conversion: the same value for every f16 (exact), one instruction
+    return __half2float(__ushort_as_half((unsigned short) (p[0] | (p[1] << 8))));
+#else
+    return ggml_kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
+#endif
 }
 
 KVQ_HD void kvq_put_f16(uint8_t * p, float f) {
-    const uint16_t h = kvq_fp32_to_fp16(f);
+    const uint16_t h = ggml_kvq_fp32_to_fp16(f);   // integer rule: the reference's bits, NaN payloads too
     p[0] = (uint8_t) (h & 0xFF);
     p[1] = (uint8_t) (h >> 8);
-}
-
-// 2^(e - 127) of an E8M0 byte (e = 0: 2^-127)
-KVQ_HD float kvq_e8m0(uint8_t e) {
-    return kvq_u2f(e == 0 ? 0x00400000u : (uint32_t) e << 23);
 }
 
 // ---- type facts ---------------------------------------------------------------------------
@@ -146,6 +99,12 @@ template <> struct kvq_traits<GGML_TYPE_NUQ2O>   { static constexpr int qk = 64;
 // stock types the decode kernel also reads (K of the mixed pairs)
 template <> struct kvq_traits<GGML_TYPE_Q8_0>    { static constexpr int qk = 32; static constexpr int bs = 34; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
 template <> struct kvq_traits<GGML_TYPE_F16>     { static constexpr int qk = 1;  static constexpr int bs = 2;  static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+
+static_assert(kvq_traits<GGML_TYPE_BFP4_32>::bs == sizeof(block_bfp4_32) && kvq_traits<GGML_TYPE_BFP4_64>::bs == sizeof(block_bfp4_64) &&
+              kvq_traits<GGML_TYPE_BFP8_32>::bs == sizeof(block_bfp8_32) && kvq_traits<GGML_TYPE_NUQ4>::bs == sizeof(block_nuq4) &&
+              kvq_traits<GGML_TYPE_NUQ3>::bs == sizeof(block_nuq3) && kvq_traits<GGML_TYPE_NUQ2>::bs == sizeof(block_nuq2) &&
+              kvq_traits<GGML_TYPE_NUQ3O>::bs == sizeof(block_nuq3o) && kvq_traits<GGML_TYPE_NUQ2O>::bs == sizeof(block_nuq2o),
+              "block sizes of ggml-kvq.h");
 
 template <ggml_type T> constexpr bool kvq_is_nuq() { return kvq_traits<T>::ncodes > 0; }
 
@@ -223,19 +182,6 @@ KVQ_UNROLL
     return d;
 }
 
-KVQ_HD int kvq_outlier(const float * x, int n) {
-    float amax = 0.0f;
-    int   oi   = 0;
-    for (int i = 0; i < n; ++i) {
-        const float a = kvq_fabs(x[i]);
-        if (a > amax) {
-            amax = a;
-            oi   = i;
-        }
-    }
-    return oi;
-}
-
 KVQ_HD void kvq_pack_low2(const uint8_t * idx, int n, uint8_t * qs) {
     const int q = n / 4;
     for (int j = 0; j < q; ++j) {
@@ -283,7 +229,7 @@ KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) 
         constexpr int n_codes = kvq_traits<T>::ncodes;
         constexpr bool outl   = kvq_traits<T>::outl;
         uint8_t idx[qk];
-        const int   oi = outl ? kvq_outlier(x, qk) : -1;
+        const int   oi = outl ? ggml_kvq_nuq_outlier(x, qk) : -1;
         const float d  = kvq_nuq_index<n_codes>(x, qk, oi, cb, idx);
         kvq_put_f16(y, d);
         if constexpr (T == GGML_TYPE_NUQ4) {
@@ -323,7 +269,7 @@ KVQ_UNROLL
         const uint8_t * b = row + (i0 / qk) * kvq_traits<T>::bs;
         const int       j = i0 % qk;
         if constexpr (T == GGML_TYPE_BFP4_32 || T == GGML_TYPE_BFP4_64) {
-            const float d  = kvq_e8m0(b[0]);
+            const float d  = ggml_kvq_e8m0_to_fp32(b[0]);
             const int   sh = j < qk/2 ? 0 : 4;
             const int   jj = j % (qk/2);
 KVQ_UNROLL
@@ -331,7 +277,7 @@ KVQ_UNROLL
                 out[l] = d * (float) (((b[1 + jj + l] >> sh) & 0x0F) - 8);
             }
         } else if constexpr (T == GGML_TYPE_BFP8_32) {
-            const float d = kvq_e8m0(b[0]);
+            const float d = ggml_kvq_e8m0_to_fp32(b[0]);
 KVQ_UNROLL
             for (int l = 0; l < N; ++l) {
                 out[l] = d * (float) (int8_t) b[1 + j + l];

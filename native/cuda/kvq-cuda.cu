@@ -414,6 +414,12 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
     }
     const ggml_tensor * src0 = op->src[0];
     switch (op->op) {
+        case GGML_OP_NONE:       // views of the cache: no kernel, upstream's answer
+        case GGML_OP_VIEW:
+        case GGML_OP_RESHAPE:
+        case GGML_OP_PERMUTE:
+        case GGML_OP_TRANSPOSE:
+            return GGML_KVQ_CUDA_NOT_OURS;
         case GGML_OP_SET_ROWS:
             return ggml_kvq_cuda_is_kvq(op->type) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
                    (op->src[1]->type == GGML_TYPE_I64 || op->src[1]->type == GGML_TYPE_I32) &&
@@ -456,6 +462,11 @@ bool ggml_kvq_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
         return false;
     }
     switch (dst->op) {
+        case GGML_OP_NONE:
+        case GGML_OP_VIEW:
+        case GGML_OP_RESHAPE:
+        case GGML_OP_PERMUTE:
+        case GGML_OP_TRANSPOSE:      return false;
         case GGML_OP_SET_ROWS:       kvq_set_rows_cuda(ctx, dst); return true;
         case GGML_OP_CPY:
         case GGML_OP_DUP:            kvq_cpy_cuda(ctx, dst);      return true;

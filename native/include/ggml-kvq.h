@@ -12,6 +12,13 @@
 extern "C" {
 #endif
 
+// the small inline helpers below are shared with the CUDA kernels (native/cuda/kvq-codec.cuh)
+#if defined(__CUDACC__)
+#define GGML_KVQ_HD static inline __host__ __device__
+#else
+#define GGML_KVQ_HD static inline
+#endif
+
 #define GGML_KVQ_VERSION "0.2.0"
 
 // Version string of the pykvq native code compiled into this ggml.
@@ -62,7 +69,7 @@ GGML_API void dequantize_row_bfp4_64(const block_bfp4_64 * x, float * y, int64_t
 GGML_API void dequantize_row_bfp8_32(const block_bfp8_32 * x, float * y, int64_t k);
 
 // 2^(e - 127) for an E8M0 exponent byte (e = 0 gives the subnormal 2^-127).
-static inline float ggml_kvq_e8m0_to_fp32(uint8_t e) {
+GGML_KVQ_HD float ggml_kvq_e8m0_to_fp32(uint8_t e) {
     union { uint32_t u; float f; } v;
     v.u = e == 0 ? 0x00400000u : (uint32_t) e << 23;
     return v.f;
@@ -154,7 +161,7 @@ GGML_API size_t         ggml_kvq_nuq_type_size(enum ggml_type type);  // bytes p
 // shared by the reference and the CPU kernels, so every variant writes the same bytes.
 // position of the block's largest |x| (first of equals; NaN counts as 0, so an all-zero/NaN
 // block gives 0): the kept outlier of nuq3o / nuq2o, shared by the reference and the CPU kernels
-static inline int ggml_kvq_nuq_outlier(const float * x, int n) {
+GGML_KVQ_HD int ggml_kvq_nuq_outlier(const float * x, int n) {
     float amax = 0.0f;
     int   oi   = 0;
     for (int i = 0; i < n; ++i) {
@@ -246,7 +253,7 @@ GGML_API bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, 
 
 // f16 <-> f32 by integer arithmetic only (round to nearest even; NaN keeps sign and
 // payload, quieted), so every compiler and flag set gives the same bits.
-static inline uint16_t ggml_kvq_fp32_to_fp16(float f) {
+GGML_KVQ_HD uint16_t ggml_kvq_fp32_to_fp16(float f) {
     union { float f; uint32_t u; } v = { f };
     const uint32_t sign = (v.u >> 16) & 0x8000u;
     const uint32_t ax   = v.u & 0x7FFFFFFFu;
@@ -274,7 +281,7 @@ static inline uint16_t ggml_kvq_fp32_to_fp16(float f) {
     return (uint16_t) (sign | (r + (rem > half || (rem == half && (r & 1)))));
 }
 
-static inline float ggml_kvq_fp16_to_fp32(uint16_t h) {
+GGML_KVQ_HD float ggml_kvq_fp16_to_fp32(uint16_t h) {
     const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
     const uint32_t e    = (h >> 10) & 0x1Fu;
     uint32_t       m    = h & 0x3FFu;

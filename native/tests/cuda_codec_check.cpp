@@ -160,23 +160,7 @@ static void check_nuq(const char * name,
     }
 }
 
-// f16 <-> f32: every f16 bit pattern, and f32 values around every rounding boundary
-static void check_f16() {
-    for (uint32_t h = 0; h < 65536; ++h) {
-        const float a = ggml_kvq_fp16_to_fp32((uint16_t) h), b = kvq_fp16_to_fp32((uint16_t) h);
-        ++checks;
-        if (memcmp(&a, &b, 4) != 0) fail("fp16_to_fp32", "f16", 0, (int) h);
-    }
-    for (int i = 0; i < 2000000; ++i) {
-        uint32_t u = urand() ^ (urand() << 16);
-        float f; memcpy(&f, &u, 4);
-        ++checks;
-        if (ggml_kvq_fp32_to_fp16(f) != kvq_fp32_to_fp16(f)) fail("fp32_to_fp16", "f16", 0, i);
-    }
-}
-
 int main() {
-    check_f16();
     check_type<GGML_TYPE_BFP4_32>("bfp4_32", nullptr, q_bfp4_32, dq_bfp4_32);
     check_type<GGML_TYPE_BFP4_64>("bfp4_64", nullptr, q_bfp4_64, dq_bfp4_64);
     check_type<GGML_TYPE_BFP8_32>("bfp8_32", nullptr, q_bfp8_32, dq_bfp8_32);
