@@ -53,8 +53,10 @@ static int kvq_block_size(ggml_type type) {
 
 // ---- quantize: SET_ROWS and CPY f32 -> type -------------------------------------------------
 
+// one thread per block of qk values: row i01 of src0 goes to row src1[i01, i02 % ne11, i03 % ne12]
+// of dst (SET_ROWS), or to row i01 when src1 is NULL (CPY f32 -> type, same shapes)
 template <ggml_type T, typename idx_t>
-static __global__ void kvq_set_rows(const char * src0, const char * src1, char * dst, const kvq_cb cb,
+static __global__ void kvq_quantize_rows(const char * src0, const char * src1, char * dst, const kvq_cb cb,
         const int64_t nblk, const int64_t ne01, const int64_t ne02, const int64_t total,
         const int64_t nb01, const int64_t nb02, const int64_t nb03,
         const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12,
@@ -69,7 +71,7 @@ static __global__ void kvq_set_rows(const char * src0, const char * src1, char *
     const int64_t i01 = r % ne01; r /= ne01;
     const int64_t i02 = r % ne02;
     const int64_t i03 = r / ne02;
-    const int64_t row = (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12);
+    const int64_t row = src1 ? (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12) : i01;
 
     float x[qk];
     const float * xs = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*qk;
@@ -78,30 +80,6 @@ static __global__ void kvq_set_rows(const char * src0, const char * src1, char *
         x[j] = xs[j];
     }
     kvq_quantize_block<T>(x, (uint8_t *) (dst + row*nb1 + i02*nb2 + i03*nb3) + ib*kvq_traits<T>::bs, cb.c);
-}
-
-template <ggml_type T>
-static __global__ void kvq_cpy_f32_q(const char * src0, char * dst, const kvq_cb cb,
-        const int64_t nblk, const int64_t ne1, const int64_t ne2, const int64_t total,
-        const int64_t nb01, const int64_t nb02, const int64_t nb03,
-        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
-    constexpr int qk = kvq_traits<T>::qk;
-    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
-    if (i >= total) {
-        return;
-    }
-    const int64_t ib = i % nblk;
-    int64_t       r  = i / nblk;
-    const int64_t i1 = r % ne1; r /= ne1;
-    const int64_t i2 = r % ne2;
-    const int64_t i3 = r / ne2;
-    float x[qk];
-    const float * xs = (const float *) (src0 + i1*nb01 + i2*nb02 + i3*nb03) + ib*qk;
-#pragma unroll
-    for (int j = 0; j < qk; ++j) {
-        x[j] = xs[j];
-    }
-    kvq_quantize_block<T>(x, (uint8_t *) (dst + i1*nb1 + i2*nb2 + i3*nb3) + ib*kvq_traits<T>::bs, cb.c);
 }
 
 // ---- dequantize: CPY type -> f32 / f16, and K / V to f16 for the prefill path ---------------------
@@ -181,7 +159,7 @@ static void kvq_set_rows_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst
         return;
     }
     cudaStream_t stream = ctx.stream();
-#define KVQ_SR(T, idx_t) kvq_set_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(           \
+#define KVQ_SR(T, idx_t) kvq_quantize_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(           \
         (const char *) src0->data, (const char *) src1->data, (char *) dst->data, cb,                    \
         nblk, src0->ne[1], src0->ne[2], total, src0->nb[1], src0->nb[2], src0->nb[3],                     \
         src1->ne[1], src1->ne[2], src1->nb[0], src1->nb[1], src1->nb[2], dst->nb[1], dst->nb[2], dst->nb[3])
@@ -211,9 +189,9 @@ static void kvq_cpy_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         if (total == 0) {
             return;
         }
-#define KVQ_CQ(T, ...) kvq_cpy_f32_q<T><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(             \
-        (const char *) src0->data, (char *) dst->data, cb, nblk, dst->ne[1], dst->ne[2], total,    \
-        src0->nb[1], src0->nb[2], src0->nb[3], dst->nb[1], dst->nb[2], dst->nb[3])
+#define KVQ_CQ(T, ...) kvq_quantize_rows<T, int64_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(      \
+        (const char *) src0->data, nullptr, (char *) dst->data, cb, nblk, dst->ne[1], dst->ne[2], total, \
+        src0->nb[1], src0->nb[2], src0->nb[3], 1, 1, 0, 0, 0, dst->nb[1], dst->nb[2], dst->nb[3])
         KVQ_TYPE_CASES(KVQ_CQ, 0)
 #undef KVQ_CQ
         CUDA_CHECK(cudaGetLastError());
