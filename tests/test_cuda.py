@@ -1,5 +1,7 @@
 """CUDA without a GPU: the block codecs every CUDA kernel runs, built for the host and held to
-the reference quantizers bit for bit; and every CUDA translation unit pykvq adds or patches
+the reference quantizers bit for bit; the decode flash-attention kernel's source run under a
+host emulation of CUDA threads against double-precision attention; and every CUDA translation
+unit pykvq adds or patches
 compiled by nvcc for sm_90 (ggml-cuda's flags), with the cuBLAS headers of the pinned
 nvidia-cublas wheel. The checks that need a device are scripts/gpu_check.py (`make gpu-check`)."""
 from __future__ import annotations
@@ -28,18 +30,40 @@ def test_codec_host_build_matches_reference(tmp_path):
     """kvq-codec.cuh compiled by g++: quantize bytes and dequantized bits equal the C
     reference (itself equal to the numpy one) for every type, codebook kind and edge case."""
     inc = [f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
+    exe = tmp_path / "cuda_codec_check"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Werror", *inc, str(NATIVE / "tests" / "cuda_codec_check.cpp"),
+                    *_reference_objects(tmp_path), "-lm", "-o", str(exe)], check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = int(res.stdout.split()[1])
+    assert checks > 10_000 and "failures 0" in res.stdout
+
+
+def _reference_objects(tmp_path) -> list[str]:
+    inc = [f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
     objs = []
     for src in ("bfp.c", "nuq.c", "ggml-kvq.c"):
         obj = tmp_path / (src + ".o")
         subprocess.run(["gcc", "-O2", "-std=c11", *inc, "-c", str(NATIVE / src), "-o", str(obj)], check=True)
         objs.append(str(obj))
-    exe = tmp_path / "cuda_codec_check"
-    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Werror", *inc, str(NATIVE / "tests" / "cuda_codec_check.cpp"),
-                    *objs, "-lm", "-o", str(exe)], check=True, capture_output=True, text=True)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    return objs
+
+
+def test_fattn_decode_kernel_emulated(tmp_path):
+    """The decode kernel's own source (kvq-fattn.cuh) run on the host: each CUDA thread a fiber,
+    shuffles and __syncthreads as barriers (native/tests/cuda_emu/common.cuh), against attention
+    in double precision over the reference-dequantized K/V. 13 cases: every type as K and V,
+    f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 3 / 4 / 6 / 12 (two head blocks), 1 to 6
+    splits, KV lengths off the tiles, 3 sequences with a per-sequence mask, masked keys, ALiBi,
+    softcap, sinks, random nuq codebooks."""
+    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
+    exe = tmp_path / "cuda_fattn_emu"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-Werror", *inc,
+                    str(NATIVE / "tests" / "cuda_fattn_emu.cpp"), *_reference_objects(tmp_path), "-lm", "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    checks = int(res.stdout.split()[1])
-    assert checks > 10_000 and "failures 0" in res.stdout
+    assert "cases 13 failures 0" in res.stdout, res.stdout
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

@@ -260,6 +260,7 @@ static __global__ void kvq_fattn_combine(const float * part, const float2 * meta
     }
 }
 
+#ifdef __CUDACC__   // launches (the kernels above also build for tests/test_cuda.py's host emulator)
 template <int D, ggml_type TK, ggml_type TV>
 static void kvq_fattn_vec_launch(const kvq_fattn_args & a, const int n_kv_heads, const int n_seq, cudaStream_t stream) {
     const dim3 grid(n_kv_heads*((a.gqa + KVQ_FA_G - 1)/KVQ_FA_G), a.n_split, n_seq);
@@ -316,3 +317,4 @@ static inline bool kvq_fattn_vec_has_pair(ggml_type tk, ggml_type tv) {
 #undef KVQ_FA_HAS
     return false;
 }
+#endif // __CUDACC__
