@@ -19,6 +19,8 @@ pykvq's registry when pykvq imports. Steps (each writes $OUT or results/gpu/):
             (PYKVQ_LIB=build-cuda/bin); skipped where pykvq's venv (cffi) is missing
   kld       llama-perplexity --kl-divergence against an f16-cache base: the same settings on CPU
             (-ngl 0) and GPU (-ngl 99); mean KLD must agree within max(5%, 2e-3)
+  ksort     the model K-sorted by the converter (per-head RoPE factors: CUDA's 2-D rope, fused
+            norm+rope included): KLD GPU vs CPU for f16 / q4_0 / nuq4 / bfp4_32 caches
   bench     llama-bench -ngl 99 -fa 1, tg32 at depths 0 / 8192 / 32768 and pp512, each setting
             as a ratio to f16 in the same run; the issue's targets are checked and printed
 """
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["build", "ops", "fallback", "pykvq", "kld", "bench"]
+STEPS = ["build", "ops", "fallback", "pykvq", "kld", "ksort", "bench"]
 # stock baselines first; "K/V" = different K and V types
 SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
             "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
@@ -155,16 +157,17 @@ def _kld(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def step_kld(a) -> dict:
+def _kld_compare(a, model, settings: list[str], tag: str) -> dict:
+    """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
-    base = Path(a.out) / "kld-base.bin"
-    common = ["-m", a.model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
-    r = run([exe, *common, "-ngl", "0", "--kl-divergence-base", base], timeout=1800)
+    base = Path(a.out) / f"kld-base-{tag}.bin"
+    common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
+    r = run([exe, *common, "-ngl", "0", "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", base], timeout=1800)
     if r.returncode != 0:
-        a.failures.append("kld: base run failed: " + r.stderr[-2000:])
+        a.failures.append(f"kld {tag}: base run failed: " + r.stderr[-2000:])
         return {}
     out = {}
-    for s in SETTINGS[1:]:
+    for s in settings:
         k, v = kv(s)
         row = {}
         for dev, ngl in (("cpu", "0"), ("gpu", "99")):
@@ -172,11 +175,27 @@ def step_kld(a) -> dict:
                      "--kl-divergence"], timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
         out[s] = row
-        log(f"{s}: KLD cpu {row['cpu']} gpu {row['gpu']}")
+        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}")
         c, g = row["cpu"], row["gpu"]
         if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
-            a.failures.append(f"kld {s}: cpu {c} vs gpu {g}")
+            a.failures.append(f"kld {tag} {s}: cpu {c} vs gpu {g}")
     return out
+
+
+def step_kld(a) -> dict:
+    return _kld_compare(a, a.model, SETTINGS[1:], "model")
+
+
+def step_ksort(a) -> dict:
+    """A K-sorted conversion of the model (per-head RoPE factors: the 2-D rope path on the GPU,
+    fused norm+rope included): f16 on the GPU must match the CPU (KLD ~ 0), and so must the
+    quantized caches."""
+    out = Path(a.out) / "ksorted.gguf"
+    r = run([sys.executable, REPO / "convert" / "to_gguf.py", a.model, "-o", out, "--ksort"], cwd=REPO, timeout=1800)
+    if r.returncode != 0:
+        log("ksort step skipped: the converter did not run here (needs pykvq's venv): " + r.stderr.strip()[-300:])
+        return {"skipped": r.stderr.strip()[-300:]}
+    return _kld_compare(a, out, ["f16", "q4_0", "nuq4", "bfp4_32"], "ksorted")
 
 
 def step_bench(a) -> dict:
@@ -242,11 +261,11 @@ def main() -> None:
     bad = set(steps) - set(STEPS)
     if bad:
         ap.error(f"unknown step(s) {sorted(bad)}; choose from {STEPS}")
-    if {"fallback", "pykvq", "kld"} & set(steps):
+    if {"fallback", "pykvq", "kld", "ksort"} & set(steps):
         a.model = a.model or default_model("smollm2-135m")
         if not a.model:
             ap.error("--model is needed for fallback / kld")
-    if "kld" in steps:
+    if {"kld", "ksort"} & set(steps):
         a.text = a.text or default_text()
         if not a.text:
             ap.error("--text is needed for kld")
