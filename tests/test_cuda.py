@@ -1,6 +1,6 @@
 """CUDA without a GPU: the block codecs every CUDA kernel runs, built for the host and held to
-the reference quantizers bit for bit; the decode flash-attention kernel's source run under a
-host emulation of CUDA threads against double-precision attention; and every CUDA translation
+the reference quantizers bit for bit; the kernels' own source (decode flash attention, SET_ROWS /
+CPY / dequantize) run under a host emulation of CUDA threads against the references; and every CUDA translation
 unit pykvq adds or patches
 compiled by nvcc for sm_90 (ggml-cuda's flags), with the cuBLAS headers of the pinned
 nvidia-cublas wheel. The checks that need a device are scripts/gpu_check.py (`make gpu-check`)."""
@@ -64,6 +64,21 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "cases 13 failures 0" in res.stdout, res.stdout
+
+
+def test_row_kernels_emulated(tmp_path):
+    """SET_ROWS / CPY quantize and the dequantize kernel (kvq-rows.cuh), their own source under
+    the host emulation: bytes equal to the reference quantizer at the rows the indices name (I64
+    and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
+    dequantized f32 / f16 equal to the reference dequantizer, for every type."""
+    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
+    exe = tmp_path / "cuda_rows_emu"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-Werror", *inc,
+                    str(NATIVE / "tests" / "cuda_rows_emu.cpp"), *_reference_objects(tmp_path), "-lm", "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "checks 48 failures 0" in res.stdout, res.stdout
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

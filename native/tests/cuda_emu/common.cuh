@@ -162,3 +162,7 @@ static inline float warp_reduce_max(float x) {
     }
     return x;
 }
+
+template <typename dst_t> static inline dst_t ggml_cuda_cast(float x);
+template <> inline float ggml_cuda_cast<float>(float x) { return x; }
+template <> inline half  ggml_cuda_cast<half>(float x)  { return half{ ggml_kvq_fp32_to_fp16(x) }; }

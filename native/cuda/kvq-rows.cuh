@@ -1,0 +1,73 @@
+// pykvq: the element-wise kernels on the cache types (one thread per block of values), in a
+// header so tests/test_cuda.py's host emulation can run them too (native/tests/cuda_emu).
+#pragma once
+
+#include "common.cuh"
+#include "kvq-codec.cuh"
+
+// a nuq codebook by value (kernel argument); zeros for the other types
+struct kvq_cb {
+    int8_t c[16];
+};
+
+// ---- quantize: SET_ROWS and CPY f32 -> type -------------------------------------------------
+
+// one thread per block of qk values: row i01 of src0 goes to row src1[i01, i02 % ne11, i03 % ne12]
+// of dst (SET_ROWS), or to row i01 when src1 is NULL (CPY f32 -> type, same shapes)
+template <ggml_type T, typename idx_t>
+static __global__ void kvq_quantize_rows(const char * src0, const char * src1, char * dst, const kvq_cb cb,
+        const int64_t nblk, const int64_t ne01, const int64_t ne02, const int64_t total,
+        const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12,
+        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int qk = kvq_traits<T>::qk;
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const int64_t ib  = i % nblk;
+    int64_t       r   = i / nblk;
+    const int64_t i01 = r % ne01; r /= ne01;
+    const int64_t i02 = r % ne02;
+    const int64_t i03 = r / ne02;
+    const int64_t row = src1 ? (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12) : i01;
+
+    float x[qk];
+    const float * xs = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*qk;
+#pragma unroll
+    for (int j = 0; j < qk; ++j) {
+        x[j] = xs[j];
+    }
+    kvq_quantize_block<T>(x, (uint8_t *) (dst + row*nb1 + i02*nb2 + i03*nb3) + ib*kvq_traits<T>::bs, cb.c);
+}
+
+// ---- dequantize: CPY type -> f32 / f16, and K / V to f16 for the prefill path ---------------------
+
+template <ggml_type T, typename dst_t>
+static __global__ void kvq_dequant(const char * src0, dst_t * dst, const kvq_cb cb,
+        const int64_t nchunk, const int64_t ne1, const int64_t ne2, const int64_t total,
+        const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int N = 8;   // divides every block size
+    __shared__ float c[16];
+    if (threadIdx.x < 16) {
+        c[threadIdx.x] = (float) cb.c[threadIdx.x];
+    }
+    __syncthreads();
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const int64_t ic = i % nchunk;
+    int64_t       r  = i / nchunk;
+    const int64_t i1 = r % ne1; r /= ne1;
+    const int64_t i2 = r % ne2;
+    const int64_t i3 = r / ne2;
+    float v[N];
+    kvq_dequantize<T, N>((const uint8_t *) (src0 + i1*nb01 + i2*nb02 + i3*nb03), (int) (ic*N), c, v);
+    dst_t * y = (dst_t *) ((char *) dst + i1*nb1 + i2*nb2 + i3*nb3) + ic*N;
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+        y[l] = ggml_cuda_cast<dst_t>(v[l]);
+    }
+}
