@@ -52,8 +52,8 @@ def _reference_objects(tmp_path) -> list[str]:
 def test_fattn_decode_kernel_emulated(tmp_path):
     """The decode kernel's own source (kvq-fattn.cuh) run on the host: each CUDA thread a fiber,
     shuffles and __syncthreads as barriers (native/tests/cuda_emu/common.cuh), against attention
-    in double precision over the reference-dequantized K/V. 13 cases: every type as K and V,
-    f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 3 / 4 / 6 / 12 (two head blocks), 1 to 6
+    in double precision over the reference-dequantized K/V. 15 cases: every type as K and V,
+    f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 2 / 3 / 4 / 6 / 8 / 12 (two head blocks), 1 to 6
     splits, KV lengths off the tiles, 3 sequences with a per-sequence mask, masked keys, ALiBi,
     softcap, sinks, random nuq codebooks."""
     inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
@@ -63,7 +63,7 @@ def test_fattn_decode_kernel_emulated(tmp_path):
                    check=True, capture_output=True, text=True)
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "cases 13 failures 0" in res.stdout, res.stdout
+    assert "cases 15 failures 0" in res.stdout, res.stdout
 
 
 def test_row_kernels_emulated(tmp_path):

@@ -3,9 +3,10 @@
 // One block per (KV head, group of up to 8 query heads, KV split, sequence): every K and V
 // row is read and decoded once for all query heads of its GQA group (upstream's vec kernel
 // reads it once per query head). 4 warps; a warp takes tiles of 32 keys: the K·Q dot of each
-// key is spread over the 32 lanes (D/32 values each, f32, reduced by shuffles), lane i keeps
-// the score of key i, then the tile's softmax needs one exp per lane and the V rows are
-// accumulated with the probabilities broadcast by shuffle. The warps, then the splits, are
+// key is spread over the 32 lanes (D/32 values each, f32), the 8 heads' sums reduced together
+// by a halving butterfly (9 shuffles), the scores parked in shared memory so that lane i takes
+// key i: the tile's softmax needs one exp per lane and head, and the V rows are accumulated
+// with the probabilities read back from shared memory as broadcasts. The warps, then the splits, are
 // merged with the usual (max, sum) rescaling; attention sinks enter at the split merge.
 // Codebooks (nuq K / V) come in the kernel arguments, so CUDA graphs replay them as they are.
 #pragma once
@@ -14,7 +15,7 @@
 #include "kvq-codec.cuh"
 
 #define KVQ_FA_NWARPS 4
-#define KVQ_FA_G      8      // query heads per block
+#define KVQ_FA_G      8      // query heads per block (the K·Q reduction below is written for 8)
 
 struct kvq_fattn_args {
     const char  * Q;
@@ -64,6 +65,7 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     constexpr int NW  = KVQ_FA_NWARPS;
     constexpr int EPL = D / WARP_SIZE;     // values per lane
     static_assert(D % (2*WARP_SIZE) == 0, "D must be a multiple of 64");
+    static_assert(G == 8 && WARP_SIZE == 32, "the K·Q butterfly reduces 8 heads over 32 lanes");
 
     const int lane  = threadIdx.x;
     const int warp  = threadIdx.y;
@@ -106,6 +108,9 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     const char * K = a.K + seq*a.nb13 + kvh*a.nb12;
     const char * V = a.V + seq*a.nb23 + kvh*a.nb22;
 
+    __shared__ float sh_s[NW][G][WARP_SIZE];   // a tile's scores: [head][key]
+    __shared__ float sh_p[NW][WARP_SIZE][G];   // its probabilities: [key][head]
+
     float M[G], S[G], acc[G][EPL];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -123,30 +128,58 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     for (int k0 = kb + warp*WARP_SIZE; k0 < ke; k0 += NW*WARP_SIZE) {
         const int nk = min(WARP_SIZE, ke - k0);
 
-        float sc[G];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            sc[g] = -INFINITY;
-        }
+        // K·Q of the tile's keys -> sh_s[warp][g][key]
         for (int i = 0; i < nk; ++i) {
             float kf[EPL];
             kvq_fa_load<TK, EPL>(K + (int64_t) (k0 + i)*a.nb11, lane*EPL, cbk, kf);
+            float v[G];
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                if (g < ng) {
-                    float s = 0.0f;
+                v[g] = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < EPL; ++e) {
-                        s += q[g][e]*kf[e];
-                    }
-                    s = warp_reduce_sum(s);
-                    if (lane == i) {
-                        sc[g] = s;
+                for (int e = 0; e < EPL; ++e) {
+                    v[g] += q[g][e]*kf[e];
+                }
+            }
+            if (ng > 2) {
+                // the 8 sums reduced together: each butterfly step halves the values a lane
+                // keeps (4 + 2 + 1 + 1 + 1 shuffles instead of 8 x 5); lane l ends with head (l >> 2) & 7
+                float v4[4], v2[2];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const bool hi = lane & 16;
+                    v4[j] = (hi ? v[j + 4] : v[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v[j] : v[j + 4], 16, WARP_SIZE);
+                }
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const bool hi = lane & 8;
+                    v2[j] = (hi ? v4[j + 2] : v4[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v4[j] : v4[j + 2], 8, WARP_SIZE);
+                }
+                const bool hi = lane & 4;
+                float v1 = (hi ? v2[1] : v2[0]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v2[0] : v2[1], 4, WARP_SIZE);
+                v1 += __shfl_xor_sync(0xFFFFFFFF, v1, 2, WARP_SIZE);
+                v1 += __shfl_xor_sync(0xFFFFFFFF, v1, 1, WARP_SIZE);
+                if ((lane & 3) == 0) {
+                    sh_s[warp][(lane >> 2) & (G - 1)][i] = v1;
+                }
+            } else {
+#pragma unroll
+                for (int g = 0; g < 2; ++g) {
+                    if (g < ng) {
+                        const float sg = warp_reduce_sum(v[g]);
+                        if (lane == 0) {
+                            sh_s[warp][g][i] = sg;
+                        }
                     }
                 }
             }
         }
-
+        __syncwarp();
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            sc[g] = g < ng && lane < nk ? sh_s[warp][g][lane] : -INFINITY;
+        }
         float p[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -165,6 +198,7 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
                 const float c  = expf(M[g] - Mn);
                 p[g] = expf(s - Mn);
                 S[g] = S[g]*c + p[g];
+                sh_p[warp][lane][g] = p[g];
                 M[g] = Mn;
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) {
@@ -173,13 +207,14 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
             }
         }
 
+        __syncwarp();
         for (int i = 0; i < nk; ++i) {
             float vf[EPL];
             kvq_fa_load<TV, EPL>(V + (int64_t) (k0 + i)*a.nb21, lane*EPL, cbv, vf);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 if (g < ng) {
-                    const float pi = __shfl_sync(0xFFFFFFFF, p[g], i, WARP_SIZE);
+                    const float pi = sh_p[warp][i][g];   // the same address for every lane: a broadcast
 #pragma unroll
                     for (int e = 0; e < EPL; ++e) {
                         acc[g][e] += pi*vf[e];
@@ -187,6 +222,7 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
                 }
             }
         }
+        __syncwarp();   // sh_s / sh_p are rewritten by the next tile
     }
 
     // merge the warps

@@ -204,6 +204,8 @@ int main() {
     const Case options     = {  2,  4,  700,  3,  128, true,  true,  10.0f, 8.0f,  3 };
     const Case no_mask     = {  1,  6, 1000,  1,  512, false, true,  0.0f,  0.0f,  1 };
     const Case one_split   = {  3,  3,  257,  1, 1024, true,  false, 0.0f,  0.0f,  1 };
+    const Case gqa2        = {  4,  2,  333,  1,  128, true,  true,  0.0f,  0.0f,  1 };
+    const Case gqa8        = {  1,  8,  600,  2,  256, true,  false, 0.0f,  0.0f,  2 };
 
     run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4   >("nuq4/nuq4",       plain);
     run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4   >("nuq4/nuq4",       options);
@@ -218,6 +220,8 @@ int main() {
     run_case<128, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ3O  >("q8_0/nuq3o",      options);
     run_case< 64, GGML_TYPE_Q8_0,    GGML_TYPE_BFP4_32>("q8_0/bfp4_32",    no_mask);
     run_case<256, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4   >("nuq4/nuq4",       one_split);
+    run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4   >("nuq4/nuq4",       gqa2);
+    run_case<128, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32>("bfp4_32/bfp4_32", gqa8);
     printf("cases %d failures %d\n", cases, failures);
     return failures != 0;
 }

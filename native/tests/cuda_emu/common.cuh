@@ -144,6 +144,7 @@ inline void launch(idx3 grid, idx3 block, const std::function<void()> & kernel) 
 #define blockDim  (emu::block_dim)
 
 static inline void  __syncthreads() { emu::barrier(emu::block_bar, emu::n_threads); }
+static inline void  __syncwarp(unsigned = 0xffffffff) { emu::barrier(emu::warp_bar[emu::thread_idx().y], WARP_SIZE); }
 static inline float __shfl_sync(unsigned, float v, int src, int = WARP_SIZE)     { return emu::shfl(v, src); }
 static inline float __shfl_xor_sync(unsigned, float v, int mask, int = WARP_SIZE) { return emu::shfl(v, (int) emu::thread_idx().x ^ mask); }
 
