@@ -64,6 +64,7 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     constexpr int G   = KVQ_FA_G;
     constexpr int NW  = KVQ_FA_NWARPS;
     constexpr int EPL = D / WARP_SIZE;     // values per lane
+    constexpr int U   = EPL >= 8 ? 2 : 8;  // K / V rows in flight per lane (registers: U*EPL)
     static_assert(D % (2*WARP_SIZE) == 0, "D must be a multiple of 64");
     static_assert(G == 8 && WARP_SIZE == 32, "the K·Q butterfly reduces 8 heads over 32 lanes");
 
@@ -128,17 +129,29 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     for (int k0 = kb + warp*WARP_SIZE; k0 < ke; k0 += NW*WARP_SIZE) {
         const int nk = min(WARP_SIZE, ke - k0);
 
-        // K·Q of the tile's keys -> sh_s[warp][g][key]
-        for (int i = 0; i < nk; ++i) {
-            float kf[EPL];
-            kvq_fa_load<TK, EPL>(K + (int64_t) (k0 + i)*a.nb11, lane*EPL, cbk, kf);
+        // K·Q of the tile's keys -> sh_s[warp][g][key]; U rows loaded before any is used, so
+        // their memory latencies overlap
+        for (int i0 = 0; i0 < nk; i0 += U) {
+          float kf[U][EPL];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (i0 + u < nk) {
+                kvq_fa_load<TK, EPL>(K + (int64_t) (k0 + i0 + u)*a.nb11, lane*EPL, cbk, kf[u]);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int i = i0 + u;
+            if (i >= nk) {
+                break;
+            }
             float v[G];
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 v[g] = 0.0f;
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) {
-                    v[g] += q[g][e]*kf[e];
+                    v[g] += q[g][e]*kf[u][e];
                 }
             }
             if (ng > 2) {
@@ -173,6 +186,7 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
                     }
                 }
             }
+          }
         }
         __syncwarp();
         float sc[G];
@@ -208,16 +222,27 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         }
 
         __syncwarp();
-        for (int i = 0; i < nk; ++i) {
-            float vf[EPL];
-            kvq_fa_load<TV, EPL>(V + (int64_t) (k0 + i)*a.nb21, lane*EPL, cbv, vf);
+        for (int i0 = 0; i0 < nk; i0 += U) {
+            float vf[U][EPL];
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                if (g < ng) {
-                    const float pi = sh_p[warp][i][g];   // the same address for every lane: a broadcast
+            for (int u = 0; u < U; ++u) {
+                if (i0 + u < nk) {
+                    kvq_fa_load<TV, EPL>(V + (int64_t) (k0 + i0 + u)*a.nb21, lane*EPL, cbv, vf[u]);
+                }
+            }
 #pragma unroll
-                    for (int e = 0; e < EPL; ++e) {
-                        acc[g][e] += pi*vf[e];
+            for (int u = 0; u < U; ++u) {
+                if (i0 + u >= nk) {
+                    break;
+                }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (g < ng) {
+                        const float pi = sh_p[warp][i0 + u][g];   // the same address for every lane: a broadcast
+#pragma unroll
+                        for (int e = 0; e < EPL; ++e) {
+                            acc[g][e] += pi*vf[u][e];
+                        }
                     }
                 }
             }
