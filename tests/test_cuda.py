@@ -49,6 +49,19 @@ def _reference_objects(tmp_path) -> list[str]:
     return objs
 
 
+def _run_emulated(tmp_path, name: str, expect: str) -> None:
+    """Build native/tests/<name>.cpp against the host emulation (cuda_emu/ before native/cuda/ on the
+    include path) and the reference codecs, run it, and look for its summary line."""
+    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
+    exe = tmp_path / name
+    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-Werror", *inc,
+                    str(NATIVE / "tests" / f"{name}.cpp"), *_reference_objects(tmp_path), "-lm", "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert expect in res.stdout, res.stdout
+
+
 def test_fattn_decode_kernel_emulated(tmp_path):
     """The decode kernel's own source (kvq-fattn.cuh) run on the host: each CUDA thread a fiber,
     shuffles and __syncthreads as barriers (native/tests/cuda_emu/common.cuh), against attention
@@ -56,14 +69,7 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 2 / 3 / 4 / 6 / 8 / 12 (two head blocks), 1 to 6
     splits, KV lengths off the tiles, 3 sequences with a per-sequence mask, masked keys, ALiBi,
     softcap, sinks, random nuq codebooks."""
-    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
-    exe = tmp_path / "cuda_fattn_emu"
-    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-Werror", *inc,
-                    str(NATIVE / "tests" / "cuda_fattn_emu.cpp"), *_reference_objects(tmp_path), "-lm", "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "cases 15 failures 0" in res.stdout, res.stdout
+    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 15 failures 0")
 
 
 def test_row_kernels_emulated(tmp_path):
@@ -71,14 +77,7 @@ def test_row_kernels_emulated(tmp_path):
     the host emulation: bytes equal to the reference quantizer at the rows the indices name (I64
     and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
     dequantized f32 / f16 equal to the reference dequantizer, for every type."""
-    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
-    exe = tmp_path / "cuda_rows_emu"
-    subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-Werror", *inc,
-                    str(NATIVE / "tests" / "cuda_rows_emu.cpp"), *_reference_objects(tmp_path), "-lm", "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "checks 48 failures 0" in res.stdout, res.stdout
+    _run_emulated(tmp_path, "cuda_rows_emu", "checks 48 failures 0")
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

@@ -11,15 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// nuq.c (linked for cpu/bfp.c's shared impl table) asserts through ggml_abort; ggml.c is not linked
-void ggml_abort(const char * file, int line, const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "%s:%d: ", file, line);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    abort();
-}
+#include "abort_stub.h"
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 

@@ -16,14 +16,7 @@
 #include <cstring>
 #include <vector>
 
-extern "C" void ggml_abort(const char * file, int line, const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "%s:%d: ", file, line);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    abort();
-}
+#include "abort_stub.h"
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
 

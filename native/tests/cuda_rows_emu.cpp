@@ -10,14 +10,7 @@
 #include <cstring>
 #include <random>
 
-extern "C" void ggml_abort(const char * file, int line, const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "%s:%d: ", file, line);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    abort();
-}
+#include "abort_stub.h"
 
 static std::mt19937 rng(99);
 static int failures = 0, checks = 0;

@@ -16,15 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// nuq.c's GGML_ASSERT needs ggml_abort (ggml.c is not linked here)
-void ggml_abort(const char * file, int line, const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "%s:%d: ", file, line);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    abort();
-}
+#include "abort_stub.h"
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 
