@@ -5,7 +5,10 @@
     python3 scripts/gpu_check.py --model path/to/model.gguf --steps ops,fallback,kld,bench
 
 Standard library only (the lent GPU machines have no pykvq venv); model paths default to
-pykvq's registry when pykvq imports. Steps (each writes $OUT or results/gpu/):
+pykvq's registry when pykvq imports. On a lent machine with a 10-minute limit per command, run
+`--steps build` until it finishes (the build resumes), then the other steps; a model that is larger
+than what one call may carry travels in parts (`split -b 60M`, one part per call, `cat` there).
+Steps (each writes $OUT or results/gpu/):
 
   build     cmake -DPYKVQ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=<arch> -DPYKVQ_BACKEND_OPS=ON into
             build-cuda/, targets pykvq and test-backend-ops
