@@ -76,7 +76,7 @@ def default_text() -> Path | None:
     try:
         sys.path.insert(0, str(REPO))
         from pykvq.data import wikitext_test
-        out = REPO / "results" / "gpu" / "wikitext-2-test.txt"
+        out = REPO / "results" / "tmp" / "wikitext-2-test.txt"   # git-ignored
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(wikitext_test())
         return out
