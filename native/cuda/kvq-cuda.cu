@@ -23,10 +23,6 @@
 
 #define KVQ_CUDA_BLOCK 128
 
-bool ggml_kvq_cuda_is_kvq(ggml_type type) {
-    return type >= GGML_TYPE_BFP4_32 && type <= GGML_TYPE_NUQ2O;
-}
-
 // slot A (quantize / K) or slot B (dequantize / V) of a node, else the fallback of `type`
 static kvq_cb kvq_node_codebook(const ggml_tensor * node, ggml_type type, bool slot_b) {
     kvq_cb cb = {};
@@ -42,10 +38,6 @@ static kvq_cb kvq_node_codebook(const ggml_tensor * node, ggml_type type, bool s
         memcpy(cb.c, ggml_kvq_nuq_fallback(type), (size_t) n);
     }
     return cb;
-}
-
-static int kvq_block_size(ggml_type type) {
-    return (int) ggml_blck_size(type);
 }
 
 #define KVQ_TYPE_CASES(F, ...)                                   \
@@ -83,27 +75,28 @@ static void kvq_dequant_cuda(const ggml_tensor * src, const kvq_cb & cb, dst_t *
     CUDA_CHECK(cudaGetLastError());
 }
 
-static void kvq_set_rows_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+// SET_ROWS (idx = its row indices) and CPY f32 -> type (idx = NULL: row i to row i)
+static void kvq_quantize_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const ggml_tensor * idx) {
     const ggml_tensor * src0 = dst->src[0];
-    const ggml_tensor * src1 = dst->src[1];
     const ggml_type     type = dst->type;
     const kvq_cb        cb   = kvq_node_codebook(dst, type, false);
-    const int64_t nblk  = src0->ne[0] / kvq_block_size(type);
+    const int64_t nblk  = src0->ne[0] / ggml_blck_size(type);
     const int64_t total = nblk*src0->ne[1]*src0->ne[2]*src0->ne[3];
     if (total == 0) {
         return;
     }
     cudaStream_t stream = ctx.stream();
-#define KVQ_SR(T, idx_t) kvq_quantize_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(           \
-        (const char *) src0->data, (const char *) src1->data, (char *) dst->data, cb,                    \
-        nblk, src0->ne[1], src0->ne[2], total, src0->nb[1], src0->nb[2], src0->nb[3],                     \
-        src1->ne[1], src1->ne[2], src1->nb[0], src1->nb[1], src1->nb[2], dst->nb[1], dst->nb[2], dst->nb[3])
-    if (src1->type == GGML_TYPE_I64) {
-        KVQ_TYPE_CASES(KVQ_SR, int64_t)
+#define KVQ_Q(T, idx_t) kvq_quantize_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(                  \
+        (const char *) src0->data, idx ? (const char *) idx->data : nullptr, (char *) dst->data, cb,                 \
+        nblk, src0->ne[1], src0->ne[2], total, src0->nb[1], src0->nb[2], src0->nb[3],                                 \
+        idx ? idx->ne[1] : 1, idx ? idx->ne[2] : 1, idx ? idx->nb[0] : 0, idx ? idx->nb[1] : 0, idx ? idx->nb[2] : 0, \
+        dst->nb[1], dst->nb[2], dst->nb[3])
+    if (idx && idx->type == GGML_TYPE_I32) {
+        KVQ_TYPE_CASES(KVQ_Q, int32_t)
     } else {
-        KVQ_TYPE_CASES(KVQ_SR, int32_t)
+        KVQ_TYPE_CASES(KVQ_Q, int64_t)
     }
-#undef KVQ_SR
+#undef KVQ_Q
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -116,20 +109,8 @@ static void kvq_cpy_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         }
         return;
     }
-    if (ggml_kvq_cuda_is_kvq(dst->type)) {
-        const ggml_type type  = dst->type;
-        const kvq_cb    cb    = kvq_node_codebook(dst, type, false);
-        const int64_t   nblk  = dst->ne[0] / kvq_block_size(type);
-        const int64_t   total = nblk*dst->ne[1]*dst->ne[2]*dst->ne[3];
-        if (total == 0) {
-            return;
-        }
-#define KVQ_CQ(T, ...) kvq_quantize_rows<T, int64_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(      \
-        (const char *) src0->data, nullptr, (char *) dst->data, cb, nblk, dst->ne[1], dst->ne[2], total, \
-        src0->nb[1], src0->nb[2], src0->nb[3], 1, 1, 0, 0, 0, dst->nb[1], dst->nb[2], dst->nb[3])
-        KVQ_TYPE_CASES(KVQ_CQ, 0)
-#undef KVQ_CQ
-        CUDA_CHECK(cudaGetLastError());
+    if (ggml_kvq_type_is_kvq(dst->type)) {
+        kvq_quantize_cuda(ctx, dst, nullptr);
         return;
     }
     const kvq_cb cb = kvq_node_codebook(dst, src0->type, true);
@@ -164,14 +145,18 @@ static void kvq_fattn_standin(const ggml_tensor * op, ggml_kvq_cuda_standin * s)
     s->node.src[2] = &s->v;
 }
 
-// K or V to f16 (contiguous) in pool memory
-static void kvq_fa_to_f16(ggml_backend_cuda_context & ctx, const ggml_tensor * t, const kvq_cb & cb,
+// the stand-in's K or V (s_t, f16 and contiguous): t itself when it is f16 already (upstream
+// reads f16 at any strides), else t decoded into buf
+static void kvq_fa_to_f16(const ggml_tensor * t, const kvq_cb & cb, ggml_tensor * s_t,
                           ggml_cuda_pool_alloc<half> & buf, cudaStream_t stream) {
-    const int64_t n = ggml_nelements(t);
-    buf.alloc(n);
-    const int64_t nb1 = sizeof(half)*t->ne[0], nb2 = nb1*t->ne[1], nb3 = nb2*t->ne[2];
-    if (ggml_kvq_cuda_is_kvq(t->type)) {
-        kvq_dequant_cuda(t, cb, buf.ptr, nb1, nb2, nb3, stream);
+    if (t->type == GGML_TYPE_F16) {
+        *s_t = *t;
+        return;
+    }
+    buf.alloc(ggml_nelements(t));
+    s_t->data = buf.ptr;
+    if (ggml_kvq_type_is_kvq(t->type)) {
+        kvq_dequant_cuda(t, cb, buf.ptr, s_t->nb[1], s_t->nb[2], s_t->nb[3], stream);
     } else {
         const size_t ts = ggml_type_size(t->type);
         GGML_ASSERT(t->nb[0] == ts);
@@ -183,26 +168,11 @@ static void kvq_fa_to_f16(ggml_backend_cuda_context & ctx, const ggml_tensor * t
 }
 
 static void kvq_fattn_prefill(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const kvq_cb & cb_k, const kvq_cb & cb_v) {
-    cudaStream_t stream = ctx.stream();
     ggml_kvq_cuda_standin s;
     kvq_fattn_standin(dst, &s);
     ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
-    const ggml_tensor * K = dst->src[1];
-    const ggml_tensor * V = dst->src[2];
-    if (K->type != GGML_TYPE_F16) {
-        kvq_fa_to_f16(ctx, K, cb_k, k16, stream);
-        s.k.data = k16.ptr;
-    } else {
-        s.k = *K;   // upstream reads f16 at any strides
-        s.node.src[1] = &s.k;
-    }
-    if (V->type != GGML_TYPE_F16) {
-        kvq_fa_to_f16(ctx, V, cb_v, v16, stream);
-        s.v.data = v16.ptr;
-    } else {
-        s.v = *V;
-        s.node.src[2] = &s.v;
-    }
+    kvq_fa_to_f16(dst->src[1], cb_k, &s.k, k16, ctx.stream());
+    kvq_fa_to_f16(dst->src[2], cb_v, &s.v, v16, ctx.stream());
     ggml_cuda_flash_attn_ext(ctx, &s.node);
 }
 
@@ -306,11 +276,11 @@ static void kvq_fattn_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 // ---- entry points ----------------------------------------------------------------------------
 
 static bool kvq_involved(const ggml_tensor * op) {
-    if (ggml_kvq_cuda_is_kvq(op->type)) {
+    if (ggml_kvq_type_is_kvq(op->type)) {
         return true;
     }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        if (op->src[i] && ggml_kvq_cuda_is_kvq(op->src[i]->type)) {
+        if (op->src[i] && ggml_kvq_type_is_kvq(op->src[i]->type)) {
             return true;
         }
     }
@@ -334,7 +304,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
         case GGML_OP_TRANSPOSE:
             return GGML_KVQ_CUDA_NOT_OURS;
         case GGML_OP_SET_ROWS:
-            return ggml_kvq_cuda_is_kvq(op->type) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
+            return ggml_kvq_type_is_kvq(op->type) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
                    (op->src[1]->type == GGML_TYPE_I64 || op->src[1]->type == GGML_TYPE_I32) &&
                    src0->ne[0] == op->ne[0] && kvq_rows_fit(op)
                 ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
@@ -344,8 +314,8 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
                 return ggml_is_contiguous(src0) && ggml_is_contiguous(op) && ggml_nbytes(src0) == ggml_nbytes(op)
                     ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
             }
-            const bool quantize   = src0->type == GGML_TYPE_F32 && ggml_kvq_cuda_is_kvq(op->type);
-            const bool dequantize = ggml_kvq_cuda_is_kvq(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
+            const bool quantize   = src0->type == GGML_TYPE_F32 && ggml_kvq_type_is_kvq(op->type);
+            const bool dequantize = ggml_kvq_type_is_kvq(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
             return (quantize || dequantize) && ggml_are_same_shape(src0, op) &&
                    src0->nb[0] == ggml_type_size(src0->type) && kvq_rows_fit(quantize ? op : src0) &&
                    op->nb[0] == ggml_type_size(op->type)
@@ -358,7 +328,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
                 return GGML_KVQ_CUDA_NO;
             }
             for (const ggml_tensor * t : { K, V }) {
-                if (ggml_kvq_cuda_is_kvq(t->type) ? !kvq_rows_fit(t) || t->ne[0] % 8 != 0 : !kvq_fa_stock_to_f16(t->type)) {
+                if (ggml_kvq_type_is_kvq(t->type) ? !kvq_rows_fit(t) || t->ne[0] % 8 != 0 : !kvq_fa_stock_to_f16(t->type)) {
                     return GGML_KVQ_CUDA_NO;
                 }
             }
@@ -374,13 +344,8 @@ bool ggml_kvq_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
     if (!kvq_involved(dst)) {
         return false;
     }
-    switch (dst->op) {
-        case GGML_OP_NONE:
-        case GGML_OP_VIEW:
-        case GGML_OP_RESHAPE:
-        case GGML_OP_PERMUTE:
-        case GGML_OP_TRANSPOSE:      return false;
-        case GGML_OP_SET_ROWS:       kvq_set_rows_cuda(ctx, dst); return true;
+    switch (dst->op) {   // ggml-cuda skips views and no-ops before compute_forward
+        case GGML_OP_SET_ROWS:       kvq_quantize_cuda(ctx, dst, dst->src[1]); return true;
         case GGML_OP_CPY:
         case GGML_OP_DUP:            kvq_cpy_cuda(ctx, dst);      return true;
         case GGML_OP_FLASH_ATTN_EXT: kvq_fattn_cuda(ctx, dst);    return true;

@@ -58,6 +58,19 @@ static __device__ __forceinline__ void kvq_fa_load(const char * row, int i0, con
     }
 }
 
+// the lane's N values of rows k .. k+U-1 (those below nk) of a tile, all issued before any is
+// used so that their memory latencies overlap
+template <ggml_type T, int U, int N>
+static __device__ __forceinline__ void kvq_fa_load_rows(const char * base, int64_t nb, int k, int nk, int i0,
+                                                       const float * c, float (&out)[U][N]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < nk) {
+            kvq_fa_load<T, N>(base + (int64_t) (k + u)*nb, i0, c, out[u]);
+        }
+    }
+}
+
 template <int D, ggml_type TK, ggml_type TV>
 __launch_bounds__(WARP_SIZE*KVQ_FA_NWARPS, 2)
 static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
@@ -129,16 +142,10 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     for (int k0 = kb + warp*WARP_SIZE; k0 < ke; k0 += NW*WARP_SIZE) {
         const int nk = min(WARP_SIZE, ke - k0);
 
-        // K·Q of the tile's keys -> sh_s[warp][g][key]; U rows loaded before any is used, so
-        // their memory latencies overlap
+        // K·Q of the tile's keys -> sh_s[warp][g][key], U rows at a time
         for (int i0 = 0; i0 < nk; i0 += U) {
           float kf[U][EPL];
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (i0 + u < nk) {
-                kvq_fa_load<TK, EPL>(K + (int64_t) (k0 + i0 + u)*a.nb11, lane*EPL, cbk, kf[u]);
-            }
-          }
+          kvq_fa_load_rows<TK, U, EPL>(K, a.nb11, k0 + i0, nk - i0, lane*EPL, cbk, kf);
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int i = i0 + u;
@@ -224,12 +231,7 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         __syncwarp();
         for (int i0 = 0; i0 < nk; i0 += U) {
             float vf[U][EPL];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (i0 + u < nk) {
-                    kvq_fa_load<TV, EPL>(V + (int64_t) (k0 + i0 + u)*a.nb21, lane*EPL, cbv, vf[u]);
-                }
-            }
+            kvq_fa_load_rows<TV, U, EPL>(V, a.nb21, k0 + i0, nk - i0, lane*EPL, cbv, vf);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (i0 + u >= nk) {

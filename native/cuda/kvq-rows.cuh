@@ -12,6 +12,15 @@ struct kvq_cb {
 
 // ---- quantize: SET_ROWS and CPY f32 -> type -------------------------------------------------
 
+// thread i's (block or chunk i0 of a row, i1, i2, i3) for rows of n0 blocks / chunks over ne1 x ne2 x ...
+static __device__ __forceinline__ void kvq_unravel(int64_t i, int64_t n0, int64_t ne1, int64_t ne2,
+                                                   int64_t & i0, int64_t & i1, int64_t & i2, int64_t & i3) {
+    i0 = i % n0;  i /= n0;
+    i1 = i % ne1; i /= ne1;
+    i2 = i % ne2;
+    i3 = i / ne2;
+}
+
 // one thread per block of qk values: row i01 of src0 goes to row src1[i01, i02 % ne11, i03 % ne12]
 // of dst (SET_ROWS), or to row i01 when src1 is NULL (CPY f32 -> type, same shapes)
 template <ggml_type T, typename idx_t>
@@ -25,11 +34,8 @@ static __global__ void kvq_quantize_rows(const char * src0, const char * src1, c
     if (i >= total) {
         return;
     }
-    const int64_t ib  = i % nblk;
-    int64_t       r   = i / nblk;
-    const int64_t i01 = r % ne01; r /= ne01;
-    const int64_t i02 = r % ne02;
-    const int64_t i03 = r / ne02;
+    int64_t ib, i01, i02, i03;
+    kvq_unravel(i, nblk, ne01, ne02, ib, i01, i02, i03);
     const int64_t row = src1 ? (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12) : i01;
 
     float x[qk];
@@ -58,11 +64,8 @@ static __global__ void kvq_dequant(const char * src0, dst_t * dst, const kvq_cb 
     if (i >= total) {
         return;
     }
-    const int64_t ic = i % nchunk;
-    int64_t       r  = i / nchunk;
-    const int64_t i1 = r % ne1; r /= ne1;
-    const int64_t i2 = r % ne2;
-    const int64_t i3 = r / ne2;
+    int64_t ic, i1, i2, i3;
+    kvq_unravel(i, nchunk, ne1, ne2, ic, i1, i2, i3);
     float v[N];
     kvq_dequantize<T, N>((const uint8_t *) (src0 + i1*nb01 + i2*nb02 + i3*nb03), (int) (ic*N), c, v);
     dst_t * y = (dst_t *) ((char *) dst + i1*nb1 + i2*nb2 + i3*nb3) + ic*N;

@@ -22,9 +22,6 @@ struct ggml_kvq_cuda_standin {
     ggml_tensor v;
 };
 
-// true when t's type is one of pykvq's (bfp*, nuq*)
-bool ggml_kvq_cuda_is_kvq(ggml_type type);
-
 // The answer for op (standin is filled for GGML_KVQ_CUDA_AS_F16).
 int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * standin);
 

@@ -148,6 +148,11 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2o) == 21, "block_nuq2o size");
 
 #define GGML_KVQ_NUQ_MAX_CODES 16
 
+// any of pykvq's types (bfp*, nuq*): their ids are contiguous (patches 0002, 0005)
+GGML_KVQ_HD bool ggml_kvq_type_is_kvq(enum ggml_type type) {
+    return type >= GGML_TYPE_BFP4_32 && type <= GGML_TYPE_NUQ2O;
+}
+
 static inline bool ggml_kvq_type_is_nuq(enum ggml_type type) {
     return type >= GGML_TYPE_NUQ4 && type <= GGML_TYPE_NUQ2O;
 }
