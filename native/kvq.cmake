@@ -9,6 +9,7 @@ target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/ggml-kvq.c
     ${GGML_KVQ_DIR}/bfp.c
     ${GGML_KVQ_DIR}/nuq.c
+    ${GGML_KVQ_DIR}/prerope.c
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
 target_compile_definitions(ggml-base PUBLIC GGML_KVQ)

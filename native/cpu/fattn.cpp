@@ -78,9 +78,10 @@ fa_plan fa_make_plan(const ggml_tensor * dst, int nth) {
     p.chunk = (p.chunk + FA_TILE_KV - 1) / FA_TILE_KV * FA_TILE_KV;
     p.n_chunks = (n_kv + p.chunk - 1) / p.chunk;
 
-    // Q, K tile, K tile transposed, V tile, S/P, O, max, sum and ALiBi slope per row, mask rows per token
+    // Q, K tile, K tile transposed, V tile, S/P, O, max, sum and ALiBi slope per row, mask rows per token,
+    // pre-RoPE K: cos, sin, cos(w), sin(w) per channel
     p.scratch = p.R*p.DK + FA_TILE_KV*p.DK*2 + FA_TILE_KV*p.DV + p.R*FA_TILE_KV + p.R*p.DV + 3*p.R
-              + p.TQ*FA_TILE_KV + FA_PAD;
+              + p.TQ*FA_TILE_KV + 4*p.DK + FA_PAD;
     p.partials = p.n_chunks > 1 ? (size_t) (p.n_units*p.n_chunks*p.R*(2 + p.DV)) : 0;
     return p;
 }
@@ -275,6 +276,115 @@ inline float fa_max(const float * x, int64_t n) {
     return m[0];
 }
 
+// Pre-RoPE K cache (ggml-kvq.h): a decoded tile holds c = (k - mean)/scale before RoPE.
+// Each row becomes k = c*scale + mean, rotated at its cell's position. cos/sin come per
+// channel from arrays laid out like the row (a pair's two channels hold cos, and -sin / +sin),
+// advanced from one key to the next by the rotation of angle w when the cells' positions are
+// consecutive (the common case), recomputed exactly at a tile's start and after any jump.
+struct fa_prerope {
+    bool on = false;
+    int  n_dims = 0;
+    bool neox = false;
+    float mscale = 1.0f;
+    const int32_t * pos = nullptr;   // src[5]
+    int64_t pos_stride = 0;          // per stream
+    const float * mean = nullptr, * scale = nullptr, * freqs = nullptr;
+};
+
+fa_prerope fa_prerope_of(const ggml_tensor * dst) {
+    fa_prerope pr;
+    int mode = 0;
+    if (!ggml_kvq_fa_get_prerope(dst, &pr.n_dims, &mode, &pr.mscale)) {
+        return pr;
+    }
+    pr.on    = true;
+    pr.neox  = mode == 2;
+    pr.pos   = (const int32_t *) dst->src[5]->data;
+    pr.pos_stride = dst->src[5]->nb[1] / sizeof(int32_t);
+    pr.mean  = (const float *) dst->src[6]->data;
+    pr.scale = (const float *) dst->src[7]->data;
+    pr.freqs = (const float *) dst->src[8]->data;
+    return pr;
+}
+
+// channel j's rotary partner and the sign of its sin term
+inline int fa_rope_partner(const fa_prerope & pr, int j, float * sign) {
+    const int h = pr.n_dims/2;
+    if (pr.neox) {
+        *sign = j < h ? -1.0f : 1.0f;
+        return j < h ? j + h : j - h;
+    }
+    *sign = (j & 1) ? 1.0f : -1.0f;
+    return j ^ 1;
+}
+
+// per unit (one KV head): the one-step rotation cos(w), ±sin(w) per channel
+void fa_prerope_steps(const fa_prerope & pr, int64_t ik2, float * c1, float * s1) {
+    const float * w = pr.freqs + ik2*(pr.n_dims/2);
+    for (int j = 0; j < pr.n_dims; ++j) {
+        float sign;
+        fa_rope_partner(pr, j, &sign);
+        const int i = pr.neox ? j % (pr.n_dims/2) : j/2;
+        c1[j] = cosf(w[i]);
+        s1[j] = sign*sinf(w[i]);
+    }
+}
+
+// k rows of the tile: restore scale and mean, rotate at positions pos[0..n)
+void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32_t * pos, int64_t n, float * Kf,
+                     float * cs, const float * c1, const float * s1) {
+    const float * mu = pr.mean  + ik2*DK;
+    const float * sc = pr.scale + ik2*DK;
+    const float * w  = pr.freqs + ik2*(pr.n_dims/2);
+    const int nd = pr.n_dims;
+    float * c = cs;          // [nd] cos(p*w)*mscale per channel
+    float * s = cs + nd;     // [nd] ±sin(p*w)*mscale
+    for (int64_t t = 0; t < n; ++t) {
+        if (t == 0 || pos[t] != pos[t - 1] + 1) {
+            for (int j = 0; j < nd; ++j) {
+                float sign;
+                fa_rope_partner(pr, j, &sign);
+                const int i = pr.neox ? j % (nd/2) : j/2;
+                const float th = (float) pos[t]*w[i];
+                c[j] = cosf(th)*pr.mscale;
+                s[j] = sign*sinf(th)*pr.mscale;
+            }
+        } else {
+            for (int j = 0; j < nd; ++j) {
+                const float cj = c[j];
+                c[j] = cj*c1[j] - s[j]*s1[j];
+                s[j] = s[j]*c1[j] + cj*s1[j];
+            }
+        }
+        float * x = Kf + t*DK;
+        for (int64_t d = 0; d < DK; ++d) {
+            x[d] = x[d]*sc[d] + mu[d];
+        }
+        if (pr.neox) {
+            const int h = nd/2;
+            for (int j = 0; j < h; ++j) {
+                const float a = x[j], b = x[j + h];
+                x[j]     = a*c[j]     + b*s[j];
+                x[j + h] = b*c[j + h] + a*s[j + h];
+            }
+        } else {
+            int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            for (; j + 8 <= nd; j += 8) {
+                const __m256 v  = _mm256_loadu_ps(x + j);
+                const __m256 vp = _mm256_permute_ps(v, 0xB1);   // swap each pair
+                _mm256_storeu_ps(x + j, _mm256_fmadd_ps(v, _mm256_loadu_ps(c + j), _mm256_mul_ps(vp, _mm256_loadu_ps(s + j))));
+            }
+#endif
+            for (; j < nd; j += 2) {
+                const float a = x[j], b = x[j + 1];
+                x[j]     = a*c[j]     + b*s[j];
+                x[j + 1] = b*c[j + 1] + a*s[j + 1];
+            }
+        }
+    }
+}
+
 // a unit: KV head ik2 of sequence iq3 with its G query heads, tokens j0 .. j0+nt
 struct fa_unit {
     int64_t iq3, ik2, j0, nt, R;
@@ -292,7 +402,7 @@ fa_unit fa_unit_at(const fa_plan & p, const ggml_tensor * q, int64_t u) {
 }
 
 struct fa_scratch {
-    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask;
+    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask, * rope;
 };
 
 fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
@@ -307,13 +417,15 @@ fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
     s.L    = s.M  + p.R;
     s.slope = s.L + p.R;
     s.mask = s.slope + p.R;
+    s.rope = s.mask + p.TQ*FA_TILE_KV;
     return s;
 }
 
 // One (unit, KV range) item: rows are (token jj, group head g) at r = jj*G + g.
 // Leaves the unnormalized O, the running max M and the sum L per row in scratch.
 void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, int64_t ic0, int64_t ic1,
-                 const fa_scratch & s, ggml_to_float_t k_to_float, ggml_to_float_t v_to_float, bool match) {
+                 const fa_scratch & s, ggml_to_float_t k_to_float, ggml_to_float_t v_to_float, bool match,
+                 const fa_prerope & pr) {
     const ggml_tensor * q    = dst->src[0];
     const ggml_tensor * k    = dst->src[1];
     const ggml_tensor * v    = dst->src[2];
@@ -356,6 +468,14 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     }
     memset(s.O, 0, R*DV*sizeof(float));
 
+    // pre-RoPE K: this head's one-step rotations (after the cos/sin of the current key)
+    float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK;
+    const int32_t * kpos = nullptr;
+    if (pr.on) {
+        fa_prerope_steps(pr, w.ik2, rope_c1, rope_s1);
+        kpos = pr.pos + ik3*pr.pos_stride;
+    }
+
     // one mask row per token serves every head of the group unless the mask has a head dimension
     const bool mask_per_head = mask && mask->ne[2] > 1;
 
@@ -387,6 +507,9 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         // K tile -> f32, then S = Q·Kᵀ (S is R x n, row stride n)
         for (int64_t t = 0; t < n; ++t) {
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
+        }
+        if (pr.on) {
+            fa_prerope_tile(pr, w.ik2, DK, kpos + ic, n, s.Kf, rope_cs, rope_c1, rope_s1);
         }
         if (R >= FA_GEMM_ROWS) {
             for (int64_t t = 0; t < n; ++t) {
@@ -477,10 +600,12 @@ bool ggml_kvq_fattn_supported(const ggml_tensor * dst) {
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
     const fa_mode mode = fa_env_mode();
-    if (mode == FA_OFF || q->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) {
+    // a pre-RoPE K cache is only readable here (llama_kvq_prerope_check refuses what this does not take)
+    const bool prerope = ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr);
+    if ((mode == FA_OFF && !prerope) || q->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) {
         return false;
     }
-    const bool plain_k = k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32;
+    const bool plain_k = !prerope && (k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32);
     // f16/f32 prefill stays on upstream's tiled path. Decode (few query rows) comes here: upstream's
     // per-row path accumulates V in f16 with ggml_vec_mad_f16, whose SIMD loop covers multiples of
     // GGML_F16_STEP only (128 with AVX512-FP16), so head dims 64/96 run scalar with table lookups.
@@ -522,6 +647,7 @@ void ggml_kvq_fattn(const ggml_compute_params * params, ggml_tensor * dst) {
     const ggml_to_float_t v_to_float = fa_to_float(v->type, false);
 
     const bool match = fa_env_mode() == FA_MATCH;
+    const fa_prerope pr = fa_prerope_of(dst);
 
     float * wdata    = (float *) params->wdata;
     float * partials = wdata + p.scratch*nth;
@@ -542,7 +668,7 @@ void ggml_kvq_fattn(const ggml_compute_params * params, ggml_tensor * dst) {
         const fa_unit w   = fa_unit_at(p, q, u);
         const int64_t ic0 = c*p.chunk;
         const int64_t ic1 = std::min(n_kv, ic0 + p.chunk);
-        fa_run_item(p, dst, w, ic0, ic1, s, k_to_float, v_to_float, match);
+        fa_run_item(p, dst, w, ic0, ic1, s, k_to_float, v_to_float, match, pr);
 
         for (int64_t r = 0; r < w.R; ++r) {
             const int64_t iq1 = w.j0 + r / p.G;

@@ -222,6 +222,41 @@ GGML_API unsigned ggml_kvq_get_codebooks(const struct ggml_tensor * node, int8_t
 // true when cb is a valid codebook of n entries
 GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 
+//
+// Pre-RoPE key cache (FLASH_ATTN_EXT). K holds c = (k - mean) / scale per channel,
+// taken before RoPE; attention restores k = c*scale + mean and rotates it at each
+// cell's own position, so a K-shift only changes positions. The node carries
+//   src[5]  I32 [>= n_kv, n_stream]   position of each K cell (any order: cells are
+//                                      not consecutive after removal or shifts)
+//   src[6]  F32 [DK, n_head_kv]        mean            (contiguous)
+//   src[7]  F32 [DK, n_head_kv]        scale           (contiguous)
+//   src[8]  F32 [n_dims/2, n_head_kv]  angular frequency w of each rotary pair: the
+//                                      angle at position p is p*w (freq_base, freq_scale,
+//                                      YaRN ramp, rope_freqs and K-sort factors folded in;
+//                                      ggml_kvq_rope_freqs)
+//   int32 op_params[14] = GGML_KVQ_PREROPE_MAGIC | mode << 12 | n_dims   (mode: 0 NORM, 2 NEOX)
+//   float op_params[15] = mscale (multiplies cos and sin, as ggml_rope_ext's attn_factor / YaRN)
+// Channels from n_dims on are not rotated (partial rotary).
+//
+#define GGML_KVQ_PREROPE_TAG    14
+#define GGML_KVQ_PREROPE_MAGIC  0x52500000   // "RP" in the upper half
+GGML_KVQ_STATIC_ASSERT(GGML_KVQ_PREROPE_TAG > GGML_KVQ_CB_TAG, "pre-RoPE words overlap the codebooks");
+GGML_KVQ_STATIC_ASSERT((GGML_KVQ_PREROPE_TAG + 2) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
+
+GGML_API void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
+                                      struct ggml_tensor * scale, struct ggml_tensor * freqs,
+                                      int n_dims, int mode, float mscale);
+// true when fa reads a pre-RoPE K cache; n_dims / mode / mscale may be NULL
+GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale);
+
+// The angular frequencies ggml_rope_ext uses (CPU and CUDA kernels): for pair i < n_dims/2,
+// theta(p) = p * w[i], with w[i] = base^(-2i/n_dims) / ff[i] * (freq_scale*(1 - r) + r),
+// r = YaRN ramp(i) * ext_factor. ff: NULL, [n_dims/2] or [n_dims/2, n_cols] (K-sort, one column
+// per KV head); out: [n_dims/2, n_cols]. Returns mscale (attn_factor, YaRN-corrected).
+GGML_API float ggml_kvq_rope_freqs(int n_dims, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor,
+                                   float attn_factor, float beta_fast, float beta_slow,
+                                   const float * ff, int ff_cols, int n_cols, float * out);
+
 // ggml-base's thread-local slots, read by the trait functions below (from_float_ref:
 // slot A, to_float: slot B). NULL = not present (fallback). Set by ggml_kvq_cpu_bind.
 GGML_API void ggml_kvq_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);

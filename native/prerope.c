@@ -1,0 +1,73 @@
+// Pre-RoPE key cache: the FLASH_ATTN_EXT contract (ggml-kvq.h) and the rotary
+// frequencies a kernel needs to apply ggml_rope_ext's rotation at any position.
+#include "ggml-kvq.h"
+
+#include <math.h>
+#include <string.h>
+
+void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
+                             struct ggml_tensor * scale, struct ggml_tensor * freqs,
+                             int n_dims, int mode, float mscale) {
+    GGML_ASSERT(fa->op == GGML_OP_FLASH_ATTN_EXT);
+    GGML_ASSERT(pos->type == GGML_TYPE_I32 && mean->type == GGML_TYPE_F32 && scale->type == GGML_TYPE_F32 &&
+                freqs->type == GGML_TYPE_F32);
+    const struct ggml_tensor * k = fa->src[1];          // [DK, n_kv, n_head_kv, n_stream]
+    GGML_ASSERT(mean->ne[0] == k->ne[0] && mean->ne[1] == k->ne[2] && ggml_are_same_shape(mean, scale));
+    GGML_ASSERT(ggml_is_contiguous(mean) && ggml_is_contiguous(scale) && ggml_is_contiguous(freqs));
+    GGML_ASSERT(n_dims > 0 && n_dims % 2 == 0 && n_dims <= k->ne[0] && n_dims < 4096);
+    GGML_ASSERT(freqs->ne[0] == n_dims/2 && freqs->ne[1] == k->ne[2]);
+    GGML_ASSERT(pos->ne[0] >= k->ne[1] && pos->ne[1] == k->ne[3]);
+    GGML_ASSERT(mode == 0 || mode == 2);  // NORM, NEOX
+    fa->src[5] = pos;
+    fa->src[6] = mean;
+    fa->src[7] = scale;
+    fa->src[8] = freqs;
+    const int32_t tag = GGML_KVQ_PREROPE_MAGIC | (mode << 12) | n_dims;
+    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG,     &tag,    sizeof(tag));
+    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG + 1, &mscale, sizeof(mscale));
+}
+
+bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale) {
+    if (fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[5] == NULL) {
+        return false;
+    }
+    int32_t tag;
+    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    if ((tag & 0xFFF00000) != GGML_KVQ_PREROPE_MAGIC) {
+        return false;
+    }
+    if (n_dims) { *n_dims = tag & 0xFFF; }
+    if (mode)   { *mode   = (tag >> 12) & 0xFF; }
+    if (mscale) { memcpy(mscale, fa->op_params + GGML_KVQ_PREROPE_TAG + 1, sizeof(float)); }
+    return true;
+}
+
+// as ggml-cpu's rope_yarn_ramp
+static float kvq_yarn_ramp(float low, float high, int i0) {
+    const float y = (i0 / 2 - low) / fmaxf(0.001f, high - low);
+    return 1.0f - fminf(1.0f, fmaxf(0.0f, y));
+}
+
+float ggml_kvq_rope_freqs(int n_dims, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor,
+                          float attn_factor, float beta_fast, float beta_slow,
+                          const float * ff, int ff_cols, int n_cols, float * out) {
+    float corr_dims[2];
+    ggml_rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, corr_dims);
+    const float theta_scale = powf(freq_base, -2.0f/n_dims);
+    const int n_pairs = n_dims/2;
+    for (int h = 0; h < n_cols; ++h) {
+        const float * ffh = ff ? ff + (ff_cols > 1 ? h : 0)*n_pairs : NULL;
+        float theta = 1.0f;      // the CPU kernel's running product theta_scale^i, in float
+        for (int i = 0; i < n_pairs; ++i) {
+            const float extrap = theta / (ffh ? ffh[i] : 1.0f);
+            float w = freq_scale*extrap;
+            if (ext_factor != 0.0f) {
+                const float r = kvq_yarn_ramp(corr_dims[0], corr_dims[1], 2*i) * ext_factor;
+                w = w*(1 - r) + extrap*r;
+            }
+            out[h*n_pairs + i] = w;
+            theta *= theta_scale;
+        }
+    }
+    return ext_factor != 0.0f ? attn_factor*(1.0f + 0.1f*logf(1.0f/freq_scale)) : attn_factor;
+}
