@@ -595,7 +595,20 @@ void fa_finish_row(const ggml_tensor * dst, int64_t iq1, int64_t h, int64_t iq3,
 
 } // namespace
 
+static bool fa_supported(const ggml_tensor * dst);
+
 bool ggml_kvq_fattn_supported(const ggml_tensor * dst) {
+    const bool ok = fa_supported(dst);
+    // upstream's kernels ignore src[5..8]: they would read a pre-RoPE cache as if rotated
+    if (!ok && ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr)) {
+        GGML_ABORT("pre-RoPE K cache: flash attention with Q %s, K %s, V %s, mask %s is not supported by pykvq's CPU kernel",
+                   ggml_type_name(dst->src[0]->type), ggml_type_name(dst->src[1]->type), ggml_type_name(dst->src[2]->type),
+                   dst->src[3] ? ggml_type_name(dst->src[3]->type) : "none");
+    }
+    return ok;
+}
+
+static bool fa_supported(const ggml_tensor * dst) {
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];

@@ -52,3 +52,31 @@ static inline ggml_type llama_kvq_type_from_name(const char * name) {
     }
     return GGML_TYPE_COUNT;
 }
+
+// pykvq: the pre-RoPE key cache (native/llama-kvq-prerope.cpp)
+#include <vector>
+
+// what one layer's FLASH_ATTN_EXT needs besides the cell positions
+struct llama_kvq_prerope_fa {
+    ggml_tensor * mean  = nullptr;      // model tensors blk.N.kvq_k_mean / kvq_k_scale, F32 [DK, n_head_kv]
+    ggml_tensor * scale = nullptr;
+    ggml_tensor * freqs = nullptr;      // graph input F32 [n_dims/2, n_head_kv], filled from freqs_host
+    std::vector<float> freqs_host;
+    int   n_dims = 0;
+    int   mode   = 0;
+    float mscale = 1.0f;
+};
+
+// why a layer cannot have a pre-RoPE key cache (nullptr: it can)
+const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla);
+
+// k_rope: the model graph's K (a ROPE node). Returns what the cache stores, (k_pre - mean) / scale, and fills
+// fa from the node's RoPE parameters. Throws std::runtime_error for a graph it cannot honour.
+ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
+                                      llama_kvq_prerope_fa & fa, int il);
+
+// put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node; throws when fa_node is not one
+void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa);
+
+// session states: a pre-RoPE K layer's type word carries this bit (type ids stay far below it)
+#define LLAMA_KVQ_STATE_PREROPE 0x10000

@@ -1,0 +1,98 @@
+// pykvq: the llama side of the pre-RoPE key cache (the ggml side: ggml-kvq.h, "Pre-RoPE key cache").
+//
+// The model graph builds K as ROPE(k_pre, positions, factors). For a pre-RoPE layer the cache stores
+// (k_pre - mean) / scale instead, and flash attention applies this very ROPE node's rotation when it
+// reads a K tile: its parameters (mode, n_dims, base, scale, YaRN, attn_factor, factors) are taken from
+// the node, so every rope variant a model graph uses is honoured, or refused here with a clear error.
+#include "llama-kvq.h"
+
+#include "ggml-backend.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+static std::string kvq_layer(int il) {
+    return "pre-RoPE key cache, layer " + std::to_string(il) + ": ";
+}
+
+const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla) {
+    if (!has_rope) {
+        return "the layer has no RoPE";
+    }
+    if (is_mla) {
+        return "MLA caches are not supported";
+    }
+    if (rope_type != GGML_ROPE_TYPE_NORMAL && rope_type != GGML_ROPE_TYPE_NEOX) {
+        return "only NORM and NEOX RoPE are supported (not M-RoPE / vision)";
+    }
+    return nullptr;
+}
+
+ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
+                                      llama_kvq_prerope_fa & fa, int il) {
+    if (k_rope->op != GGML_OP_ROPE) {
+        throw std::runtime_error(kvq_layer(il) + "the model graph's K is not the output of a ROPE op (" +
+                                 ggml_op_name(k_rope->op) + "); this architecture needs the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
+    }
+    const int32_t * p = k_rope->op_params;
+    const int n_dims = p[1], mode = p[2], n_ctx_orig = p[4];
+    float freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
+    memcpy(&freq_base,   p +  5, sizeof(float));
+    memcpy(&freq_scale,  p +  6, sizeof(float));
+    memcpy(&ext_factor,  p +  7, sizeof(float));
+    memcpy(&attn_factor, p +  8, sizeof(float));
+    memcpy(&beta_fast,   p +  9, sizeof(float));
+    memcpy(&beta_slow,   p + 10, sizeof(float));
+    if (mode != GGML_ROPE_TYPE_NORMAL && mode != GGML_ROPE_TYPE_NEOX) {
+        throw std::runtime_error(kvq_layer(il) + "RoPE mode " + std::to_string(mode) + " is not supported (NORM and NEOX are)");
+    }
+    ggml_tensor * k_pre = k_rope->src[0];                      // [DK, n_head_kv, n_tokens]
+    const int64_t DK = k_pre->ne[0], n_head_kv = k_pre->ne[1];
+    if (mean->ne[0] != DK || mean->ne[1] != n_head_kv || !ggml_are_same_shape(mean, scale) ||
+        mean->type != GGML_TYPE_F32 || scale->type != GGML_TYPE_F32) {
+        throw std::runtime_error(kvq_layer(il) + "blk." + std::to_string(il) + ".kvq_k_mean / kvq_k_scale must be F32 [" +
+                                 std::to_string(DK) + ", " + std::to_string(n_head_kv) + "]");
+    }
+    if (n_dims <= 0 || n_dims > DK || n_dims % 2 != 0) {
+        throw std::runtime_error(kvq_layer(il) + "RoPE over " + std::to_string(n_dims) + " of " + std::to_string(DK) + " channels");
+    }
+
+    // the rotation's frequencies, from the node's own parameters and factors
+    const ggml_tensor * ff = k_rope->src[2];
+    std::vector<float> ffh;
+    int ff_cols = 1;
+    if (ff != nullptr) {
+        if (ff->type != GGML_TYPE_F32 || ff->ne[0] < n_dims/2 || (ff->ne[1] != 1 && ff->ne[1] != n_head_kv)) {
+            throw std::runtime_error(kvq_layer(il) + "rope factors " + ff->name + " are not F32 [n_rot/2] or [n_rot/2, n_head_kv]");
+        }
+        ff_cols = (int) ff->ne[1];
+        std::vector<float> all(ggml_nelements(ff));
+        ggml_backend_tensor_get(ff, all.data(), 0, ggml_nbytes(ff));
+        for (int c = 0; c < ff_cols; ++c) {   // rows may be longer than n_dims/2
+            ffh.insert(ffh.end(), all.begin() + c*ff->ne[0], all.begin() + c*ff->ne[0] + n_dims/2);
+        }
+    }
+    fa.freqs_host.assign((size_t) (n_dims/2)*n_head_kv, 0.0f);
+    fa.mscale = ggml_kvq_rope_freqs(n_dims, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
+                                    ff ? ffh.data() : nullptr, ff_cols, (int) n_head_kv, fa.freqs_host.data());
+    fa.n_dims = n_dims;
+    fa.mode   = mode;
+    fa.mean   = mean;
+    fa.scale  = scale;
+    fa.freqs  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_dims/2, n_head_kv);
+    ggml_format_name(fa.freqs, "kvq_rope_freqs-%d", il);
+    ggml_set_input(fa.freqs);
+
+    // what the cache stores: (k - mean) / scale, before RoPE
+    ggml_tensor * c = ggml_div(ctx, ggml_sub(ctx, k_pre, mean), scale);
+    ggml_format_name(c, "k_prerope-%d", il);
+    return c;
+}
+
+void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa) {
+    if (fa_node == nullptr || fa_node->op != GGML_OP_FLASH_ATTN_EXT) {
+        throw std::runtime_error("a pre-RoPE key cache needs flash attention (-fa on), or the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
+    }
+    ggml_kvq_fa_set_prerope(fa_node, pos, fa.mean, fa.scale, fa.freqs, fa.n_dims, fa.mode, fa.mscale);
+}
