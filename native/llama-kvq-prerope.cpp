@@ -90,9 +90,9 @@ ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, 
     return c;
 }
 
-void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa) {
+void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h) {
     if (fa_node == nullptr || fa_node->op != GGML_OP_FLASH_ATTN_EXT) {
         throw std::runtime_error("a pre-RoPE key cache needs flash attention (-fa on), or the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
     }
-    ggml_kvq_fa_set_prerope(fa_node, pos, fa.mean, fa.scale, fa.freqs, fa.n_dims, fa.mode, fa.mscale);
+    ggml_kvq_fa_set_prerope(fa_node, pos, fa.mean, fa.scale, fa.freqs, fa.n_dims, fa.mode, fa.mscale, n_rot_h);
 }

@@ -7,7 +7,7 @@
 
 void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                              struct ggml_tensor * scale, struct ggml_tensor * freqs,
-                             int n_dims, int mode, float mscale) {
+                             int n_dims, int mode, float mscale, int n_rot_h) {
     GGML_ASSERT(fa->op == GGML_OP_FLASH_ATTN_EXT);
     GGML_ASSERT(pos->type == GGML_TYPE_I32 && mean->type == GGML_TYPE_F32 && scale->type == GGML_TYPE_F32 &&
                 freqs->type == GGML_TYPE_F32);
@@ -18,26 +18,35 @@ void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, 
     GGML_ASSERT(freqs->ne[0] == n_dims/2 && freqs->ne[1] == k->ne[2]);
     GGML_ASSERT(pos->ne[0] >= k->ne[1] && pos->ne[1] == k->ne[3]);
     GGML_ASSERT(mode == 0 || mode == 2);  // NORM, NEOX
+    int lg = 0;
+    if (n_rot_h > 0) {
+        GGML_ASSERT((n_rot_h & (n_rot_h - 1)) == 0 && n_rot_h >= 2 && k->ne[0] % n_rot_h == 0);
+        while ((1 << lg) < n_rot_h) {
+            ++lg;
+        }
+    }
     fa->src[5] = pos;
     fa->src[6] = mean;
     fa->src[7] = scale;
     fa->src[8] = freqs;
-    const int32_t tag = GGML_KVQ_PREROPE_MAGIC | (mode << 12) | n_dims;
+    const int32_t tag = GGML_KVQ_PREROPE_MAGIC | (lg << 20) | (mode << 16) | n_dims;
     memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG,     &tag,    sizeof(tag));
     memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG + 1, &mscale, sizeof(mscale));
 }
 
-bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale) {
+bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h) {
     if (fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[5] == NULL) {
         return false;
     }
     int32_t tag;
     memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
-    if ((tag & 0xFFF00000) != GGML_KVQ_PREROPE_MAGIC) {
+    if ((tag & 0xFF000000) != GGML_KVQ_PREROPE_MAGIC) {
         return false;
     }
-    if (n_dims) { *n_dims = tag & 0xFFF; }
-    if (mode)   { *mode   = (tag >> 12) & 0xFF; }
+    const int lg = (tag >> 20) & 0xF;
+    if (n_dims)  { *n_dims  = tag & 0xFFFF; }
+    if (mode)    { *mode    = (tag >> 16) & 0xF; }
+    if (n_rot_h) { *n_rot_h = lg ? 1 << lg : 0; }
     if (mscale) { memcpy(mscale, fa->op_params + GGML_KVQ_PREROPE_TAG + 1, sizeof(float)); }
     return true;
 }

@@ -43,7 +43,7 @@ def test_rope_freqs_match_reference(kw):
 
 
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   seed=0, n_threads=2):
+                   rot=0, seed=0, n_threads=2):
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
     # pre-RoPE keys with a large per-channel mean (a k_proj bias), centred and scaled by calibrated statistics
@@ -75,23 +75,24 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
         fa = g.L.ggml_flash_attn_ext(g.ctx, q, k, v, m, 1.0 / np.sqrt(D), 0.0, 0.0)
         g.L.ggml_kvq_fa_set_prerope(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
                                     g.tensor("f32", D, Hkv, data=scale), g.tensor("f32", n_dims // 2, Hkv, data=w),
-                                    n_dims, mode, mscale)
+                                    n_dims, mode, mscale, rot)
         g.compute(fa, n_threads=n_threads)
         out = g.f32(fa).reshape(S, N, H, D)
     finally:
         g.close()
     Kpost = np.stack([prerope.decode(Cd[s].transpose(1, 0, 2), mean, scale, pos[s], w.astype(np.float64), mode,
-                                     n_dims, mscale).transpose(1, 0, 2) for s in range(S)])
+                                     n_dims, mscale, rot).transpose(1, 0, 2) for s in range(S)])
     ref = attention_ref(Q.transpose(0, 2, 1, 3), Kpost, Vd, mask, 1.0 / np.sqrt(D))
     return out, ref
 
 
 @pytest.mark.parametrize("kt,vt", [("q4_0", "q4_0"), ("nuq4", "nuq4"), ("bfp4_32", "q8_0"), ("f16", "f16")])
 @pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
-def test_decode_matches_reference(kt, vt, mode):
+@pytest.mark.parametrize("rot", [0, 64])
+def test_decode_matches_reference(kt, vt, mode, rot):
     """One query over 300 cells with gaps, a shifted block and an out-of-order cell (exact cos/sin
-    after every jump, the one-step recurrence in between)."""
-    out, ref = run_prerope_fa(kt, vt, mode=mode, n_dims=64)
+    after every jump, the one-step recurrence in between), with and without the Hadamard."""
+    out, ref = run_prerope_fa(kt, vt, mode=mode, n_dims=64, rot=rot)
     assert rel_err(out, ref) < 1e-4
 
 
@@ -100,7 +101,7 @@ def test_prefill_partial_rotary_per_head_freqs(mode):
     """40 query tokens (GEMM path), 2 streams, head size 128 with 96 rotary channels (partial
     rotary), per-KV-head frequencies (K-sort factors) and a YaRN-like mscale."""
     out, ref = run_prerope_fa("q8_0", "q4_0", mode=mode, n_dims=96, D=128, N=40, n_kv=260, H=8, Hkv=2, S=2,
-                              mscale=1.2, per_head=True)
+                              mscale=1.2, per_head=True, rot=128 if mode == prerope.NORM else 32)
     # angles are p*w in float, as ggml's rope computes them: at p ~ 2300 that is ~1.4e-4 rad off the
     # float64 reference's angle, times keys of size ~|mean| = 20
     assert rel_err(out, ref) < 3e-4

@@ -79,9 +79,9 @@ fa_plan fa_make_plan(const ggml_tensor * dst, int nth) {
     p.n_chunks = (n_kv + p.chunk - 1) / p.chunk;
 
     // Q, K tile, K tile transposed, V tile, S/P, O, max, sum and ALiBi slope per row, mask rows per token,
-    // pre-RoPE K: cos, sin, cos(w), sin(w) per channel
+    // pre-RoPE K: cos, sin, cos(w), sin(w) and the effective scale per channel
     p.scratch = p.R*p.DK + FA_TILE_KV*p.DK*2 + FA_TILE_KV*p.DV + p.R*FA_TILE_KV + p.R*p.DV + 3*p.R
-              + p.TQ*FA_TILE_KV + 4*p.DK + FA_PAD;
+              + p.TQ*FA_TILE_KV + 5*p.DK + FA_PAD;
     p.partials = p.n_chunks > 1 ? (size_t) (p.n_units*p.n_chunks*p.R*(2 + p.DV)) : 0;
     return p;
 }
@@ -286,6 +286,7 @@ struct fa_prerope {
     int  n_dims = 0;
     bool neox = false;
     float mscale = 1.0f;
+    int  n_rot_h = 0;                // Walsh-Hadamard block (0: none)
     const int32_t * pos = nullptr;   // src[5]
     int64_t pos_stride = 0;          // per stream
     const float * mean = nullptr, * scale = nullptr, * freqs = nullptr;
@@ -294,7 +295,7 @@ struct fa_prerope {
 fa_prerope fa_prerope_of(const ggml_tensor * dst) {
     fa_prerope pr;
     int mode = 0;
-    if (!ggml_kvq_fa_get_prerope(dst, &pr.n_dims, &mode, &pr.mscale)) {
+    if (!ggml_kvq_fa_get_prerope(dst, &pr.n_dims, &mode, &pr.mscale, &pr.n_rot_h)) {
         return pr;
     }
     pr.on    = true;
@@ -318,6 +319,22 @@ inline int fa_rope_partner(const fa_prerope & pr, int j, float * sign) {
     return j ^ 1;
 }
 
+// unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK)
+inline void fa_fwht(float * x, int64_t DK, int n) {
+    for (int64_t b = 0; b < DK; b += n) {
+        float * y = x + b;
+        for (int h = 1; h < n; h *= 2) {
+            for (int i = 0; i < n; i += 2*h) {
+                for (int j = i; j < i + h; ++j) {
+                    const float a = y[j], c = y[j + h];
+                    y[j]     = a + c;
+                    y[j + h] = a - c;
+                }
+            }
+        }
+    }
+}
+
 // per unit (one KV head): the one-step rotation cos(w), ±sin(w) per channel
 void fa_prerope_steps(const fa_prerope & pr, int64_t ik2, float * c1, float * s1) {
     const float * w = pr.freqs + ik2*(pr.n_dims/2);
@@ -330,11 +347,11 @@ void fa_prerope_steps(const fa_prerope & pr, int64_t ik2, float * c1, float * s1
     }
 }
 
-// k rows of the tile: restore scale and mean, rotate at positions pos[0..n)
+// k rows of the tile: undo the Hadamard, restore scale and mean, rotate at positions pos[0..n).
+// sc: this head's scale, divided by sqrt(n_rot_h) when the unnormalized transform runs.
 void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32_t * pos, int64_t n, float * Kf,
-                     float * cs, const float * c1, const float * s1) {
+                     float * cs, const float * c1, const float * s1, const float * sc) {
     const float * mu = pr.mean  + ik2*DK;
-    const float * sc = pr.scale + ik2*DK;
     const float * w  = pr.freqs + ik2*(pr.n_dims/2);
     const int nd = pr.n_dims;
     float * c = cs;          // [nd] cos(p*w)*mscale per channel
@@ -357,6 +374,9 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
             }
         }
         float * x = Kf + t*DK;
+        if (pr.n_rot_h) {
+            fa_fwht(x, DK, pr.n_rot_h);
+        }
         for (int64_t d = 0; d < DK; ++d) {
             x[d] = x[d]*sc[d] + mu[d];
         }
@@ -469,11 +489,15 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     memset(s.O, 0, R*DV*sizeof(float));
 
     // pre-RoPE K: this head's one-step rotations (after the cos/sin of the current key)
-    float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK;
+    float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK, * rope_sc = s.rope + 4*DK;
     const int32_t * kpos = nullptr;
     if (pr.on) {
         fa_prerope_steps(pr, w.ik2, rope_c1, rope_s1);
         kpos = pr.pos + ik3*pr.pos_stride;
+        const float f = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
+        for (int64_t d = 0; d < DK; ++d) {
+            rope_sc[d] = pr.scale[w.ik2*DK + d]*f;
+        }
     }
 
     // one mask row per token serves every head of the group unless the mask has a head dimension
@@ -509,7 +533,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
         }
         if (pr.on) {
-            fa_prerope_tile(pr, w.ik2, DK, kpos + ic, n, s.Kf, rope_cs, rope_c1, rope_s1);
+            fa_prerope_tile(pr, w.ik2, DK, kpos + ic, n, s.Kf, rope_cs, rope_c1, rope_s1, rope_sc);
         }
         if (R >= FA_GEMM_ROWS) {
             for (int64_t t = 0; t < n; ++t) {
@@ -600,7 +624,7 @@ static bool fa_supported(const ggml_tensor * dst);
 bool ggml_kvq_fattn_supported(const ggml_tensor * dst) {
     const bool ok = fa_supported(dst);
     // upstream's kernels ignore src[5..8]: they would read a pre-RoPE cache as if rotated
-    if (!ok && ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr)) {
+    if (!ok && ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr)) {
         GGML_ABORT("pre-RoPE K cache: flash attention with Q %s, K %s, V %s, mask %s is not supported by pykvq's CPU kernel",
                    ggml_type_name(dst->src[0]->type), ggml_type_name(dst->src[1]->type), ggml_type_name(dst->src[2]->type),
                    dst->src[3] ? ggml_type_name(dst->src[3]->type) : "none");
@@ -614,7 +638,7 @@ static bool fa_supported(const ggml_tensor * dst) {
     const ggml_tensor * v = dst->src[2];
     const fa_mode mode = fa_env_mode();
     // a pre-RoPE K cache is only readable here (llama_kvq_prerope_check refuses what this does not take)
-    const bool prerope = ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr);
+    const bool prerope = ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr);
     if ((mode == FA_OFF && !prerope) || q->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) {
         return false;
     }

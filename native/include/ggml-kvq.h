@@ -224,8 +224,9 @@ GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 
 //
 // Pre-RoPE key cache (FLASH_ATTN_EXT). K holds c = (k - mean) / scale per channel,
-// taken before RoPE; attention restores k = c*scale + mean and rotates it at each
-// cell's own position, so a K-shift only changes positions. The node carries
+// taken before RoPE, optionally turned by an orthonormal Walsh-Hadamard matrix H (Sylvester
+// order) per block of n_rot_h channels: r = H c; attention restores c = H r, k = c*scale + mean
+// and rotates k at each cell's own position, so a K-shift only changes positions. The node carries
 //   src[5]  I32 [>= n_kv, n_stream]   position of each K cell (any order: cells are
 //                                      not consecutive after removal or shifts)
 //   src[6]  F32 [DK, n_head_kv]        mean            (contiguous)
@@ -234,20 +235,21 @@ GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 //                                      angle at position p is p*w (freq_base, freq_scale,
 //                                      YaRN ramp, rope_freqs and K-sort factors folded in;
 //                                      ggml_kvq_rope_freqs)
-//   int32 op_params[14] = GGML_KVQ_PREROPE_MAGIC | mode << 12 | n_dims   (mode: 0 NORM, 2 NEOX)
+//   int32 op_params[14] = GGML_KVQ_PREROPE_MAGIC | log2(n_rot_h) << 20 | mode << 16 | n_dims
+//                         (mode: 0 NORM, 2 NEOX; n_rot_h = 0: no Hadamard, else 2^k dividing DK)
 //   float op_params[15] = mscale (multiplies cos and sin, as ggml_rope_ext's attn_factor / YaRN)
 // Channels from n_dims on are not rotated (partial rotary).
 //
 #define GGML_KVQ_PREROPE_TAG    14
-#define GGML_KVQ_PREROPE_MAGIC  0x52500000   // "RP" in the upper half
+#define GGML_KVQ_PREROPE_MAGIC  0x52000000   // "R" in the top byte
 GGML_KVQ_STATIC_ASSERT(GGML_KVQ_PREROPE_TAG > GGML_KVQ_CB_TAG, "pre-RoPE words overlap the codebooks");
 GGML_KVQ_STATIC_ASSERT((GGML_KVQ_PREROPE_TAG + 2) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
 
 GGML_API void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                                       struct ggml_tensor * scale, struct ggml_tensor * freqs,
-                                      int n_dims, int mode, float mscale);
-// true when fa reads a pre-RoPE K cache; n_dims / mode / mscale may be NULL
-GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale);
+                                      int n_dims, int mode, float mscale, int n_rot_h);
+// true when fa reads a pre-RoPE K cache; n_dims / mode / mscale / n_rot_h may be NULL
+GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h);
 
 // The angular frequencies ggml_rope_ext uses (CPU and CUDA kernels): for pair i < n_dims/2,
 // theta(p) = p * w[i], with w[i] = base^(-2i/n_dims) / ff[i] * (freq_scale*(1 - r) + r),

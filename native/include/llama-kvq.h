@@ -75,8 +75,9 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
 ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
                                       llama_kvq_prerope_fa & fa, int il);
 
-// put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node; throws when fa_node is not one
-void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa);
+// put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node (n_rot_h: the Walsh-Hadamard
+// block the stored K was turned by, 0 for none); throws when fa_node is not one
+void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h);
 
 // session states: a pre-RoPE K layer's type word carries this bit (type ids stay far below it)
 #define LLAMA_KVQ_STATE_PREROPE 0x10000

@@ -1,7 +1,8 @@
 """Reference of the pre-RoPE key cache (native/include/ggml-kvq.h, "Pre-RoPE key cache").
 
 The cache holds c = (k - mean) / scale per layer, KV head and channel, where k is the key
-before RoPE. Reading restores k = c*scale + mean and applies ggml_rope_ext's rotation at each
+before RoPE, optionally turned by an orthonormal Walsh-Hadamard matrix per block of n_rot_h
+channels (Sylvester order; H = H^T = H^-1). Reading undoes the Hadamard, restores k = c*scale + mean and applies ggml_rope_ext's rotation at each
 cell's own position: pair i turns by p*w[i], both terms times mscale. NORM pairs channels
 (2i, 2i+1), NEOX pairs (i, i + n_dims/2); channels from n_dims on are not rotated.
 """
@@ -55,12 +56,27 @@ def rope(x: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int, n_dims: int, 
     return y
 
 
-def encode(k: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def hadamard(n: int) -> np.ndarray:
+    """Orthonormal Sylvester Walsh-Hadamard matrix [n, n] (llama.cpp's attn_rot matrices)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def block_rotate(x: np.ndarray, n_rot_h: int) -> np.ndarray:
+    """x [..., D] with each block of n_rot_h channels multiplied by the Hadamard (its own inverse)."""
+    if not n_rot_h:
+        return x
+    return (x.reshape(*x.shape[:-1], -1, n_rot_h) @ hadamard(n_rot_h)).reshape(x.shape)
+
+
+def encode(k: np.ndarray, mean: np.ndarray, scale: np.ndarray, n_rot_h: int = 0) -> np.ndarray:
     """Pre-RoPE keys [..., n_head_kv, D] -> what the cache quantizes."""
-    return ((k - mean) / scale).astype(np.float32)
+    return block_rotate((k - mean) / scale, n_rot_h).astype(np.float32)
 
 
 def decode(c: np.ndarray, mean: np.ndarray, scale: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int,
-           n_dims: int, mscale: float = 1.0) -> np.ndarray:
+           n_dims: int, mscale: float = 1.0, n_rot_h: int = 0) -> np.ndarray:
     """Dequantized cache rows [n_kv, n_head_kv, D] -> the post-RoPE keys attention uses (float64)."""
-    return rope(c.astype(np.float64) * scale + mean, pos, w, mode, n_dims, mscale)
+    return rope(block_rotate(c.astype(np.float64), n_rot_h) * scale + mean, pos, w, mode, n_dims, mscale)
