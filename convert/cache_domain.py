@@ -6,10 +6,16 @@ and, when the runtime rotates online (upstream's attn_rot: quantized cache,
 not undone by a baked transform), multiplied by a Sylvester Hadamard per
 block of `nrot` channels. Codebooks must be fitted to exactly those numbers.
 
+With a pre-RoPE key cache (--prerope-k, convert/prerope.py) K is taken before
+RoPE, goes through the same baked transforms and layout, and is then centred
+and scaled per layer, KV head and channel: c = (k - mean) / scale, then turned
+by the online Hadamard when the runtime rotates K (it undoes that per K tile).
+
 Each value comes with the diagonal Fisher information F = (dL/dx)^2 of the
 LM loss w.r.t. the cached value. The gradient follows each map x -> M x as
 g -> M^-T g: rotations R map g to R g, x/s maps g to g*s, a learned V
-transform A maps g to A^-T g.
+transform A maps g to A^-T g. RoPE is orthogonal (g_post = R g_pre); the
+pre-RoPE centring x -> (x - mean)/scale maps g to g*scale.
 """
 from __future__ import annotations
 
@@ -41,6 +47,9 @@ class Domain:
     rot_k: bool = False                   # online Hadamard on K (largest power of two dividing head_dim)
     rot_v: bool = False                   # online Hadamard on V (blocks of 64)
     v_matrix: tuple | None = None         # learned V transform (A, A^-1), each [n_kv, hd, hd]
+    k_prerope: bool = False               # K cached before RoPE (k_mean / k_div below; then rot_k if on)
+    k_mean: np.ndarray | None = None      # [n_kv, head_dim] pre-RoPE mean in the cache's layout
+    k_div: np.ndarray | None = None       # [n_kv, head_dim] pre-RoPE scale: the cache holds (k - mean) / k_div
 
 
 def online_rot_k_size(head_dim: int) -> int:
@@ -67,18 +76,35 @@ def norm_to_layout(x: np.ndarray, g: Geometry, layout: str) -> np.ndarray:
     return out
 
 
-def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
-    k = rope_norm(c.k[layer], c.pos, g)
-    gk = rope_norm(c.gk[layer], c.pos, g)       # g_post = R g_pre (R orthogonal)
-    if d.k_angle is not None:
-        zero = np.zeros_like(d.k_angle)
-        k, gk = pair_transform(k, zero, d.k_angle, 1.0), pair_transform(gk, zero, d.k_angle, 1.0)
+def _k_baked(x: np.ndarray, g: Geometry, d: Domain, grad: bool) -> np.ndarray:
+    """NORM-order K (or its gradient, grad=True) through the baked pair transforms, K-sort and layout."""
+    if d.k_angle is not None:                   # a rotation: gradients turn the same way
+        x = pair_transform(x, np.zeros_like(d.k_angle), d.k_angle, 1.0)
     if d.k_scale is not None:
-        k, gk = _pairs_scale(k, d.k_scale, mul=False), _pairs_scale(gk, d.k_scale, mul=True)
+        x = _pairs_scale(x, d.k_scale, mul=grad)
     if d.k_perm is not None:
-        k = np.take_along_axis(k, d.k_perm[None], axis=2)
-        gk = np.take_along_axis(gk, d.k_perm[None], axis=2)
-    k, gk = norm_to_layout(k, g, d.layout), norm_to_layout(gk, g, d.layout)
+        x = np.take_along_axis(x, d.k_perm[None], axis=2)
+    return norm_to_layout(x, g, d.layout)
+
+
+def prerope_keys(c: Calib, layer: int, g: Geometry, d: Domain) -> np.ndarray:
+    """[T, n_kv, head_dim] float32: the input of the runtime's K RoPE op (attn_k output plus bias) in the
+    file's layout, after the baked transforms; what the pre-RoPE mean and scale are measured on."""
+    return _k_baked(c.k[layer], g, d, grad=False).astype(np.float32)
+
+
+def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
+    if d.k_prerope:
+        if d.k_mean is None or d.k_div is None:
+            raise ValueError("a pre-RoPE key domain needs its mean and scale")
+        k, gk = c.k[layer], c.gk[layer]
+    else:
+        k = rope_norm(c.k[layer], c.pos, g)
+        gk = rope_norm(c.gk[layer], c.pos, g)       # g_post = R g_pre (R orthogonal)
+    k, gk = _k_baked(k, g, d, grad=False), _k_baked(gk, g, d, grad=True)
+    if d.k_prerope:                                 # x = c*scale + mean: dL/dc = dL/dx * scale
+        k = (k.astype(np.float64) - d.k_mean[None]) / d.k_div[None]
+        gk = gk.astype(np.float64) * d.k_div[None]
     if d.rot_k:
         n = online_rot_k_size(g.head_dim)
         k, gk = _block_rotate(k, n), _block_rotate(gk, n)

@@ -4,9 +4,12 @@ Order: NEOX->NORM re-layout (only with K-sort), pair smoothing, K-sort, V/O
 rotation. Exact on any storage type: re-layout and K-sort move whole Q/K rows,
 smoothing scales Q/K rows by powers of two. The V/O rotation mixes rows and
 columns, so W_v and W_o are dequantized and stored again in `requant_type`.
+With --prerope-k the per-channel mean and scale of the pre-RoPE keys are then
+measured in the resulting layout and stored beside the weights (prerope.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +20,7 @@ from gguf import GGUFValueType as VT
 from pykvq import cache_types
 from pykvq.progress import progress_bar
 
-from . import cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, rows, smooth
+from . import cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, prerope, rows, smooth
 from .calib import Calib
 from .geometry import head_rows, pair_channels, pair_perms_to_channels
 from .gguf_io import ConvertError, GGUFModel, Tensor
@@ -47,6 +50,8 @@ class Options:
     q_norm: bool = True                  # Q-Norm folded into the codebooks
     kv_bits: float | None = None         # bits/value budget: per-layer K/V types from `ladder`
     ladder: tuple = layer_types.DEFAULT_LADDER
+    prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
+    prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
 
     def codebook_method(self) -> str:
         if self.codebooks != "auto":
@@ -89,6 +94,7 @@ class Report:
     cb_errors: list = field(default_factory=list)          # per layer: {(kv, type): fisher-weighted error}
     bits_per_value: float | None = None
     scale_stats: dict = field(default_factory=dict)       # f16 block scales rounded by smoothing (subnormals)
+    prerope: dict = field(default_factory=dict)           # --prerope-k: scale method and summary statistics
     v_learned: list = field(default_factory=list)         # per layer (--rotate-v learned): learn_v.VResult
     k_learned: list = field(default_factory=list)         # per layer (--learn-k): learn_k.KResult
 
@@ -140,6 +146,10 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         raise ConvertError("--rotate-v learned needs calibration V activations")
     if opts.learn_k and calib is None:
         raise ConvertError("--learn-k needs calibration text")
+    if opts.prerope_k and calib is None:
+        raise ConvertError("--prerope-k needs calibration text (the mean of the pre-RoPE keys)")
+    if opts.prerope_scale not in prerope.SCALES:
+        raise ConvertError(f"pre-RoPE K scale must be one of {', '.join(prerope.SCALES)}, got {opts.prerope_scale!r}")
     if (opts.rotate_v == "learned" or opts.learn_k) and len(learn_v.sequences(calib.pos)) < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
                            "--calib-seqs 2 or more")
@@ -165,7 +175,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     relayout = opts.ksort and g.layout == "neox"
     k_quantized = type_k not in cache_types.UNQUANTIZED
     v_quantized = type_v not in cache_types.UNQUANTIZED
-    # where the runtime will rotate the cache online (upstream's attn_rot, not undone by a baked transform)
+    # where the runtime will rotate the cache online (upstream's attn_rot, not undone by a baked transform);
+    # a pre-RoPE key cache is rotated too: the centred keys, undone per K tile by flash attention
     online_rot_k = k_quantized and not opts.ksort and hd % 64 == 0
     online_rot_v = v_quantized and opts.rotate_v == "none" and hd % 64 == 0
     if relayout:
@@ -181,8 +192,10 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         k_angle = None
         if opts.smooth_qk:
             if opts.alpha is None:
+                # (its objective is the post-RoPE score error even with --prerope-k; with a per-channel
+                # pre-RoPE scale the pair scales cancel in the K cache and only move Q's rounding)
                 c = smooth.choose(calib.q[i], calib.k[i], calib.pos, g, type_k, ksort=opts.ksort,
-                                  rotate=k_quantized and not opts.ksort)
+                                  rotate=k_quantized and not opts.ksort and not opts.prerope_k)
                 s = c.scales
                 rep.alphas.append(c.alpha)
             else:
@@ -223,11 +236,18 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                loss=opts.learn_loss, init=opts.learn_init)
             rep.v_learned.append(vr)
 
+        dom = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
+                                  k_perm=cp, layout=gl.layout, rotate_v=opts.rotate_v == "hadamard",
+                                  v_matrix=None if vr is None else (vr.a, vr.a_inv),
+                                  rot_k=online_rot_k, rot_v=online_rot_v)
+        if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
+            kp = cache_domain.prerope_keys(calib, i, g, dom)
+            mean, scale = prerope.stats(kp, opts.prerope_scale)
+            for name, arr in ((prerope.K_MEAN_TENSOR.format(i), mean), (prerope.K_SCALE_TENSOR.format(i), scale)):
+                m.tensors[name] = Tensor(name, QT.F32, arr)
+            dom = dataclasses.replace(dom, k_prerope=True, k_mean=mean, k_div=scale)
+            _prerope_stats(rep, mean, prerope.stats(kp, "std")[1])
         if opts.needs_fisher():
-            dom = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
-                                      k_perm=cp, layout=gl.layout, rotate_v=opts.rotate_v == "hadamard",
-                                      v_matrix=None if vr is None else (vr.a, vr.a_inv),
-                                      rot_k=online_rot_k, rot_v=online_rot_v)
             _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
 
         if opts.rotate_v != "none":
@@ -283,9 +303,22 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set("pykvq.cache.codebook_qnorm", bool(opts.q_norm), VT.BOOL)
         m.set("pykvq.cache.codebook_rot_k", bool(online_rot_k), VT.BOOL)
         m.set("pykvq.cache.codebook_rot_v", bool(online_rot_v), VT.BOOL)
+    if opts.prerope_k:
+        m.set(prerope.K_DOMAIN_KEY, prerope.K_DOMAIN_PREROPE, VT.STRING)
+        m.set(prerope.K_SCALE_METHOD_KEY, opts.prerope_scale, VT.STRING)
+        rep.prerope["scale"] = opts.prerope_scale
     m.set("pykvq.cache.type_k", type_k, VT.STRING)
     m.set("pykvq.cache.type_v", type_v, VT.STRING)
     return rep
+
+
+def _prerope_stats(rep: Report, mean: np.ndarray, std: np.ndarray) -> None:
+    """Largest |mean| / std, and largest / median std within a head, over the layers so far (for the log)."""
+    r = rep.prerope
+    r["max_mean_over_std"] = max(r.get("max_mean_over_std", 0.0), float(np.abs(mean / std).max()))
+    spread = float((std.max(axis=1) / np.median(std, axis=1)).max())
+    r["max_std_spread"] = max(r.get("max_std_spread", 0.0), spread)
+    r["layers"] = r.get("layers", 0) + 1
 
 
 def _store(m: GGUFModel, pairs: list, requant_type: str, rep: Report) -> None:
@@ -350,7 +383,7 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
         for t in cands:
             if _is_nuq(t) and method != "none":
                 cbs[t] = codebook.fit(x.x, x.fisher, t, method, q_norm=opts.q_norm)
-            if opts.kv_bits is not None:
+            if opts.kv_bits is not None or t == uniform_type:     # the loss-increase estimate sum F (x - Q(x))^2
                 errs[(which, t)] = codebook.weighted_error(x.x, x.fisher, t, cbs.get(t))
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}

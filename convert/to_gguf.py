@@ -40,6 +40,8 @@ what each transform needs:
   requantizes W_v and W_o: --rotate-v hadamard (stored as --outtype, default q8_0 for a GGUF input)
   needs the patched runtime: --ksort (per-head rope frequencies; stock llama.cpp refuses such a file)
   runs on stock llama.cpp too: --smooth-qk, --rotate-v
+  needs calibration and the patched runtime's pre-RoPE key cache: --prerope-k (adds per-layer
+    blk.N.kvq_k_mean / blk.N.kvq_k_scale; no weight changes)
 
 examples:
   python convert/to_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf -o smol-kvq.gguf --ksort --smooth-qk --rotate-v hadamard
@@ -83,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="starting point of --rotate-v learned (the held-out comparison is always against Hadamard)")
     p.add_argument("--max-cond", type=float, default=100.0,
                    help="bound on the condition number of each learned V transform (default 100)")
+    p.add_argument("--prerope-k", action="store_true",
+                   help="pre-RoPE, centred key cache: the runtime caches c = (k - mean) / scale, where k is the "
+                        "key before RoPE (attn_k output plus bias, in this file's channel layout after every "
+                        "transform above), and restores c*scale + mean and applies RoPE at each cell's position "
+                        "when attention reads it; the online K Hadamard turns the centred keys (undone per K tile). The mean and scale "
+                        "per layer, KV head and channel are measured on calibration text and written as "
+                        "blk.N.kvq_k_mean / blk.N.kvq_k_scale (pykvq.cache.k_domain = prerope); codebooks and "
+                        "--kv-bits are fitted in this domain. On SmolLM2 it ties stock q4_0 keys and makes nuq4 keys "
+                        "with their fitted codebook 1.6x better (docs/prerope.md)")
+    p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
+                   help="scale of --prerope-k, per channel and floored at 1%% of its head's median: absmax = "
+                        "largest |k - mean| on the calibration text, std = standard deviation around the mean, "
+                        "pow2 = std rounded to a power of two, one = 1 (mean only). Default %(default)s: best or "
+                        "tied in scripts/prerope_study.py (docs/prerope.md)")
     p.add_argument("--calib", default=None, metavar="FILE|canterbury",
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
@@ -112,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
+
+
+SCALE_TEXT = {"absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
+              "std": "per-channel std (floored at 1% of the head's median)",
+              "pow2": "per-channel std rounded to a power of two", "one": "1 (mean only)"}
 
 
 def _is_hf_dir(p: Path) -> bool:
@@ -161,7 +182,8 @@ def convert(args) -> dict:
                             cache_type_v=args.cache_type_v, codebooks=args.codebooks, q_norm=not args.no_qnorm,
                             kv_bits=args.kv_bits, learn_k=args.learn_k, learn_steps=args.learn_steps,
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
-                            learn_init=args.learn_init,
+                            learn_init=args.learn_init, prerope_k=args.prerope_k,
+                            prerope_scale=args.prerope_k_scale,
                             ladder=tuple(t.strip() for t in args.layer_types.split(",") if t.strip()))
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
@@ -195,7 +217,7 @@ def convert(args) -> dict:
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot, g.layout)
         calib = None
         needs_calib = (opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
-                       or opts.needs_fisher() or opts.learn_k or opts.rotate_v == "learned")
+                       or opts.needs_fisher() or opts.learn_k or opts.rotate_v == "learned" or opts.prerope_k)
         t_cal = 0.0
         if needs_calib:
             t1 = time.time()
@@ -224,7 +246,7 @@ def convert(args) -> dict:
         "output": str(out), "seconds": round(time.time() - t0, 1), "calibration_seconds": round(t_cal, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "transforms": {"ksort": opts.ksort, "smooth_qk": opts.smooth_qk, "rotate_v": opts.rotate_v,
-                       "learn_k": opts.learn_k,
+                       "learn_k": opts.learn_k, "prerope_k": opts.prerope_k,
                        "relayout_neox_to_norm": opts.ksort and g.layout == "neox"},
         "cache_type_k": k, "cache_type_v": v, "alphas": rep.alphas, "requantized": rep.requantized,
         "codebooks": opts.codebook_method(), "q_norm": opts.q_norm, "kv_bits": opts.kv_bits,
@@ -235,6 +257,8 @@ def convert(args) -> dict:
         "k_learned": [{"choice": r.choice, "heldout": r.heldout, "seconds": round(r.seconds, 2)}
                       for r in rep.k_learned],
         "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
+        "prerope_k": dict(rep.prerope) if opts.prerope_k else None,
+        "codebook_errors": rep.cb_errors,
     }
     return summary
 
@@ -265,6 +289,20 @@ def main(argv=None) -> int:
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else ""))
+    if s["codebook_errors"] and not s["layer_types_k"]:
+        tot = {}
+        for per_layer in s["codebook_errors"]:
+            for slot, e in per_layer.items():
+                tot[slot] = tot.get(slot, 0.0) + e
+        if tot:
+            print("Fisher-weighted cache error (sum F (x - Q(x))^2 over layers, the loss-increase estimate): "
+                  + ", ".join(f"{slot.split(':')[0].upper()} {slot.split(':')[1]} {e:.4g}" for slot, e in tot.items()))
+    if s["prerope_k"]:
+        p = s["prerope_k"]
+        print(f"pre-RoPE key domain: on (the cache holds (k - mean) / scale before RoPE, turned by the online Hadamard "
+              f"when K is quantized); "
+              f"scale = {SCALE_TEXT[p['scale']]}; {p['layers']} layers, largest |mean|/std "
+              f"{p['max_mean_over_std']:.1f}, largest/median std in a head {p['max_std_spread']:.1f}")
     if s["inexact_block_scales"]:
         print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
               "(subnormal ones; each change < 6e-8)")

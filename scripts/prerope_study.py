@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Fake-quantization study for --prerope-k: where (and how) keys should be quantized, and does centring V pay?
+
+    python scripts/prerope_study.py [--model smollm2-135m] [--windows 8] [--ctx 512] [--out results/prerope_study]
+
+The HF model (f32; for a GGUF model, the checkpoint the converter dequantizes for calibration) runs
+with its K (or V) cache fake-quantized in numpy exactly as the runtime would store it; the other
+cache stays f32. The metric is the next-token KLD against the same model unquantized, over windows of
+held-out WikiText-2 test text (never calibrated on). Mean, scale and NUQ codebooks are calibrated as
+the converter does (convert/calib.py: Canterbury text, 4 x 512 tokens, Fisher gradients).
+
+K rows (V f32):
+  post-RoPE  what the cache holds today: rotated keys in the file's NORM layout, optionally upstream's
+             online 64-wide Hadamard (attn_rot_k), then the cache type
+  pre-RoPE   k_pre (attn_k output + bias, NORM layout) -> (k - mean) / scale -> cache type ->
+             c*scale + mean -> RoPE, per layer, KV head and channel (convert/prerope.py)
+V rows (K f32): upstream's online V Hadamard stays on; "- mean" subtracts a calibrated per-layer,
+  head, channel V mean before the cache (it comes back as one add on the attention output).
+
+Writes OUT.json and OUT.md. Cost on 2 CPU cores: under a minute of calibration (cached under
+$PYKVQ_CACHE/calib/stats) plus 1-2.5 s per window and row: about 16 min for the 25 rows at 16 windows
+(use --threads 1 when the cores are shared; --only re-runs some rows into an existing JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from convert import cache_domain, codebook, prerope  # noqa: E402
+from convert.calib import calibration_text, collect_cached, hf_to_norm  # noqa: E402
+from convert.geometry import geometry  # noqa: E402
+from convert.gguf_io import read_gguf  # noqa: E402
+from convert.hadamard import hadamard  # noqa: E402
+from pykvq.ref import nuq, roundtrip  # noqa: E402
+
+
+def rot(x: np.ndarray, n: int) -> np.ndarray:
+    """Blocks of n channels times the orthonormal (symmetric, self-inverse) Sylvester Hadamard."""
+    h = hadamard(n).astype(np.float32)
+    return (x.reshape(*x.shape[:-1], -1, n) @ h).reshape(x.shape)
+
+
+def fq(x: np.ndarray, qtype: str, cb=None) -> np.ndarray:
+    """Fake quantization along the last axis (blocks of 32 / the type's block)."""
+    if qtype in nuq.FORMATS:
+        return nuq.roundtrip(x, qtype, cb).astype(np.float32)
+    return roundtrip(x, qtype)
+
+
+class Study:
+    def __init__(self, model: str, n_seq: int, seq_len: int, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from pykvq.models import cache_dir, fetch, materialize_hf
+        torch.set_num_threads(threads)
+        gguf = fetch(model)
+        self.g = geometry(read_gguf(gguf))
+        if self.g.layout != "norm":
+            raise SystemExit("this study handles NORM-layout (llama) models; the file layout of a NEOX model "
+                             "would need the re-layout first")
+        self.hf = materialize_hf(gguf, cache_dir() / "hf" / f"{gguf.stem}-{gguf.stat().st_size}")
+        text, source = calibration_text("canterbury")
+        t0 = time.time()
+        self.calib = collect_cached(self.hf, text, self.g, n_seq=n_seq, seq_len=seq_len, source=source, fisher=True)
+        print(f"calibration ({source.split(' ')[0]}, {n_seq} x {seq_len} tokens, Fisher): {time.time() - t0:.0f} s",
+              flush=True)
+        self.tok = AutoTokenizer.from_pretrained(self.hf)
+        self.model = AutoModelForCausalLM.from_pretrained(self.hf, dtype=torch.float32).eval()
+        self.idx = hf_to_norm(self.g)                     # NORM channel c = HF channel idx[c]
+        self.inv = np.argsort(self.idx)
+        self.k_fn = self.v_fn = self.post_fn = None       # per-layer fake quantizers (None: exact)
+        self.layer = 0
+        self._hook()
+
+    # --- wiring: K before RoPE (k_proj output), K after RoPE (apply_rotary_pos_emb), V (v_proj output)
+    def _hook(self):
+        import torch
+        import transformers.models.llama.modeling_llama as ml
+        g, study = self.g, self
+        for i, layer in enumerate(self.model.model.layers):
+            att = layer.self_attn
+            att.register_forward_pre_hook(lambda _m, _a, i=i: setattr(study, "layer", i))
+
+            def kv_hook(_m, _inp, out, which):
+                fn = study.k_fn if which == "k" else study.v_fn
+                if fn is None:
+                    return None
+                x = out[0].detach().numpy().reshape(out.shape[1], g.n_head_kv, g.head_dim)
+                if which == "k":
+                    x = fn(study.layer, x[..., study.idx])[..., study.inv]
+                else:
+                    x = fn(study.layer, x)
+                return torch.from_numpy(np.ascontiguousarray(x, np.float32)).reshape(out.shape)
+            att.k_proj.register_forward_hook(lambda m, a, o: kv_hook(m, a, o, "k"))
+            att.v_proj.register_forward_hook(lambda m, a, o: kv_hook(m, a, o, "v"))
+        orig = ml.apply_rotary_pos_emb
+
+        def rope_hook(q, k, cos, sin, *a, **kw):
+            q2, k2 = orig(q, k, cos, sin, *a, **kw)
+            if study.post_fn is None:
+                return q2, k2
+            x = k2[0].detach().numpy().transpose(1, 0, 2)[..., study.idx]      # [T, n_kv, hd] NORM
+            x = study.post_fn(study.layer, x)[..., study.inv].transpose(1, 0, 2)
+            return q2, torch.from_numpy(np.ascontiguousarray(x, np.float32))[None]
+        ml.apply_rotary_pos_emb = rope_hook
+
+    def logprobs(self, ids: np.ndarray):
+        import torch
+        with torch.no_grad():
+            out = self.model(torch.from_numpy(ids.astype(np.int64))[None], use_cache=False)
+        return torch.log_softmax(out.logits[0].double(), dim=-1)
+
+    def evaluate(self, windows: list, base: list, *, k_pre=None, k_post=None, v=None) -> dict:
+        import torch
+        self.k_fn, self.post_fn, self.v_fn = k_pre, k_post, v
+        kl, top = [], []
+        try:
+            for ids, ref in zip(windows, base):
+                lp = self.logprobs(ids)
+                kl.append((torch.exp(ref) * (ref - lp)).sum(-1).numpy())
+                top.append((lp.argmax(-1) == ref.argmax(-1)).numpy())
+        finally:
+            self.k_fn = self.post_fn = self.v_fn = None
+        kl, top = np.concatenate(kl), np.concatenate(top)
+        return {"kld": float(kl.mean()), "kld_se": float(kl.std() / np.sqrt(len(kl))),
+                "p99": float(np.percentile(kl, 99)), "top1": float(top.mean())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--windows", type=int, default=16, help="WikiText-2 test windows (default 16)")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
+    ap.add_argument("--calib-seqs", type=int, default=4)
+    ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "results" / "prerope_study"),
+                    help="output stem: writes STEM_<model>.json and .md")
+    ap.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
+                    help="run only the rows whose setting contains one of these strings; the others are kept "
+                         "from an existing STEM_<model>.json")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+
+    from pykvq.data import wikitext_test
+    st = Study(args.model, args.calib_seqs, args.calib_len, args.threads)
+    g, c = st.g, st.calib
+    ids = st.tok(wikitext_test(), return_tensors="np")["input_ids"][0]
+    stride = len(ids) // args.windows
+    windows = [ids[w * stride: w * stride + args.ctx] for w in range(args.windows)]
+    base = [st.logprobs(w) for w in windows]
+    hd, n_layer = g.head_dim, g.n_layer
+    print(f"evaluation: WikiText-2 test, {args.windows} x {args.ctx} tokens", flush=True)
+
+    # calibration statistics in the file layout (NORM for llama; no baked transforms in this study)
+    dom0 = cache_domain.Domain()
+    kp = [cache_domain.prerope_keys(c, i, g, dom0) for i in range(n_layer)]
+    stats = {m: [prerope.stats(kp[i], m) for i in range(n_layer)] for m in prerope.SCALES}
+    std_raw = [kp[i].astype(np.float64).std(axis=0) for i in range(n_layer)]
+
+    def floored(f):
+        out = []
+        for i in range(n_layer):
+            s = np.maximum(std_raw[i], f * np.median(std_raw[i], axis=1, keepdims=True))
+            out.append((stats["std"][i][0], np.where(s > 0, s, 1.0).astype(np.float32)))
+        return out
+    stats["std, floor 0.25 median"] = floored(0.25)
+    stats["std, no floor"] = floored(0.0)
+    stats["q99.9"] = []                  # range-based like absmax, without the single most extreme token
+    for i in range(n_layer):
+        mean = stats["std"][i][0]
+        r = np.percentile(np.abs(kp[i] - mean), 99.9, axis=0)
+        r = np.maximum(r, prerope.STD_FLOOR * np.median(r, axis=1, keepdims=True))
+        stats["q99.9"].append((mean, np.where(r > 0, r, 1.0).astype(np.float32)))
+    v_mean = [c.v[i].astype(np.float64).mean(axis=0).astype(np.float32) for i in range(n_layer)]
+
+    def pre(qtype, st_name=None, hadamard_n=0, cbs=None):
+        def fn(i, x):
+            mean, scale = stats[st_name][i] if st_name else (0.0, 1.0)
+            y = (x - mean) / scale
+            if hadamard_n:
+                y = rot(fq(rot(y, hadamard_n), qtype, None if cbs is None else cbs[i]), hadamard_n)
+            else:
+                y = fq(y, qtype, None if cbs is None else cbs[i])
+            return y * scale + mean
+        return fn
+
+    def post(qtype, hadamard_n=0, cbs=None):
+        def fn(i, x):
+            cb = None if cbs is None else cbs[i]
+            return rot(fq(rot(x, hadamard_n), qtype, cb), hadamard_n) if hadamard_n else fq(x, qtype, cb)
+        return fn
+
+    def vq(qtype, centre, hadamard_n=64, skip_first=False):
+        def fn(i, x):
+            m = np.broadcast_to(v_mean[i] if centre else 0.0, x.shape).copy()
+            if skip_first:              # diagnostic: leave the first token of the window (the sink) uncentred
+                m[0] = 0.0
+            y = x - m
+            y = rot(fq(rot(y, hadamard_n), qtype), hadamard_n) if hadamard_n else fq(y, qtype)
+            return y + m
+        return fn
+
+    # NUQ codebooks fitted as the converter fits them (Fisher + Q-Norm) in each domain
+    def fit_cbs(dom, qtype="nuq4"):
+        out = []
+        for i in range(n_layer):
+            x = cache_domain.keys(c, i, g, dom)
+            out.append(codebook.fit(x.x, x.fisher, qtype, "fisher", q_norm=True))
+        return out
+    t0 = time.time()
+    cb_post = fit_cbs(cache_domain.Domain(rot_k=True))
+    cb_pre = {}
+    for name in ("std", "absmax"):
+        cb_pre[name] = []
+        for i in range(n_layer):
+            d = cache_domain.Domain(k_prerope=True, k_mean=stats[name][i][0], k_div=stats[name][i][1])
+            x = cache_domain.keys(c, i, g, d)
+            cb_pre[name].append(codebook.fit(x.x, x.fisher, "nuq4", "fisher", q_norm=True))
+    print(f"nuq4 codebooks fitted in both domains: {time.time() - t0:.0f} s", flush=True)
+
+    rows = [
+        ("K", "post-RoPE q8_0 + online Hadamard", 8.5, dict(k_post=post("q8_0", 64))),
+        ("K", "post-RoPE q4_0 + online Hadamard (stock default)", 4.5, dict(k_post=post("q4_0", 64))),
+        ("K", "post-RoPE q4_0, no rotation", 4.5, dict(k_post=post("q4_0"))),
+        ("K", "pre-RoPE q4_0, nothing else", 4.5, dict(k_pre=pre("q4_0"))),
+        ("K", "pre-RoPE q4_0, minus mean (scale 1)", 4.5, dict(k_pre=pre("q4_0", "one"))),
+        ("K", "pre-RoPE q4_0, (x - mean) / std (floor 0.01 median)", 4.5, dict(k_pre=pre("q4_0", "std"))),
+        ("K", "pre-RoPE q4_0, (x - mean) / pow2(std)", 4.5, dict(k_pre=pre("q4_0", "pow2"))),
+        ("K", "pre-RoPE q4_0, (x - mean) / std, no floor", 4.5, dict(k_pre=pre("q4_0", "std, no floor"))),
+        ("K", "pre-RoPE q4_0, (x - mean) / std (floor 0.25 median)", 4.5,
+         dict(k_pre=pre("q4_0", "std, floor 0.25 median"))),
+        ("K", "pre-RoPE q4_0, (x - mean) / 99.9th percentile of |x - mean|", 4.5, dict(k_pre=pre("q4_0", "q99.9"))),
+        ("K", "pre-RoPE q4_0, (x - mean) / max |x - mean|", 4.5, dict(k_pre=pre("q4_0", "absmax"))),
+        ("K", "pre-RoPE q4_0, minus mean, 64-wide Hadamard (not in the contract)", 4.5,
+         dict(k_pre=pre("q4_0", "one", 64))),
+        ("K", "pre-RoPE q4_0, (x - mean) / std, 64-wide Hadamard (not in the contract)", 4.5,
+         dict(k_pre=pre("q4_0", "std", 64))),
+        ("K", "pre-RoPE q4_0, (x - mean) / max |x - mean|, 64-wide Hadamard (not in the contract)", 4.5,
+         dict(k_pre=pre("q4_0", "absmax", 64))),
+        ("K", "post-RoPE nuq4 + online Hadamard, fallback codebook", 4.5, dict(k_post=post("nuq4", 64))),
+        ("K", "post-RoPE nuq4 + online Hadamard, Fisher codebook (converter today)", 4.5,
+         dict(k_post=post("nuq4", 64, cb_post))),
+        ("K", "pre-RoPE nuq4, (x - mean) / std, fallback codebook", 4.5, dict(k_pre=pre("nuq4", "std"))),
+        ("K", "pre-RoPE nuq4, (x - mean) / std, Fisher codebook", 4.5,
+         dict(k_pre=pre("nuq4", "std", cbs=cb_pre["std"]))),
+        ("K", "pre-RoPE nuq4, (x - mean) / max |x - mean|, Fisher codebook", 4.5,
+         dict(k_pre=pre("nuq4", "absmax", cbs=cb_pre["absmax"]))),
+        ("V", "q4_0 + online Hadamard (stock default)", 4.5, dict(v=vq("q4_0", False))),
+        ("V", "q4_0 + online Hadamard, minus V mean", 4.5, dict(v=vq("q4_0", True))),
+        ("V", "q4_0 + online Hadamard, minus V mean except the window's first token (diagnostic)", 4.5,
+         dict(v=vq("q4_0", True, skip_first=True))),
+        ("V", "q4_0, no rotation", 4.5, dict(v=vq("q4_0", False, 0))),
+        ("V", "q4_0, no rotation, minus V mean", 4.5, dict(v=vq("q4_0", True, 0))),
+    ]
+    out = Path(args.out)
+    stem = f"{out.name}_{args.model}"
+    old = {}
+    if args.only and (out.parent / f"{stem}.json").is_file():
+        old = {(r["cache"], r["setting"]): r for r in json.loads((out.parent / f"{stem}.json").read_text())["rows"]}
+    results = []
+    for which, label, bits, kw in rows:
+        if args.only and not any(t in label for t in args.only.split(",")):
+            if (which, label) in old:
+                results.append(old[(which, label)])
+            continue
+        t0 = time.time()
+        r = st.evaluate(windows, base, **kw)
+        results.append({"cache": which, "setting": label, "bits": bits, **r, "seconds": round(time.time() - t0, 1)})
+        print(f"{which} {label:75s} KLD {r['kld']:.4f} ± {r['kld_se']:.4f}  p99 {r['p99']:.3f}  "
+              f"top1 {100 * r['top1']:.1f}%  ({time.time() - t0:.0f} s)", flush=True)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": args.model, "windows": args.windows, "ctx": args.ctx, "calib": c.source,
+            "calib_tokens": f"{args.calib_seqs} x {args.calib_len}", "seconds": round(time.time() - t_start)}
+    (out.parent / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    (out.parent / f"{stem}.md").write_text(render(meta, results))
+    print(f"wrote {out.parent / stem}.json/.md in {meta['seconds']} s")
+    return 0
+
+
+def render(meta: dict, results: list) -> str:
+    md = [f"# Pre-RoPE key cache: fake-quantization study ({meta['model']})", "",
+          f"Next-token KLD vs the unquantized model (f32 HF forward), WikiText-2 test, {meta['windows']} windows x "
+          f"{meta['ctx']} tokens (all positions); mean/scale/codebooks calibrated on {meta['calib'].split(' (')[0]} "
+          f"({meta['calib_tokens']} tokens). The other cache is exact. s.e. is over tokens (not paired). "
+          f"`python scripts/prerope_study.py --windows {meta['windows']}`.", "",
+          "| cache | setting | bits | mean KLD (± s.e.) | p99 KLD | same top-1 |", "|---|---|---|---|---|---|"]
+    for r in results:
+        setting = r["setting"].replace("|", "\\|")
+        md.append(f"| {r['cache']} | {setting} | {r['bits']} | {r['kld']:.4f} ± {r['kld_se']:.4f} | "
+                  f"{r['p99']:.3f} | {100 * r['top1']:.1f}% |")
+    return "\n".join(md) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
