@@ -319,8 +319,36 @@ inline int fa_rope_partner(const fa_prerope & pr, int j, float * sign) {
     return j ^ 1;
 }
 
-// unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK)
+// unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK).
+// The butterfly stages commute, so the three in-register stages (h = 1, 2, 4) run first.
 inline void fa_fwht(float * x, int64_t DK, int n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n % 8 == 0) {
+        const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+        const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+        const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+        for (int64_t d = 0; d < DK; d += 8) {
+            __m256 v = _mm256_loadu_ps(x + d);      // lane j: v[j]*sign + v[j ^ h]
+            v = _mm256_fmadd_ps(v, sg1, _mm256_permute_ps(v, 0xB1));
+            v = _mm256_fmadd_ps(v, sg2, _mm256_permute_ps(v, 0x4E));
+            v = _mm256_fmadd_ps(v, sg4, _mm256_permute2f128_ps(v, v, 1));
+            _mm256_storeu_ps(x + d, v);
+        }
+        for (int64_t b = 0; b < DK; b += n) {
+            float * y = x + b;
+            for (int h = 8; h < n; h *= 2) {
+                for (int i = 0; i < n; i += 2*h) {
+                    for (int j = i; j < i + h; j += 8) {
+                        const __m256 a = _mm256_loadu_ps(y + j), c = _mm256_loadu_ps(y + j + h);
+                        _mm256_storeu_ps(y + j,     _mm256_add_ps(a, c));
+                        _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, c));
+                    }
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t b = 0; b < DK; b += n) {
         float * y = x + b;
         for (int h = 1; h < n; h *= 2) {
@@ -347,6 +375,18 @@ void fa_prerope_steps(const fa_prerope & pr, int64_t ik2, float * c1, float * s1
     }
 }
 
+// cos / ±sin of p*w per channel, exactly (a tile's first key, or after a jump in positions)
+inline void fa_rope_exact(const fa_prerope & pr, const float * w, int32_t p, float * c, float * s) {
+    const int h = pr.n_dims/2;
+    for (int i = 0; i < h; ++i) {
+        const float th = (float) p*w[i];
+        const float ci = cosf(th)*pr.mscale, si = sinf(th)*pr.mscale;
+        const int a = pr.neox ? i : 2*i, b = pr.neox ? i + h : 2*i + 1;
+        c[a] = ci; s[a] = -si;
+        c[b] = ci; s[b] =  si;
+    }
+}
+
 // k rows of the tile: undo the Hadamard, restore scale and mean, rotate at positions pos[0..n).
 // sc: this head's scale, divided by sqrt(n_rot_h) when the unnormalized transform runs.
 void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32_t * pos, int64_t n, float * Kf,
@@ -354,53 +394,75 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
     const float * mu = pr.mean  + ik2*DK;
     const float * w  = pr.freqs + ik2*(pr.n_dims/2);
     const int nd = pr.n_dims;
+    const int hd = nd/2;
     float * c = cs;          // [nd] cos(p*w)*mscale per channel
     float * s = cs + nd;     // [nd] ±sin(p*w)*mscale
     for (int64_t t = 0; t < n; ++t) {
-        if (t == 0 || pos[t] != pos[t - 1] + 1) {
-            for (int j = 0; j < nd; ++j) {
-                float sign;
-                fa_rope_partner(pr, j, &sign);
-                const int i = pr.neox ? j % (nd/2) : j/2;
-                const float th = (float) pos[t]*w[i];
-                c[j] = cosf(th)*pr.mscale;
-                s[j] = sign*sinf(th)*pr.mscale;
-            }
-        } else {
-            for (int j = 0; j < nd; ++j) {
-                const float cj = c[j];
-                c[j] = cj*c1[j] - s[j]*s1[j];
-                s[j] = s[j]*c1[j] + cj*s1[j];
-            }
+        const bool step = t > 0 && pos[t] == pos[t - 1] + 1;
+        if (!step) {
+            fa_rope_exact(pr, w, pos[t], c, s);
         }
         float * x = Kf + t*DK;
         if (pr.n_rot_h) {
             fa_fwht(x, DK, pr.n_rot_h);
         }
-        for (int64_t d = 0; d < DK; ++d) {
-            x[d] = x[d]*sc[d] + mu[d];
-        }
-        if (pr.neox) {
-            const int h = nd/2;
-            for (int j = 0; j < h; ++j) {
-                const float a = x[j], b = x[j + h];
-                x[j]     = a*c[j]     + b*s[j];
-                x[j + h] = b*c[j + h] + a*s[j + h];
-            }
-        } else {
-            int j = 0;
+        int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-            for (; j + 8 <= nd; j += 8) {
-                const __m256 v  = _mm256_loadu_ps(x + j);
-                const __m256 vp = _mm256_permute_ps(v, 0xB1);   // swap each pair
-                _mm256_storeu_ps(x + j, _mm256_fmadd_ps(v, _mm256_loadu_ps(c + j), _mm256_mul_ps(vp, _mm256_loadu_ps(s + j))));
+        // one pass: advance cos/sin by one step, x*scale + mean, rotate
+        if (nd % 16 == 0) {
+            const int je = pr.neox ? hd : nd;
+            for (; j < je; j += 8) {
+                const int jb = pr.neox ? j + hd : j;     // NEOX: the partner vector; NORM: the same vector
+                __m256 ca = _mm256_loadu_ps(c + j), sa = _mm256_loadu_ps(s + j);
+                __m256 cb = _mm256_loadu_ps(c + jb), sb = _mm256_loadu_ps(s + jb);
+                if (step) {
+                    const __m256 c1a = _mm256_loadu_ps(c1 + j), s1a = _mm256_loadu_ps(s1 + j);
+                    const __m256 na = _mm256_fmsub_ps(ca, c1a, _mm256_mul_ps(sa, s1a));
+                    sa = _mm256_fmadd_ps(sa, c1a, _mm256_mul_ps(ca, s1a));
+                    ca = na;
+                    _mm256_storeu_ps(c + j, ca);
+                    _mm256_storeu_ps(s + j, sa);
+                    if (pr.neox) {
+                        const __m256 c1b = _mm256_loadu_ps(c1 + jb), s1b = _mm256_loadu_ps(s1 + jb);
+                        const __m256 nb = _mm256_fmsub_ps(cb, c1b, _mm256_mul_ps(sb, s1b));
+                        sb = _mm256_fmadd_ps(sb, c1b, _mm256_mul_ps(cb, s1b));
+                        cb = nb;
+                        _mm256_storeu_ps(c + jb, cb);
+                        _mm256_storeu_ps(s + jb, sb);
+                    }
+                }
+                const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
+                if (pr.neox) {
+                    const __m256 xb = _mm256_fmadd_ps(_mm256_loadu_ps(x + jb), _mm256_loadu_ps(sc + jb), _mm256_loadu_ps(mu + jb));
+                    _mm256_storeu_ps(x + j,  _mm256_fmadd_ps(xa, ca, _mm256_mul_ps(xb, sa)));
+                    _mm256_storeu_ps(x + jb, _mm256_fmadd_ps(xb, cb, _mm256_mul_ps(xa, sb)));
+                } else {
+                    _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xa, ca, _mm256_mul_ps(_mm256_permute_ps(xa, 0xB1), sa)));
+                }
             }
+            j = nd;
+        }
 #endif
-            for (; j < nd; j += 2) {
-                const float a = x[j], b = x[j + 1];
-                x[j]     = a*c[j]     + b*s[j];
-                x[j + 1] = b*c[j + 1] + a*s[j + 1];
+        if (j == 0) {
+            if (step) {
+                for (int k = 0; k < nd; ++k) {
+                    const float ck = c[k];
+                    c[k] = ck*c1[k] - s[k]*s1[k];
+                    s[k] = s[k]*c1[k] + ck*s1[k];
+                }
             }
+            for (int k = 0; k < nd; ++k) {
+                x[k] = x[k]*sc[k] + mu[k];
+            }
+            for (int i = 0; i < hd; ++i) {
+                const int a = pr.neox ? i : 2*i, b = pr.neox ? i + hd : 2*i + 1;
+                const float xa = x[a], xb = x[b];
+                x[a] = xa*c[a] + xb*s[a];
+                x[b] = xb*c[b] + xa*s[b];
+            }
+        }
+        for (int64_t d = nd; d < DK; ++d) {      // partial rotary: the rest is not rotated
+            x[d] = x[d]*sc[d] + mu[d];
         }
     }
 }
