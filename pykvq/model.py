@@ -298,14 +298,24 @@ class Model:
         rv = self.meta("pykvq.baked.rotate_v")
         if rv and rv != "none":
             out.append(f"V/O {rv}")
+        if self.meta("pykvq.cache.k_domain") == "prerope":
+            out.append("pre-RoPE centred K statistics")
         return out
+
+    @property
+    def k_domain(self) -> str:
+        """'pre-RoPE' when the file asks for a pre-RoPE key cache and PYKVQ_K_DOMAIN does not say post
+        (the runtime applies it to quantized K layers of plain KV caches), else 'post-RoPE'."""
+        if self.meta("pykvq.cache.k_domain") != "prerope" or os.environ.get("PYKVQ_K_DOMAIN") == "post":
+            return "post-RoPE"
+        return "pre-RoPE"
 
     def transforms(self) -> str:
         """The transforms active on the KV cache, in words (for logs)."""
         rot = [w for w, on in self.attn_rotation.items() if on]
         baked = self.baked_transforms()
         return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
-                + "; baked: " + (", ".join(baked) if baked else "none"))
+                + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}")
 
     def _type_name(self, type_id: int) -> str:
         try:

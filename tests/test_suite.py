@@ -23,6 +23,8 @@ from pykvq.suite.store import ResultStore
      ["--smooth-qk", "--rotate-v", "hadamard", "--cache-type-k", "nuq4", "--cache-type-v", "nuq4"]),
     ("auto@kvbits-3.6", "auto@kvbits-3.6", "mixed-3.6", ["--kv-bits", "3.6"]),
     ("q4_0:rot-off", "q4_0:rot-off", None, None),
+    ("q4_0@prerope", "q4_0@prerope", "prerope+cb-q4_0", ["--prerope-k", "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"]),
+    ("auto@prerope+kvbits-4.5", "auto@prerope+kvbits-4.5", "prerope-mixed-4.5", ["--prerope-k", "--kv-bits", "4.5"]),
 ])
 def test_setting_syntax_round_trips(spec, label, variant, flags):
     s = parse_setting(spec)

@@ -292,6 +292,10 @@ static bool kvq_rows_fit(const ggml_tensor * t) {
 }
 
 int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * standin) {
+    // a pre-RoPE K cache (ggml-kvq.h) has no CUDA kernel yet; upstream's would read it as rotated keys
+    if (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvq_fa_get_prerope(op, nullptr, nullptr, nullptr, nullptr)) {
+        return GGML_KVQ_CUDA_NO;
+    }
     if (!kvq_involved(op)) {
         return GGML_KVQ_CUDA_NOT_OURS;
     }

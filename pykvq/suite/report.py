@@ -27,7 +27,7 @@ def pareto_front(rows: list[dict]) -> list[dict]:
 def kind_of(r: dict) -> str:
     if r.get("stock", False) or r["label"] == "f16":
         return "stock llama.cpp"
-    if r["transform"].startswith("kvbits"):
+    if "kvbits" in r["transform"]:
         return "pykvq per-layer types"
     if r["transform"] != "none":
         return "pykvq + converter transforms"
@@ -127,6 +127,7 @@ def quality_md(d: dict, model: str, img: str | None) -> list[str]:
           "attention on; every row against the unconverted model with an f16 cache. `K/V` = different "
           "types; `@fisher` = converted with Fisher codebooks for that type; `@smooth+vrot` = pair smoothing "
           "and V Hadamard baked in (plus codebooks); `@kvbits-B` = per-layer types for a B-bit budget; "
+          "`@prerope` = pre-RoPE centred key cache (`--prerope-k`; `prerope-mean`: mean only, no scale); "
           "`:rot-off` = upstream's online Hadamard rotation off (default: upstream's auto). **bold** = on "
           "the Pareto front (no row has both fewer bits and lower KLD). ± = standard error of the mean KLD.",
           "", "| setting | bits/value | KV size vs f16 | mean KLD | p99 KLD | same top-1 | PPL | rotation/baked |",

@@ -9,7 +9,10 @@ On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off]
     f16/q4_0@vlearned a learned invertible V transform for q4_0 values (vhad: the Hadamard alone)
     q4_0/f16@smooth+klearned  learned per-pair Q/K complex scales, started from pair smoothing
     auto@kvbits-3.6   per-layer types chosen by the converter for 3.6 bits/value
-    q4_0:rot-off      upstream's online Hadamard rotation switched off
+    q4_0@prerope      pre-RoPE, centred key cache (--prerope-k; nuq types get codebooks fitted in that domain)
+    q4_0@prerope-mean the same with the mean only (no per-channel scale): an ablation
+    auto@prerope+kvbits-4.5  per-layer types for 4.5 bits/value, fitted in the pre-RoPE key domain
+    q4_0:rot-off      upstream's online Hadamard rotation switched off (of the centred keys with @prerope)
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ TRANSFORMS = {
     "vlearned-fisher": ["--rotate-v", "learned", "--learn-loss", "fisher"],
     "smooth": ["--smooth-qk"],
     "smooth+klearned": ["--smooth-qk", "--learn-k"],       # learned pair scale + angle, from smoothing's
+    "prerope": ["--prerope-k"],                            # pre-RoPE centred key cache (issue 20)
+    "prerope-mean": ["--prerope-k", "--prerope-k-scale", "one"],
 }
-_KVBITS = re.compile(r"^kvbits-(\d+(?:\.\d+)?)$")
+_KVBITS = re.compile(r"^(prerope\+)?kvbits-(\d+(?:\.\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,9 @@ class Setting:
         """Name of the converted file (None: the model as fetched). Stable, so files are reused."""
         if self.transform == "none":
             return None
-        if _KVBITS.match(self.transform):
-            return f"mixed-{self.transform.split('-', 1)[1]}"
+        m = _KVBITS.match(self.transform)
+        if m:
+            return f"{'prerope-' if m.group(1) else ''}mixed-{m.group(2)}"
         types = self.k if self.k == self.v else f"{self.k}-{self.v}"
         if self.transform == "fisher":
             return f"cb-fisher-{types}"
@@ -71,7 +77,7 @@ class Setting:
     def converter_flags(self) -> list[str]:
         m = _KVBITS.match(self.transform)
         if m:
-            return ["--kv-bits", m.group(1)]
+            return (["--prerope-k"] if m.group(1) else []) + ["--kv-bits", m.group(2)]
         return TRANSFORMS[self.transform] + ["--cache-type-k", self.k, "--cache-type-v", self.v]
 
     def model_kwargs(self) -> dict:
