@@ -9,15 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def hadamard(n: int) -> np.ndarray:
-    """Sylvester Hadamard matrix of size n (a power of two), scaled to be orthonormal."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
+from pykvq.ref.hadamard import hadamard  # noqa: F401  (one definition, shared with the runtime's reference)
 
 
 def rotate_v(wv: np.ndarray, bv: np.ndarray | None, wo: np.ndarray, n_head: int, n_head_kv: int,

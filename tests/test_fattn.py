@@ -90,6 +90,20 @@ def cache_like(rng, *shape):
     return x
 
 
+def fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, scale, max_bias=0.0, softcap=0.0):
+    """A FLASH_ATTN_EXT node over Q [S, H, N, D] (ggml order), cache bytes kb / vb of [S, Hkv, n_kv, D]
+    in types kt / vt, and mask [S, N, n_kv]."""
+    S, H, N, D = Q.shape
+    n_kv = mask.shape[-1]
+    q = g.tensor("f32", D, N, H, S, data=Q)
+    k = g.tensor(kt, D, n_kv, Hkv, S)
+    v = g.tensor(vt, D, n_kv, Hkv, S)
+    ffi.memmove(g.L.ggml_get_data(k), kb, len(kb))
+    ffi.memmove(g.L.ggml_get_data(v), vb, len(vb))
+    m = g.tensor("f16", n_kv, N, 1, S, data=mask.astype(np.float16))
+    return g.L.ggml_flash_attn_ext(g.ctx, q, k, v, m, scale, max_bias, softcap)
+
+
 def run_fa(kt, vt, *, N=1, n_kv=1000, H=6, Hkv=2, D=64, S=1, visible=None, causal=False, max_bias=0.0,
            softcap=0.0, sinks=False, cb_k=None, cb_v=None, n_threads=2, modes=(None,), seed=0):
     """Build one FLASH_ATTN_EXT graph and return ({mode: output [S, N, H, D]}, reference)."""
@@ -111,13 +125,7 @@ def run_fa(kt, vt, *, N=1, n_kv=1000, H=6, Hkv=2, D=64, S=1, visible=None, causa
     for mode in modes:
         g = Graph(256 << 20)
         try:
-            q = g.tensor("f32", D, N, H, S, data=Q)
-            k = g.tensor(kt, D, n_kv, Hkv, S)
-            v = g.tensor(vt, D, n_kv, Hkv, S)
-            ffi.memmove(g.L.ggml_get_data(k), kb, len(kb))
-            ffi.memmove(g.L.ggml_get_data(v), vb, len(vb))
-            m = g.tensor("f16", n_kv, N, 1, S, data=mask.astype(np.float16))
-            fa = g.L.ggml_flash_attn_ext(g.ctx, q, k, v, m, scale, max_bias, softcap)
+            fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, scale, max_bias, softcap)
             if cb_k is not None or cb_v is not None:
                 g.L.ggml_kvq_set_codebooks_fa(fa, cb_ptr(cb_k), cb_ptr(cb_v))
             if sinks:

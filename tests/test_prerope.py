@@ -8,7 +8,7 @@ import pytest
 from ggml_graph import Graph
 from pykvq._lib import ffi
 from pykvq.ref import prerope
-from test_fattn import attention_ref, cache_like, quantize, rel_err
+from test_fattn import attention_ref, cache_like, fa_node, quantize, rel_err
 
 
 def _freqs_c(g, n_dims, n_cols, ff=None, **kw):
@@ -66,13 +66,7 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     mask[:, :, 5] = -np.inf
     g = Graph(256 << 20)
     try:
-        q = g.tensor("f32", D, N, H, S, data=Q)
-        k = g.tensor(kt, D, n_kv, Hkv, S)
-        v = g.tensor(vt, D, n_kv, Hkv, S)
-        ffi.memmove(g.L.ggml_get_data(k), kb, len(kb))
-        ffi.memmove(g.L.ggml_get_data(v), vb, len(vb))
-        m = g.tensor("f16", n_kv, N, 1, S, data=mask.astype(np.float16))
-        fa = g.L.ggml_flash_attn_ext(g.ctx, q, k, v, m, 1.0 / np.sqrt(D), 0.0, 0.0)
+        fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, 1.0 / np.sqrt(D))
         g.L.ggml_kvq_fa_set_prerope(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
                                     g.tensor("f32", D, Hkv, data=scale), g.tensor("f32", n_dims // 2, Hkv, data=w),
                                     n_dims, mode, mscale, rot)

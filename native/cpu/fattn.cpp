@@ -308,15 +308,22 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
     return pr;
 }
 
-// channel j's rotary partner and the sign of its sin term
-inline int fa_rope_partner(const fa_prerope & pr, int j, float * sign) {
-    const int h = pr.n_dims/2;
-    if (pr.neox) {
-        *sign = j < h ? -1.0f : 1.0f;
-        return j < h ? j + h : j - h;
+// the two channels of rotary pair i: NORM (2i, 2i+1), NEOX (i, i + n_dims/2)
+inline void fa_rope_pair(const fa_prerope & pr, int i, int * a, int * b) {
+    *a = pr.neox ? i : 2*i;
+    *b = pr.neox ? i + pr.n_dims/2 : 2*i + 1;
+}
+
+// per channel, laid out like a row: cos(p*w)*m in both channels of a pair, -sin(p*w)*m in the first, +sin in the second
+inline void fa_rope_fill(const fa_prerope & pr, const float * w, int32_t p, float m, float * c, float * s) {
+    for (int i = 0; i < pr.n_dims/2; ++i) {
+        const float th = (float) p*w[i];
+        const float ci = cosf(th)*m, si = sinf(th)*m;
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        c[a] = ci; s[a] = -si;
+        c[b] = ci; s[b] =  si;
     }
-    *sign = (j & 1) ? 1.0f : -1.0f;
-    return j ^ 1;
 }
 
 // unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK).
@@ -363,29 +370,17 @@ inline void fa_fwht(float * x, int64_t DK, int n) {
     }
 }
 
-// per unit (one KV head): the one-step rotation cos(w), ±sin(w) per channel
-void fa_prerope_steps(const fa_prerope & pr, int64_t ik2, float * c1, float * s1) {
-    const float * w = pr.freqs + ik2*(pr.n_dims/2);
-    for (int j = 0; j < pr.n_dims; ++j) {
-        float sign;
-        fa_rope_partner(pr, j, &sign);
-        const int i = pr.neox ? j % (pr.n_dims/2) : j/2;
-        c1[j] = cosf(w[i]);
-        s1[j] = sign*sinf(w[i]);
-    }
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 channels of cos/sin advanced by one step of the rotation (c1, s1 = cos(w), ±sin(w)), stored back
+inline void fa_rope_step8(float * c, float * s, const float * c1, const float * s1, __m256 & cv, __m256 & sv) {
+    const __m256 c1v = _mm256_loadu_ps(c1), s1v = _mm256_loadu_ps(s1);
+    const __m256 cn = _mm256_fmsub_ps(cv, c1v, _mm256_mul_ps(sv, s1v));
+    sv = _mm256_fmadd_ps(sv, c1v, _mm256_mul_ps(cv, s1v));
+    cv = cn;
+    _mm256_storeu_ps(c, cv);
+    _mm256_storeu_ps(s, sv);
 }
-
-// cos / ±sin of p*w per channel, exactly (a tile's first key, or after a jump in positions)
-inline void fa_rope_exact(const fa_prerope & pr, const float * w, int32_t p, float * c, float * s) {
-    const int h = pr.n_dims/2;
-    for (int i = 0; i < h; ++i) {
-        const float th = (float) p*w[i];
-        const float ci = cosf(th)*pr.mscale, si = sinf(th)*pr.mscale;
-        const int a = pr.neox ? i : 2*i, b = pr.neox ? i + h : 2*i + 1;
-        c[a] = ci; s[a] = -si;
-        c[b] = ci; s[b] =  si;
-    }
-}
+#endif
 
 // k rows of the tile: undo the Hadamard, restore scale and mean, rotate at positions pos[0..n).
 // sc: this head's scale, divided by sqrt(n_rot_h) when the unnormalized transform runs.
@@ -399,8 +394,8 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
     float * s = cs + nd;     // [nd] ±sin(p*w)*mscale
     for (int64_t t = 0; t < n; ++t) {
         const bool step = t > 0 && pos[t] == pos[t - 1] + 1;
-        if (!step) {
-            fa_rope_exact(pr, w, pos[t], c, s);
+        if (!step) {     // exactly: a tile's first key, or after a jump in positions
+            fa_rope_fill(pr, w, pos[t], pr.mscale, c, s);
         }
         float * x = Kf + t*DK;
         if (pr.n_rot_h) {
@@ -416,19 +411,9 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
                 __m256 ca = _mm256_loadu_ps(c + j), sa = _mm256_loadu_ps(s + j);
                 __m256 cb = _mm256_loadu_ps(c + jb), sb = _mm256_loadu_ps(s + jb);
                 if (step) {
-                    const __m256 c1a = _mm256_loadu_ps(c1 + j), s1a = _mm256_loadu_ps(s1 + j);
-                    const __m256 na = _mm256_fmsub_ps(ca, c1a, _mm256_mul_ps(sa, s1a));
-                    sa = _mm256_fmadd_ps(sa, c1a, _mm256_mul_ps(ca, s1a));
-                    ca = na;
-                    _mm256_storeu_ps(c + j, ca);
-                    _mm256_storeu_ps(s + j, sa);
+                    fa_rope_step8(c + j, s + j, c1 + j, s1 + j, ca, sa);
                     if (pr.neox) {
-                        const __m256 c1b = _mm256_loadu_ps(c1 + jb), s1b = _mm256_loadu_ps(s1 + jb);
-                        const __m256 nb = _mm256_fmsub_ps(cb, c1b, _mm256_mul_ps(sb, s1b));
-                        sb = _mm256_fmadd_ps(sb, c1b, _mm256_mul_ps(cb, s1b));
-                        cb = nb;
-                        _mm256_storeu_ps(c + jb, cb);
-                        _mm256_storeu_ps(s + jb, sb);
+                        fa_rope_step8(c + jb, s + jb, c1 + jb, s1 + jb, cb, sb);
                     }
                 }
                 const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
@@ -455,7 +440,8 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
                 x[k] = x[k]*sc[k] + mu[k];
             }
             for (int i = 0; i < hd; ++i) {
-                const int a = pr.neox ? i : 2*i, b = pr.neox ? i + hd : 2*i + 1;
+                int a, b;
+                fa_rope_pair(pr, i, &a, &b);
                 const float xa = x[a], xb = x[b];
                 x[a] = xa*c[a] + xb*s[a];
                 x[b] = xb*c[b] + xa*s[b];
@@ -554,7 +540,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK, * rope_sc = s.rope + 4*DK;
     const int32_t * kpos = nullptr;
     if (pr.on) {
-        fa_prerope_steps(pr, w.ik2, rope_c1, rope_s1);
+        fa_rope_fill(pr, pr.freqs + w.ik2*(pr.n_dims/2), 1, 1.0f, rope_c1, rope_s1);
         kpos = pr.pos + ik3*pr.pos_stride;
         const float f = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
         for (int64_t d = 0; d < DK; ++d) {
@@ -699,7 +685,7 @@ static bool fa_supported(const ggml_tensor * dst) {
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
     const fa_mode mode = fa_env_mode();
-    // a pre-RoPE K cache is only readable here (llama_kvq_prerope_check refuses what this does not take)
+    // a pre-RoPE K cache is only readable here (ggml_kvq_fattn_supported aborts on what this does not take)
     const bool prerope = ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr);
     if ((mode == FA_OFF && !prerope) || q->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) {
         return false;

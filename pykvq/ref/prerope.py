@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .hadamard import hadamard
+
 NORM, NEOX = 0, 2
 
 
@@ -54,14 +56,6 @@ def rope(x: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int, n_dims: int, 
     y[..., a] = x0 * c - x1 * s
     y[..., b] = x0 * s + x1 * c
     return y
-
-
-def hadamard(n: int) -> np.ndarray:
-    """Orthonormal Sylvester Walsh-Hadamard matrix [n, n] (llama.cpp's attn_rot matrices)."""
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
 
 
 def block_rotate(x: np.ndarray, n_rot_h: int) -> np.ndarray:
