@@ -8,6 +8,7 @@
 
 #include "ggml-backend.h"
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -27,6 +28,22 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
         return "only NORM and NEOX RoPE are supported (not M-RoPE / vision)";
     }
     return nullptr;
+}
+
+void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor * scale, int il) {
+    for (const ggml_tensor * t : { mean, scale }) {
+        if (t->type != GGML_TYPE_F32) {
+            throw std::runtime_error(kvq_layer(il) + t->name + " must be F32, not " + ggml_type_name(t->type));
+        }
+        std::vector<float> v(ggml_nelements(t));
+        ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
+        for (size_t i = 0; i < v.size(); ++i) {
+            if (!std::isfinite(v[i]) || (t == scale && !(v[i] > 0.0f))) {
+                throw std::runtime_error(kvq_layer(il) + t->name + "[" + std::to_string(i) + "] = " + std::to_string(v[i]) +
+                                         (t == scale ? ": a scale must be finite and > 0" : ": a mean must be finite"));
+            }
+        }
+    }
 }
 
 ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,

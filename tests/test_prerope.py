@@ -226,3 +226,21 @@ def test_seq_cp_continues_like_the_source(smol_pre, passage):
         a = m.decode(toks[-1:], len(toks) - 1, seq=0)
         b = m.decode(toks[-1:], len(toks) - 1, seq=1)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("tensor,value,msg", [("kvq_k_scale", 0.0, "finite and > 0"),
+                                               ("kvq_k_scale", -1.0, "finite and > 0"),
+                                               ("kvq_k_mean", np.nan, "must be finite")])
+def test_bad_statistics_are_refused(smol_pre, tmp_path, tensor, value, msg):
+    """A file whose pre-RoPE statistics cannot be honoured is refused when the context is made, naming
+    the tensor and element, before anything is computed."""
+    from convert.gguf_io import Tensor, read_gguf, write_gguf
+    m = read_gguf(smol_pre)
+    name = f"blk.7.{tensor}"
+    data = np.array(m.tensors[name].data, np.float32)
+    data[1, 5] = value
+    m.tensors[name] = Tensor(name, m.tensors[name].qtype, data)
+    bad = tmp_path / "bad.gguf"
+    write_gguf(m, bad)
+    with k_domain("auto"), pytest.raises(PykvqError, match=rf"{name}\[\d+\].*{msg}"):
+        Model(bad, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)

@@ -70,6 +70,10 @@ struct llama_kvq_prerope_fa {
 // why a layer cannot have a pre-RoPE key cache (nullptr: it can)
 const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla);
 
+// the file's statistics of layer il, checked once when the context turns the layer pre-RoPE: F32, finite,
+// scale > 0; throws std::runtime_error naming the tensor and element otherwise
+void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor * scale, int il);
+
 // k_rope: the model graph's K (a ROPE node). Returns what the cache stores, (k_pre - mean) / scale, and fills
 // fa from the node's RoPE parameters. Throws std::runtime_error for a graph it cannot honour.
 ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
