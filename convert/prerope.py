@@ -8,7 +8,7 @@ position; upstream's online K Hadamard (attn_rot_k) is off for such a cache.
 
 Before RoPE a per-channel mean is one constant vector per layer and head, so removing it is
 cheap and exact; after RoPE it spins with the position and every per-token block has to cover it
-(docs/prerope.md, /work/shared/DESIGN.md "Where keys should be quantized"). The file carries per
+(docs/prerope.md). The file carries per
 layer F32 tensors blk.N.kvq_k_mean and blk.N.kvq_k_scale (numpy [n_head_kv, head_dim], ggml
 ne = [head_dim, n_head_kv]) and the key pykvq.cache.k_domain = "prerope".
 

@@ -48,7 +48,7 @@ def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None
 
 def _text_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-f", "--file", default=None,
-                    help="text file to evaluate (default: WikiText-2 test from ../shared/data)")
+                    help="text file to evaluate (default: the WikiText-2 test split shipped with pykvq)")
     ap.add_argument("--n-ctx", type=int, default=512, help="tokens per evaluation chunk (default 512)")
     ap.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")

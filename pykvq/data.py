@@ -1,12 +1,16 @@
 """Evaluation text available offline (never used for calibration).
 
-The default is the WikiText-2 raw test split. Where it is absent, the King
+The default is the WikiText-2 raw test split, shipped compressed in pykvq/texts
+(licence and checksum in its README). If that copy is missing, the King
 James Bible from Debian's bible-kjv(-text) packages is fetched once with
 apt-get download (no root needed) and printed by the package's own `bible`
 tool: real English prose that the converter never calibrates on.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import lzma
 import os
 import re
 import shutil
@@ -16,24 +20,51 @@ from pathlib import Path
 
 from .errors import FetchError, PykvqError
 
-_REPO = Path(__file__).resolve().parent.parent
 KJV_PACKAGES = ("bible-kjv", "bible-kjv-text")
 
 
-def wikitext_test_path() -> Path:
-    """WikiText-2 raw test split: $PYKVQ_WIKITEXT or ../shared/data/wikitext-2-raw/wiki.test.raw."""
+WIKITEXT_XZ = Path(__file__).resolve().parent / "texts" / "wiki.test.raw.xz"
+WIKITEXT_SHA256 = "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c"
+
+
+@functools.lru_cache(maxsize=1)
+def _wikitext_bytes() -> bytes:
+    """The shipped WikiText-2 test split (pykvq/texts/README.md), checked against its SHA-256."""
     env = os.environ.get("PYKVQ_WIKITEXT")
-    cands = [Path(env)] if env else []
-    cands += [_REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"]
-    for p in cands:
-        if p.is_file():
-            return p
-    raise PykvqError("WikiText-2 test text not found (looked at "
-                     + ", ".join(map(str, cands)) + "); set PYKVQ_WIKITEXT")
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise PykvqError(f"PYKVQ_WIKITEXT={env}: no such file")
+        return p.read_bytes()
+    try:
+        raw = lzma.decompress(WIKITEXT_XZ.read_bytes())
+    except (OSError, lzma.LZMAError) as e:
+        raise PykvqError(f"{WIKITEXT_XZ}: cannot read the shipped WikiText-2 text ({e}); reinstall pykvq") from e
+    if hashlib.sha256(raw).hexdigest() != WIKITEXT_SHA256:
+        raise PykvqError(f"{WIKITEXT_XZ}: checksum mismatch (the file is damaged); reinstall pykvq")
+    return raw
 
 
 def wikitext_test() -> str:
-    return wikitext_test_path().read_text(encoding="utf-8")
+    """WikiText-2 raw test split: $PYKVQ_WIKITEXT if set, else the copy shipped in pykvq/texts."""
+    return _wikitext_bytes().decode("utf-8")
+
+
+def wikitext_test_path() -> Path:
+    """The same text as a plain file (for llama.cpp tools' -f): $PYKVQ_WIKITEXT, else a checked copy
+    in the user's cache directory."""
+    env = os.environ.get("PYKVQ_WIKITEXT")
+    if env:
+        _wikitext_bytes()
+        return Path(env)
+    from .models import cache_dir
+    out = cache_dir() / "text" / "wiki.test.raw"
+    if not (out.is_file() and hashlib.sha256(out.read_bytes()).hexdigest() == WIKITEXT_SHA256):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(_wikitext_bytes())
+        tmp.replace(out)
+    return out
 
 
 def kjv_text() -> str:

@@ -3,12 +3,43 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "build" / "bin"
+
+# A user's clone has nothing beside it: record every file this test process opens next to the
+# checkout (REPO's parent, outside REPO, the cache and the temp directory); the session fails if any.
+OUTSIDE_OPENS: list[str] = []
+
+
+def _outside_checkout(path) -> bool:
+    try:
+        p = Path(os.fsdecode(path)).resolve()
+    except (TypeError, ValueError, OSError):
+        return False
+    if not p.is_relative_to(REPO.parent) or p.is_relative_to(REPO):
+        return False
+    from pykvq.models import cache_dir
+    return not (p.is_relative_to(cache_dir().resolve()) or p.is_relative_to(Path(tempfile.gettempdir()).resolve()))
+
+
+def _audit(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)) and _outside_checkout(args[0]):
+        OUTSIDE_OPENS.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if OUTSIDE_OPENS:
+        print(f"\nfiles opened outside the checkout {REPO} (a fresh clone has none of them):", *sorted(set(OUTSIDE_OPENS)), sep="\n  ")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 # A fixed WikiText-2 test passage for quick checks: the start of the split.
 PASSAGE_CHARS = 20000
