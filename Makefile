@@ -42,6 +42,9 @@ $(VENV)/.pykvq-setup: pyproject.toml third_party/llama.cpp.pin | fetch
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[convert,test]' ./third_party/llama.cpp/gguf-py
+	# llama-cpp-python's Python layer only (the same pinned sdist; it loads pykvq's build/bin/libllama.so)
+	CMAKE_ARGS=-DLLAMA_BUILD=OFF $(VPY) -m pip install --quiet --disable-pip-version-check \
+		"$$($(PY) third_party/fetch.py --print-sdist)"
 	touch $@
 
 build: fetch

