@@ -35,6 +35,9 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
         if (t->type != GGML_TYPE_F32) {
             throw std::runtime_error(kvq_layer(il) + t->name + " must be F32, not " + ggml_type_name(t->type));
         }
+        if (t->data == nullptr || t->buffer == nullptr) {
+            continue; // a model loaded without its weights (the tools' -fit probe): the real context checks them
+        }
         std::vector<float> v(ggml_nelements(t));
         ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
         for (size_t i = 0; i < v.size(); ++i) {

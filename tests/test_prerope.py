@@ -244,3 +244,12 @@ def test_bad_statistics_are_refused(smol_pre, tmp_path, tensor, value, msg):
     write_gguf(m, bad)
     with k_domain("auto"), pytest.raises(PykvqError, match=rf"{name}\[\d+\].*{msg}"):
         Model(bad, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)
+
+
+def test_tools_run_a_prerope_file(smol_pre):
+    """llama-completion with its defaults (the -fit memory probe loads the model without weights first)."""
+    from conftest import run_tool
+    res = run_tool("llama-completion", "-m", smol_pre, "-p", "The capital of France is", "-n", "8", "--temp", "0",
+                   "-no-cnv", "-c", "256", "-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on", timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Paris" in res.stdout, res.stdout[-1000:]

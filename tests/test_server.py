@@ -1,0 +1,148 @@
+"""llama-server with pykvq caches, driven by the real OpenAI client on loopback.
+
+Every server is started on a free port by pykvq.serve.Server and stopped when its test ends.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import pytest
+from gguf_variants import variant
+
+from pykvq.serve import Server
+
+openai = pytest.importorskip("openai", reason="the OpenAI client is a test dependency (make setup installs it)")
+
+N_LAYER = 30
+PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+           "Write one sentence about the sea.", "What is 12 times 12?"]
+
+
+@pytest.fixture(scope="module")
+def codebook_file(smollm2, tmp_path_factory):
+    """SmolLM2 with per-layer cache types and K codebooks from the file: nuq3 K (a codebook of its own in
+    every layer) and q8_0 V, except layer 0 whose K is q8_0."""
+    cb = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)
+    d = tmp_path_factory.mktemp("server")
+    return variant(smollm2, d / "codebooks.gguf", layer_types_k=["q8_0"] + ["nuq3"] * (N_LAYER - 1),
+                   layer_types_v=["q8_0"] * N_LAYER, type_k="nuq3", type_v="q8_0", rot_k=True,
+                   codebooks_k={il: cb for il in range(1, N_LAYER)})
+
+
+def client(srv: Server):
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="pykvq", max_retries=0, timeout=300)
+
+
+def chat(c, prompt: str, max_tokens: int = 24, **kw) -> str:
+    r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                  max_tokens=max_tokens, temperature=0.0, seed=0, **kw)
+    return r.choices[0].message.content
+
+
+def complete(srv: Server, prompt: str) -> tuple[str, list[int]]:
+    r = srv.post("/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0.0, "return_tokens": True,
+                                   "ignore_eos": True})
+    return r["content"], r["tokens"]
+
+
+RAW_PROMPTS = ["The capital of France is", "The three primary colors are",
+               "The history of the Roman Empire begins", "Once upon a time, in a small village by the sea,"]
+
+
+def own_choice_rates(model, runs: list[tuple[str, list[int]]], **kw) -> list[float]:
+    """Per (prompt, generated tokens): the share of tokens that are the in-process Model's greedy choice given
+    the same text (teacher forcing, the same file and cache types)."""
+    from pykvq import Model
+    out = []
+    with Model(model, n_ctx=1024, flash_attn=True, **kw) as m:
+        for prompt, tokens in runs:
+            pt = m.tokenize(prompt)
+            logits = m.eval_logits(pt + tokens)
+            out.append(float(np.mean(logits[len(pt) - 1:len(pt) - 1 + len(tokens)].argmax(-1) == np.array(tokens))))
+    return out
+
+
+@pytest.mark.parametrize("cache", ["nuq4", "bfp4_32", "file"])
+def test_parallel_slots(smollm2, codebook_file, cache, tmp_path):
+    """Four clients at once on four slots, then one at a time. Each answer must be the model's own greedy text:
+    teacher-forced through pykvq's in-process Model with the same cache, >= 75% of its tokens are that Model's
+    top choice (measured 83-100%: batch shapes change float sums, which flips near-ties in a 135M model; a slot
+    reading another slot's cache scores near 0). "file": per-layer types and codebooks from the GGUF."""
+    model, kw = (codebook_file, {}) if cache == "file" else (smollm2, dict(cache_type_k=cache, cache_type_v=cache))
+    extra = ["-lv", "4"] if cache == "file" else []          # llama's load log: where types and codebooks came from
+    with Server(model, n_parallel=4, n_ctx=2048, threads=2, log_path=tmp_path / "srv.log", extra=extra, **kw) as srv:
+        with cf.ThreadPoolExecutor(len(RAW_PROMPTS)) as ex:
+            together = list(ex.map(lambda p: complete(srv, p), RAW_PROMPTS))
+        alone = [complete(srv, p) for p in RAW_PROMPTS]
+        log = srv.log_tail(10**7)
+    if cache == "file":
+        assert "codebooks: file for 29 layers" in log, [ln for ln in log.splitlines() if "codebook" in ln]
+    assert "Paris" in alone[0][0] and "Paris" in together[0][0]
+    assert all(len(t) == 24 for _, t in alone + together)
+    rates = own_choice_rates(model, [(p, t) for p, (_, t) in zip(RAW_PROMPTS * 2, alone + together)], **kw)
+    assert min(rates) >= 0.75, rates
+
+
+def test_chat_greedy_answer(smollm2, tmp_path):
+    """The OpenAI chat endpoint with the model's chat template, a nuq4 cache: the hand-checked answer."""
+    with Server(smollm2, cache_type_k="nuq4", cache_type_v="nuq4", n_ctx=1024, threads=2,
+                log_path=tmp_path / "srv.log") as srv:
+        answer = chat(client(srv), PROMPTS[0])
+    assert "Paris" in answer, answer
+
+
+def test_streaming_equals_non_streaming(smollm2, tmp_path):
+    with Server(smollm2, cache_type_k="nuq4", cache_type_v="nuq4", n_ctx=1024, threads=2,
+                log_path=tmp_path / "srv.log") as srv:
+        c = client(srv)
+        whole = chat(c, PROMPTS[0], max_tokens=32)
+        stream = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           max_tokens=32, temperature=0.0, seed=0, stream=True)
+        pieces = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+        # the legacy completions endpoint, too
+        comp = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0.0)
+    assert len(pieces) > 3 and "".join(pieces) == whole
+    assert comp.choices[0].text.strip() and comp.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("cache", ["q4_0", "nuq4"])
+def test_context_shift_keeps_generating(smollm2, cache, tmp_path):
+    """A 256-token context asked for 400 tokens: with --context-shift the server drops old tokens, K-shifts the
+    quantized cache and goes on."""
+    with Server(smollm2, cache_type_k=cache, cache_type_v=cache, n_ctx=256, threads=2,
+                extra=["--context-shift"], log_path=tmp_path / "srv.log") as srv:
+        r = srv.post("/completion", {"prompt": "Once upon a time, in a small village by the sea,", "n_predict": 400,
+                                     "temperature": 0.0, "ignore_eos": True})
+        log = srv.log_tail(10**7)
+    assert r["tokens_predicted"] == 400, r
+    assert r["tokens_evaluated"] + r["tokens_predicted"] > 256
+    assert "context shift" in log.lower(), log[-2000:]
+    words = r["content"].split()
+    assert len(words) > 100
+
+
+def test_slot_save_restore(codebook_file, smollm2, tmp_path):
+    """A slot saved with a codebook cache restores into a fresh server and continues exactly; a server with
+    another cache layout refuses the file."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    prompt = "The history of the Roman Empire begins"
+    body = {"prompt": prompt, "n_predict": 24, "temperature": 0.0, "cache_prompt": True, "id_slot": 0}
+    common = dict(n_ctx=1024, threads=2, extra=["--slot-save-path", str(slots)])
+    with Server(codebook_file, log_path=tmp_path / "a.log", **common) as srv:
+        first = srv.post("/completion", body)
+        saved = srv.post("/slots/0?action=save", {"filename": "slot0.bin"})
+        assert saved["n_saved"] > 0
+    with Server(codebook_file, log_path=tmp_path / "b.log", **common) as srv:
+        restored = srv.post("/slots/0?action=restore", {"filename": "slot0.bin"})
+        assert restored["n_restored"] == saved["n_saved"]
+        again = srv.post("/completion", body)
+    assert again["content"] == first["content"]
+    assert again["timings"]["prompt_n"] <= 1, again["timings"]          # the prompt came from the restored cache
+    with Server(smollm2, cache_type_k="f16", cache_type_v="f16", log_path=tmp_path / "c.log", **common) as srv:
+        with pytest.raises(Exception) as e:
+            srv.post("/slots/0?action=restore", {"filename": "slot0.bin"})
+        log = srv.log_tail(10**7)
+    assert "400" in str(e.value) or "500" in str(e.value) or "error" in str(e.value).lower()
+    assert "type" in log.lower(), log[-2000:]
