@@ -22,6 +22,7 @@ from .eval import (KLDAccumulator, KLDResult, PerplexityResult, log_softmax,
                    nll, scored_positions)
 from .logits_file import LogitsFile, LogitsWriter
 from .progress import progress_bar
+from .stops import until_stop
 
 GGUF_MAGIC = b"GGUF"
 FLASH_ATTN = cache_types.AUTO_OFF_ON
@@ -512,16 +513,32 @@ class Model:
 
     def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.95,
                  seed: int | None = None, stream: bool = False, raw: bool = False,
-                 system: str | None = None):
+                 system: str | None = None, stop: str | list[str] | None = None):
         """Generate a reply to prompt (chat template applied unless raw=True or
         the model has none). temperature 0 is greedy. Returns the text, or with
-        stream=True an iterator of text pieces."""
-        tokens = self.prompt_tokens(prompt, raw=raw, system=system)
+        stream=True an iterator of text pieces. The reply ends before the first
+        stop string (llama-cpp-python's and mlx-lm's `stop`)."""
+        return self._reply(self.prompt_tokens(prompt, raw=raw, system=system), max_tokens, temperature, top_p,
+                           seed, stream, stop)
+
+    def chat(self, messages: list[dict], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.95,
+             seed: int | None = None, stream: bool = False, stop: str | list[str] | None = None):
+        """The assistant's reply to a conversation, [{"role": "system"|"user"|"assistant", "content": ...}],
+        rendered with the model's chat template (as llama_cpp.Llama.create_chat_completion does). Returns the
+        text, or with stream=True an iterator of text pieces."""
+        text = self.apply_chat_template(messages)
+        if text is None:
+            raise PykvqError(f"{self.path.name} has no chat template; use generate(prompt, raw=True)")
+        return self._reply(self.tokenize(text, add_special=True, parse_special=True), max_tokens, temperature,
+                           top_p, seed, stream, stop)
+
+    def _reply(self, tokens, max_tokens, temperature, top_p, seed, stream, stop):
         if len(tokens) >= self.n_ctx:
             raise ContextOverflowError(
                 f"prompt is {len(tokens)} tokens, the context holds {self.n_ctx}; "
                 "shorten the prompt or create the Model with a larger n_ctx")
         it = self._generate(tokens, max_tokens, temperature, top_p, self.seed if seed is None else seed)
+        it = until_stop(it, [stop] if isinstance(stop, str) else stop)
         return it if stream else "".join(it)
 
     def _generate(self, tokens, max_tokens, temperature, top_p, seed) -> Iterator[str]:

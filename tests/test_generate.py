@@ -56,3 +56,29 @@ def test_context_limit_stops_generation(smollm2, caplog):
         # each token yields at most one piece; the cache never overflows
         assert 0 < len(pieces) <= 256 - n_prompt + 1
         assert "context limit" in caplog.text
+
+
+def test_until_stop_holds_back_split_stop_strings():
+    from pykvq.stops import until_stop
+    assert list(until_stop(["Hel", "lo wo", "rld"], None)) == ["Hel", "lo wo", "rld"]
+    # "\n\nQ" arrives in three pieces: nothing of it is ever shown
+    assert "".join(until_stop(["Paris.", "\n", "\nQ", "uestion"], ["\n\nQ"])) == "Paris."
+    assert list(until_stop(["ab", "c", "d"], ["cd", "x"])) == ["ab"]
+    assert "".join(until_stop(["a\n", "b"], ["\n\n"])) == "a\nb"          # a held-back prefix that was not a stop
+    assert list(until_stop(["stop here"], ["stop"])) == []
+
+
+def test_chat_messages_stream_and_stop(f16_model):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = f16_model.chat(msgs, max_tokens=32)
+    assert "Paris" in whole and whole == f16_model.generate(msgs[0]["content"], max_tokens=32)
+    assert "".join(f16_model.chat(msgs, max_tokens=32, stream=True)) == whole
+    cut = f16_model.chat(msgs, max_tokens=32, stop=["Paris"])
+    assert whole.startswith(cut) and "Paris" not in cut and len(cut) < len(whole)
+    assert f16_model.generate("What is the capital of France?", max_tokens=32, stop=".").count(".") == 0
+
+
+def test_model_is_a_context_manager(smollm2):
+    with Model(smollm2, n_ctx=256) as m:
+        assert m.generate("Hi", max_tokens=2) is not None
+    assert m._ctx == pykvq._lib.ffi.NULL
