@@ -1,6 +1,6 @@
 # pykvq: the two commands are `make demo` and `make test`.
 #
-#   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2, answer a question with a q4_0 cache
+#   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2; answers with f16 and pykvq's cache, size + KLD table vs stock q4_0
 #   make test   the same set-up, then pytest
 #   make gpu-check  on a machine with an NVIDIA GPU: build with CUDA, run every GPU check and benchmark
 #   make results  the same set-up, then the evaluation/benchmark suite -> docs/RESULTS.md (RESULTS_ARGS="--models smollm2-135m,qwen2.5-coder-1.5b")
