@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pykvq.keys import Keys, Values
+
 from .gguf_io import ConvertError, GGUFModel
 
 SUPPORTED_ARCHS = {"llama": "norm", "qwen2": "neox"}    # arch -> rope layout of its GGUFs
@@ -70,7 +72,7 @@ def geometry(m: GGUFModel) -> Geometry:
     if n_rot % 2 or n_rot > head_dim or head_dim % 2:
         raise ConvertError(f"odd rotary geometry (head_dim {head_dim}, n_rot {n_rot})")
     rf = m.tensors.get("rope_freqs.weight")
-    layout = "norm" if m.meta("pykvq.rope.layout") == "norm" else SUPPORTED_ARCHS[arch]
+    layout = "norm" if m.meta(Keys.Rope.LAYOUT) == Values.ROPE_LAYOUT_NORM else SUPPORTED_ARCHS[arch]
     return Geometry(arch=arch, n_layer=m.layer_count(), n_head=n_head, n_head_kv=n_head_kv,
                     head_dim=head_dim, n_rot=n_rot, freq_base=float(m.arch_meta("rope.freq_base", 10000.0)),
                     layout=layout, rope_freqs=None if rf is None else np.asarray(rf.data, np.float32)[: n_rot // 2])

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from pykvq import cache_types
+from pykvq.keys import Keys, Tensors, Values
 from pykvq.progress import progress_bar
 
 from . import cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, prerope, rows, smooth
@@ -130,7 +131,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     """Transform m in place; returns what was chosen per layer."""
     from .geometry import geometry
     g = geometry(m)
-    if m.meta("pykvq.version") is not None:
+    if m.meta(Keys.General.VERSION) is not None:
         raise ConvertError("the input was already converted by pykvq; convert the original instead")
     rope_scaling = str(m.arch_meta("rope.scaling.type", "none"))
     if opts.ksort and rope_scaling not in ("none", "linear"):
@@ -225,7 +226,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             cp = pair_perms_to_channels(perm, g)
             _permute(m, i, head_rows(np.repeat(cp, G, axis=0), g.n_head, hd), head_rows(cp, g.n_head_kv, hd))
             ff = ksort.freq_factors(perm, g)
-            m.tensors[_name(i, "kvq_rope_freqs")] = Tensor(_name(i, "kvq_rope_freqs"), QT.F32, ff)
+            name = Tensors.ROPE_FREQS.format(bid=i)
+            m.tensors[name] = Tensor(name, QT.F32, ff)
 
         vr = None
         if opts.rotate_v == "learned":
@@ -243,7 +245,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
             kp = cache_domain.prerope_keys(calib, i, g, dom)
             mean, scale = prerope.stats(kp, opts.prerope_scale)
-            for name, arr in ((prerope.K_MEAN_TENSOR.format(i), mean), (prerope.K_SCALE_TENSOR.format(i), scale)):
+            for name, arr in ((Tensors.K_MEAN.format(bid=i), mean), (Tensors.K_SCALE.format(bid=i), scale)):
                 m.tensors[name] = Tensor(name, QT.F32, arr)
             dom = dataclasses.replace(dom, k_prerope=True, k_mean=mean, k_div=scale)
             _prerope_stats(rep, mean, prerope.stats(kp, "std")[1])
@@ -263,31 +265,31 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                 m.tensors[bv.name] = rows.from_f32(bv.name, bv2, "f32")
 
     # what is baked, for the runtime and for people
-    m.set("pykvq.version", VERSION, VT.STRING)
-    m.set("pykvq.baked.ksort", bool(opts.ksort), VT.BOOL)
+    m.set(Keys.General.VERSION, VERSION, VT.STRING)
+    m.set(Keys.Baked.KSORT, bool(opts.ksort), VT.BOOL)
     if opts.ksort:
-        m.set("pykvq.baked.ksort_key", key_kind, VT.STRING)
-    m.set("pykvq.baked.smooth_qk", bool(opts.smooth_qk), VT.BOOL)
+        m.set(Keys.Baked.KSORT_KEY, key_kind, VT.STRING)
+    m.set(Keys.Baked.SMOOTH_QK, bool(opts.smooth_qk), VT.BOOL)
     if opts.smooth_qk:
-        m.set("pykvq.baked.smooth_alpha", [(-1.0 if a is None else float(a)) for a in rep.alphas],
+        m.set(Keys.Baked.SMOOTH_ALPHA, [(-1.0 if a is None else float(a)) for a in rep.alphas],
               VT.ARRAY, VT.FLOAT32)
-    m.set("pykvq.baked.rotate_v", opts.rotate_v, VT.STRING)
+    m.set(Keys.Baked.ROTATE_V, opts.rotate_v, VT.STRING)
     if rep.v_learned:
-        m.set("pykvq.baked.rotate_v_layers", [r.choice for r in rep.v_learned], VT.ARRAY, VT.STRING)
-        m.set("pykvq.baked.rotate_v_cond", [float(r.cond) for r in rep.v_learned], VT.ARRAY, VT.FLOAT32)
-    m.set("pykvq.baked.learn_k", bool(opts.learn_k), VT.BOOL)
+        m.set(Keys.Baked.ROTATE_V_LAYERS, [r.choice for r in rep.v_learned], VT.ARRAY, VT.STRING)
+        m.set(Keys.Baked.ROTATE_V_COND, [float(r.cond) for r in rep.v_learned], VT.ARRAY, VT.FLOAT32)
+    m.set(Keys.Baked.LEARN_K, bool(opts.learn_k), VT.BOOL)
     if rep.k_learned:
-        m.set("pykvq.baked.learn_k_layers", [r.choice for r in rep.k_learned], VT.ARRAY, VT.STRING)
+        m.set(Keys.Baked.LEARN_K_LAYERS, [r.choice for r in rep.k_learned], VT.ARRAY, VT.STRING)
     if relayout:
-        m.set("pykvq.rope.layout", "norm", VT.STRING)
+        m.set(Keys.Rope.LAYOUT, Values.ROPE_LAYOUT_NORM, VT.STRING)
     if calib is not None:
-        m.set("pykvq.calib.source", calib.source, VT.STRING)
+        m.set(Keys.Calib.SOURCE, calib.source, VT.STRING)
     if opts.kv_bits is not None:
         _assign_layer_types(opts, rep, cb_k, cb_v)
         type_k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
         type_v = max(set(rep.layer_types_v), key=rep.layer_types_v.count)
-        m.set("pykvq.cache.layer_types_k", rep.layer_types_k, VT.ARRAY, VT.STRING)
-        m.set("pykvq.cache.layer_types_v", rep.layer_types_v, VT.ARRAY, VT.STRING)
+        m.set(Keys.Cache.LAYER_TYPES_K, rep.layer_types_k, VT.ARRAY, VT.STRING)
+        m.set(Keys.Cache.LAYER_TYPES_V, rep.layer_types_v, VT.ARRAY, VT.STRING)
         rep.bits_per_value = layer_types.mean_bits(
             {(i, w): t for i, (a, b) in enumerate(zip(rep.layer_types_k, rep.layer_types_v)) for w, t in (("k", a), ("v", b))})
     else:
@@ -297,18 +299,19 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         for i, cb in cbs.items():
             padded = np.zeros(16, np.int8)
             padded[:len(cb)] = cb
-            m.tensors[_name(i, f"kvq_codebook_{which}")] = Tensor(_name(i, f"kvq_codebook_{which}"), QT.I8, padded)
+            name = Tensors.CODEBOOK[which].format(bid=i)
+            m.tensors[name] = Tensor(name, QT.I8, padded)
     if cb_k or cb_v:
-        m.set("pykvq.cache.codebook_method", method, VT.STRING)
-        m.set("pykvq.cache.codebook_qnorm", bool(opts.q_norm), VT.BOOL)
-        m.set("pykvq.cache.codebook_rot_k", bool(online_rot_k), VT.BOOL)
-        m.set("pykvq.cache.codebook_rot_v", bool(online_rot_v), VT.BOOL)
+        m.set(Keys.Cache.CODEBOOK_METHOD, method, VT.STRING)
+        m.set(Keys.Cache.CODEBOOK_QNORM, bool(opts.q_norm), VT.BOOL)
+        m.set(Keys.Cache.CODEBOOK_ROT_K, bool(online_rot_k), VT.BOOL)
+        m.set(Keys.Cache.CODEBOOK_ROT_V, bool(online_rot_v), VT.BOOL)
     if opts.prerope_k:
-        m.set(prerope.K_DOMAIN_KEY, prerope.K_DOMAIN_PREROPE, VT.STRING)
-        m.set(prerope.K_SCALE_METHOD_KEY, opts.prerope_scale, VT.STRING)
+        m.set(Keys.Cache.K_DOMAIN, Values.K_DOMAIN_PREROPE, VT.STRING)
+        m.set(Keys.Cache.K_SCALE_METHOD, opts.prerope_scale, VT.STRING)
         rep.prerope["scale"] = opts.prerope_scale
-    m.set("pykvq.cache.type_k", type_k, VT.STRING)
-    m.set("pykvq.cache.type_v", type_v, VT.STRING)
+    m.set(Keys.Cache.TYPE_K, type_k, VT.STRING)
+    m.set(Keys.Cache.TYPE_V, type_v, VT.STRING)
     return rep
 
 

@@ -26,12 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# GGUF names: the contract with the runtime (native/, llama.cpp patches); do not rename
-K_DOMAIN_KEY = "pykvq.cache.k_domain"
-K_DOMAIN_PREROPE = "prerope"
-K_SCALE_METHOD_KEY = "pykvq.cache.k_scale_method"      # informative: how the scale was chosen
-K_MEAN_TENSOR = "blk.{}.kvq_k_mean"
-K_SCALE_TENSOR = "blk.{}.kvq_k_scale"
+# GGUF names (Keys.Cache.K_DOMAIN, K_SCALE_METHOD, Tensors.K_MEAN / K_SCALE): pykvq/keys.py
 
 SCALES = ("absmax", "std", "pow2", "one")
 # std: the runtime turns the centred keys by the online Hadamard (upstream's attn_rot_k size) and undoes

@@ -28,6 +28,7 @@ from convert import calib as calib_mod                         # noqa: E402
 from convert import pipeline                                   # noqa: E402
 from convert.geometry import geometry                          # noqa: E402
 from convert.gguf_io import ConvertError, GGUFModel, read_gguf, write_gguf  # noqa: E402
+from pykvq.keys import Tensors, suffix                          # noqa: E402
 
 log = logging.getLogger("pykvq.convert")
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +154,7 @@ def _hf_to_f32_gguf(src: Path, tmpdir: Path) -> Path:
 def _cast_weights(m: GGUFModel, outtype: str) -> None:
     from convert import rows
     for name, t in list(m.tensors.items()):
-        if t.data.ndim == 2 and t.qtype.name == "F32" and "kvq_rope_freqs" not in name:
+        if t.data.ndim == 2 and t.qtype.name == "F32" and not name.endswith(suffix(Tensors.ROPE_FREQS)):
             m.tensors[name] = rows.from_f32(name, t.data, outtype)
 
 

@@ -20,6 +20,7 @@ from .errors import (CacheTypeError, ContextOverflowError, DecodeError,
                      ModelLoadError, PykvqError)
 from .eval import (KLDAccumulator, KLDResult, PerplexityResult, log_softmax,
                    nll, scored_positions)
+from .keys import Keys, Values
 from .logits_file import LogitsFile, LogitsWriter
 from .progress import progress_bar
 from .stops import until_stop
@@ -175,9 +176,9 @@ class Model:
         # cache types: the caller's, else what the converter prepared the file for, else f16
         self.cache_type_source, ids = {}, {}
         for which, given in (("k", cache_type_k), ("v", cache_type_v)):
-            baked = self.meta(f"pykvq.cache.type_{which}")
+            baked = self.meta(Keys.Cache.TYPE[which])
             self.cache_type_source[which.upper()] = ("caller" if given else
-                                                     f"GGUF pykvq.cache.type_{which}" if baked else "default")
+                                                     f"GGUF {Keys.Cache.TYPE[which]}" if baked else "default")
             try:
                 ids[which] = cache_types.resolve(given or baked or "f16")
             except CacheTypeError as e:
@@ -233,7 +234,7 @@ class Model:
             elif len(names) == 1:
                 setattr(self, f"cache_type_{which}", names.pop())
             if L.llama_kvq_model_n_layer_types(self._model, bool(i)) > 0 and not (cache_type_k, cache_type_v)[i]:
-                self.cache_type_source[which.upper()] = f"GGUF pykvq.cache.layer_types_{which}"
+                self.cache_type_source[which.upper()] = f"GGUF {Keys.Cache.LAYER_TYPES[which]}"
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self.bos = L.llama_vocab_bos(self._vocab)
         log.logger.info("pykvq: %s, %s, %s", self.path.name, self.kv_cache_info(), self.transforms())
@@ -286,18 +287,18 @@ class Model:
     def baked_transforms(self) -> list[str]:
         """Transforms the converter baked into the weights (pykvq.baked.* keys)."""
         out = []
-        if self.meta("pykvq.baked.ksort") == "true":
-            out.append("K-sort (" + (self.meta("pykvq.baked.ksort_key") or "?") + " key)")
-        if self.meta("pykvq.rope.layout") == "norm":
+        if self.meta(Keys.Baked.KSORT) == "true":
+            out.append("K-sort (" + (self.meta(Keys.Baked.KSORT_KEY) or "?") + " key)")
+        if self.meta(Keys.Rope.LAYOUT) == Values.ROPE_LAYOUT_NORM:
             out.append("NEOX->NORM rope layout")
-        if self.meta("pykvq.baked.smooth_qk") == "true":
+        if self.meta(Keys.Baked.SMOOTH_QK) == "true":
             out.append("QK pair smoothing")
-        if self.meta("pykvq.baked.learn_k") == "true":
+        if self.meta(Keys.Baked.LEARN_K) == "true":
             out.append("learned Q/K pair transform")
-        rv = self.meta("pykvq.baked.rotate_v")
-        if rv and rv != "none":
+        rv = self.meta(Keys.Baked.ROTATE_V)
+        if rv and rv != Values.ROTATE_V_NONE:
             out.append(f"V/O {rv}")
-        if self.meta("pykvq.cache.k_domain") == "prerope":
+        if self.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE:
             out.append("pre-RoPE centred K statistics")
         return out
 
@@ -305,7 +306,7 @@ class Model:
     def k_domain(self) -> str:
         """'pre-RoPE' when the file asks for a pre-RoPE key cache and PYKVQ_K_DOMAIN does not say post
         (the runtime applies it to quantized K layers of plain KV caches), else 'post-RoPE'."""
-        if self.meta("pykvq.cache.k_domain") != "prerope" or os.environ.get("PYKVQ_K_DOMAIN") == "post":
+        if self.meta(Keys.Cache.K_DOMAIN) != Values.K_DOMAIN_PREROPE or os.environ.get("PYKVQ_K_DOMAIN") == "post":
             return "post-RoPE"
         return "pre-RoPE"
 

@@ -6,26 +6,27 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from convert.gguf_io import Tensor, read_gguf, write_gguf
+from pykvq.keys import Keys, Tensors
 
 
 def variant(src, out, *, layer_types_k=None, layer_types_v=None, type_k=None, type_v=None,
             codebooks_k=None, codebooks_v=None, rot_k=None, rot_v=None):
     """A copy of src with pykvq.cache keys; codebooks_*: {layer: int8 entries (padded to 16)}."""
     m = read_gguf(src)
-    for key, val in (("layer_types_k", layer_types_k), ("layer_types_v", layer_types_v)):
+    for key, val in ((Keys.Cache.LAYER_TYPES_K, layer_types_k), (Keys.Cache.LAYER_TYPES_V, layer_types_v)):
         if val is not None:
-            m.set(f"pykvq.cache.{key}", list(val), VT.ARRAY, VT.STRING)
-    for key, val in (("type_k", type_k), ("type_v", type_v)):
+            m.set(key, list(val), VT.ARRAY, VT.STRING)
+    for key, val in ((Keys.Cache.TYPE_K, type_k), (Keys.Cache.TYPE_V, type_v)):
         if val is not None:
-            m.set(f"pykvq.cache.{key}", val, VT.STRING)
-    for key, val in (("codebook_rot_k", rot_k), ("codebook_rot_v", rot_v)):
+            m.set(key, val, VT.STRING)
+    for key, val in ((Keys.Cache.CODEBOOK_ROT_K, rot_k), (Keys.Cache.CODEBOOK_ROT_V, rot_v)):
         if val is not None:
-            m.set(f"pykvq.cache.{key}", bool(val), VT.BOOL)
+            m.set(key, bool(val), VT.BOOL)
     for which, cbs in (("k", codebooks_k or {}), ("v", codebooks_v or {})):
         for il, cb in cbs.items():
             padded = np.zeros(16, np.int8)
             padded[:len(cb)] = cb
-            name = f"blk.{il}.kvq_codebook_{which}"
+            name = Tensors.CODEBOOK[which].format(bid=il)
             m.tensors[name] = Tensor(name, QT.I8, padded)
     write_gguf(m, out)
     return out

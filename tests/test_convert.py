@@ -24,6 +24,7 @@ from convert.gguf_io import ConvertError, read_gguf, write_gguf
 from convert.rope_layout import neox_to_norm
 from pykvq import Model
 from pykvq.eval import log_softmax
+from pykvq.keys import Keys, Tensors, Values
 
 REPO = Path(__file__).resolve().parent.parent
 CONVERT = REPO / "convert" / "to_gguf.py"
@@ -239,14 +240,14 @@ def test_quantized_input_all_transforms_stay_within_activation_noise(smollm2, sm
 
 def test_converted_file_keys_and_runtime_defaults(smollm2_converted):
     r = read_gguf(smollm2_converted)
-    assert r.meta("pykvq.baked.ksort") is True and r.meta("pykvq.baked.rotate_v") == "hadamard"
-    assert r.meta("pykvq.cache.type_k") == "bfp4_32" and len(r.meta("pykvq.baked.smooth_alpha")) == 30
-    assert r.tensors["blk.0.kvq_rope_freqs"].data.shape == (3, 32)
+    assert r.meta(Keys.Baked.KSORT) is True and r.meta(Keys.Baked.ROTATE_V) == Values.ROTATE_V_HADAMARD
+    assert r.meta(Keys.Cache.TYPE_K) == "bfp4_32" and len(r.meta(Keys.Baked.SMOOTH_ALPHA)) == 30
+    assert r.tensors[Tensors.ROPE_FREQS.format(bid=0)].data.shape == (3, 32)
     assert r.tensors["blk.0.attn_v.weight"].qtype.name == "Q8_0"
     assert r.tensors["blk.0.attn_k.weight"].qtype.name == "Q4_1"                  # moved rows, not requantized
     with Model(smollm2_converted, n_ctx=256) as m:                             # no types given: the file's
         assert (m.cache_type_k, m.cache_type_v) == ("bfp4_32", "bfp4_32")
-        assert m.cache_type_source["K"] == "GGUF pykvq.cache.type_k"
+        assert m.cache_type_source["K"] == f"GGUF {Keys.Cache.TYPE_K}"
         assert m.attn_rotation == {"K": False, "V": False}                     # baked: no online rotation
         assert "K-sort" in m.transforms() and "V/O hadamard" in m.transforms()
     with Model(smollm2_converted, n_ctx=256, cache_type_k="q8_0", cache_type_v="q4_0", flash_attn=True,
@@ -259,7 +260,7 @@ def test_tools_take_the_cache_type_from_the_file_and_say_so(smollm2_converted):
     res = run_tool("llama-completion", "-m", smollm2_converted, "-p", "The capital of France is", "-n", "8",
                    "-fa", "on", "-no-cnv", "--temp", "0", "-c", "256", "-lv", "4")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "cache type K = bfp4_32 (from the GGUF's pykvq.cache.type_k)" in res.stderr
+    assert f"cache type K = bfp4_32 (from the GGUF's {Keys.Cache.TYPE_K})" in res.stderr
     assert "online K rotation off: the GGUF's keys are K-sorted" in res.stderr
     res = run_tool("llama-completion", "-m", smollm2_converted, "-p", "Paris", "-n", "2", "-fa", "on",
                    "-no-cnv", "-c", "256", "-ctk", "q8_0", "-ctv", "q8_0", "-lv", "4")

@@ -9,6 +9,7 @@ import pytest
 
 from convert.gguf_io import read_gguf
 from pykvq import Model
+from pykvq.keys import Keys, Tensors, suffix
 from pykvq.ref import nuq
 
 from test_convert import run_convert
@@ -24,7 +25,7 @@ def mixed_file(smollm2, tmp_path_factory):
 
 
 def _layer_types(m, which):
-    return [str(t) for t in m.meta(f"pykvq.cache.layer_types_{which}")]
+    return [str(t) for t in m.meta(Keys.Cache.LAYER_TYPES[which])]
 
 
 def test_budget_file_records_types_and_valid_codebooks(mixed_file):
@@ -37,7 +38,7 @@ def test_budget_file_records_types_and_valid_codebooks(mixed_file):
         assert len(types) == n and set(types) <= {"nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0"}
         for i, t in enumerate(types):
             bits.append(8.5 if t == "q8_0" else nuq.FORMATS[t].bits_per_value)
-            cb = m.tensors.get(f"blk.{i}.kvq_codebook_{which}")
+            cb = m.tensors.get(Tensors.CODEBOOK[which].format(bid=i))
             if t in nuq.FORMATS:
                 f = nuq.FORMATS[t]
                 raw = np.asarray(cb.data).reshape(-1)
@@ -46,8 +47,8 @@ def test_budget_file_records_types_and_valid_codebooks(mixed_file):
             else:
                 assert cb is None
     assert np.mean(bits) <= 3.6 + 1e-9
-    assert m.meta("pykvq.cache.codebook_method") == "fisher"
-    assert bool(m.meta("pykvq.cache.codebook_rot_k")) and bool(m.meta("pykvq.cache.codebook_rot_v"))
+    assert m.meta(Keys.Cache.CODEBOOK_METHOD) == "fisher"
+    assert bool(m.meta(Keys.Cache.CODEBOOK_ROT_K)) and bool(m.meta(Keys.Cache.CODEBOOK_ROT_V))
     assert "bits/value" in stdout and "per layer" in stdout
 
 
@@ -78,9 +79,9 @@ def test_uniform_type_file_has_one_codebook_per_layer(smollm2, tmp_path):
     run_convert(smollm2, "-o", out, "--cache-type-k", "nuq3o", "--cache-type-v", "nuq3o", "--codebooks", "kmeans",
                 *CALIB)
     m = read_gguf(out)
-    assert m.meta("pykvq.cache.layer_types_k") is None
-    assert m.meta("pykvq.cache.type_k") == "nuq3o" and m.meta("pykvq.cache.codebook_method") == "kmeans"
-    assert sum(n.endswith("kvq_codebook_k") for n in m.tensors) == m.layer_count()
+    assert m.meta(Keys.Cache.LAYER_TYPES_K) is None
+    assert m.meta(Keys.Cache.TYPE_K) == "nuq3o" and m.meta(Keys.Cache.CODEBOOK_METHOD) == "kmeans"
+    assert sum(n.endswith(suffix(Tensors.CODEBOOK_K)) for n in m.tensors) == m.layer_count()
     with Model(out, n_ctx=256) as rt:
         assert rt.cache_type_k == "nuq3o" and all(s == ("file", "file") for s in rt.codebook_sources())
 

@@ -18,6 +18,7 @@ from convert import cache_domain, codebook, prerope, rows
 from convert.calib import Calib, calibration_text, collect_cached
 from convert.geometry import Geometry, geometry
 from convert.gguf_io import read_gguf
+from pykvq.keys import Keys, Tensors, Values
 
 from test_convert import CONVERT, run_convert
 
@@ -70,23 +71,23 @@ def nuq_files(smollm2, smollm2_hf, calib, tmp_path_factory):
 
 
 def _stats(m, i):
-    return (np.asarray(m.tensors[prerope.K_MEAN_TENSOR.format(i)].data),
-            np.asarray(m.tensors[prerope.K_SCALE_TENSOR.format(i)].data))
+    return (np.asarray(m.tensors[Tensors.K_MEAN.format(bid=i)].data),
+            np.asarray(m.tensors[Tensors.K_SCALE.format(bid=i)].data))
 
 
 def test_file_has_mean_and_scale_for_every_layer(files, smollm2, geo):
     path, stdout = files["plain"]
     m, src = read_gguf(path), read_gguf(smollm2)
-    assert m.meta("pykvq.cache.k_domain") == "prerope"
-    assert m.meta(prerope.K_SCALE_METHOD_KEY) == prerope.DEFAULT_SCALE
-    assert m.meta("pykvq.cache.codebook_rot_k") is None                   # no codebooks asked for
+    assert m.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE
+    assert m.meta(Keys.Cache.K_SCALE_METHOD) == prerope.DEFAULT_SCALE
+    assert m.meta(Keys.Cache.CODEBOOK_ROT_K) is None                   # no codebooks asked for
     for i in range(geo.n_layer):
-        for name in (f"blk.{i}.kvq_k_mean", f"blk.{i}.kvq_k_scale"):
+        for name in (Tensors.K_MEAN.format(bid=i), Tensors.K_SCALE.format(bid=i)):
             t = m.tensors[name]
             assert t.qtype.name == "F32" and t.data.dtype == np.float32
             assert t.data.shape == (geo.n_head_kv, geo.head_dim)           # ggml ne = [head_dim, n_head_kv]
             assert np.isfinite(t.data).all()
-        assert (m.tensors[f"blk.{i}.kvq_k_scale"].data > 0).all()
+        assert (m.tensors[Tensors.K_SCALE.format(bid=i)].data > 0).all()
     # nothing else changes: the weights are the input's, byte for byte
     assert len(m.tensors) == len(src.tensors) + 2 * geo.n_layer
     for name, t in src.tensors.items():
@@ -99,9 +100,9 @@ def test_file_layout_and_reader_agree(files, geo):
     """gguf-py's reader gives numpy [n_head_kv, head_dim], i.e. ggml ne = [head_dim, n_head_kv]."""
     import gguf
     r = gguf.GGUFReader(files["plain"][0], "r")
-    t = next(t for t in r.tensors if t.name == "blk.3.kvq_k_mean")
+    t = next(t for t in r.tensors if t.name == Tensors.K_MEAN.format(bid=3))
     assert [int(n) for n in t.shape] == [geo.head_dim, geo.n_head_kv]
-    assert r.get_field("pykvq.cache.k_domain").contents() == "prerope"
+    assert r.get_field(Keys.Cache.K_DOMAIN).contents() == Values.K_DOMAIN_PREROPE
 
 
 def test_mean_and_scale_match_the_calibration_keys(files, calib, geo):
@@ -120,7 +121,7 @@ def test_mean_and_scale_match_the_calibration_keys(files, calib, geo):
         m1, s1 = _stats(one, i)
         np.testing.assert_array_equal(m1, mean)
         assert (s1 == 1.0).all()
-    assert one.meta(prerope.K_SCALE_METHOD_KEY) == "one" and "1 (mean only)" in files["one"][1]
+    assert one.meta(Keys.Cache.K_SCALE_METHOD) == "one" and "1 (mean only)" in files["one"][1]
 
 
 def test_ksort_mean_is_in_the_permuted_layout(files, smollm2, geo):
@@ -145,20 +146,20 @@ def test_ksort_mean_is_in_the_permuted_layout(files, smollm2, geo):
         np.testing.assert_allclose(mean1, np.take_along_axis(mean0, perm, axis=1), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(scale1, np.take_along_axis(scale0, perm, axis=1), rtol=1e-5)
     assert moved > geo.n_layer // 2                                       # the sort really moved channels
-    assert ks.meta("pykvq.cache.k_domain") == "prerope" and "blk.0.kvq_rope_freqs" in ks.tensors
+    assert ks.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE and Tensors.ROPE_FREQS.format(bid=0) in ks.tensors
 
 
 def test_codebooks_are_fitted_in_the_prerope_domain(nuq_files, calib, geo):
     (pre_path, pre), (post_path, post) = nuq_files["pre"], nuq_files["post"]
     mp, mq = read_gguf(pre_path), read_gguf(post_path)
-    assert mp.meta("pykvq.cache.k_domain") == "prerope" and mq.meta("pykvq.cache.k_domain") is None
-    assert mp.meta("pykvq.cache.codebook_rot_k") is True                  # the centred keys are turned too
-    assert mq.meta("pykvq.cache.codebook_rot_k") is True
+    assert mp.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE and mq.meta(Keys.Cache.K_DOMAIN) is None
+    assert mp.meta(Keys.Cache.CODEBOOK_ROT_K) is True                  # the centred keys are turned too
+    assert mq.meta(Keys.Cache.CODEBOOK_ROT_K) is True
     differ = 0
     for i in range(geo.n_layer):
-        cb_pre = np.asarray(mp.tensors[f"blk.{i}.kvq_codebook_k"].data)
-        cb_post = np.asarray(mq.tensors[f"blk.{i}.kvq_codebook_k"].data)
-        assert f"blk.{i}.kvq_codebook_v" not in mp.tensors
+        cb_pre = np.asarray(mp.tensors[Tensors.CODEBOOK_K.format(bid=i)].data)
+        cb_post = np.asarray(mq.tensors[Tensors.CODEBOOK_K.format(bid=i)].data)
+        assert Tensors.CODEBOOK_V.format(bid=i) not in mp.tensors
         mean, scale = _stats(mp, i)
         d = cache_domain.Domain(k_prerope=True, k_mean=mean, k_div=scale, rot_k=True)
         x = cache_domain.keys(calib, i, geo, d)

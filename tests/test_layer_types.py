@@ -14,6 +14,7 @@ from gguf_variants import variant
 
 from pykvq import Model, cache_types, log
 from pykvq.errors import CacheTypeError, DecodeError
+from pykvq.keys import Keys, Tensors, suffix
 from pykvq.model import KV_CACHE_TYPE_MODEL
 
 N_LAYER = 30
@@ -72,7 +73,7 @@ def test_per_layer_types_are_allocated(files):
         assert lib.llama_kvq_layer_type(m._ctx, N_LAYER, False) == -1
         assert lib.llama_kvq_layer_type(m._ctx, -1, True) == -1
         assert m.cache_type_k == "mixed" and m.cache_type_v == "q8_0"
-        assert m.cache_type_source["K"] == "GGUF pykvq.cache.layer_types_k"
+        assert m.cache_type_source["K"] == f"GGUF {Keys.Cache.LAYER_TYPES_K}"
         types = m.layer_cache_types()
         assert types[0] == ("q8_0", "q8_0") and types[1] == ("q4_0", "q8_0") and types[-1] == ("q8_0", "q8_0")
         text = log.recent_text(5000)
@@ -90,7 +91,7 @@ def test_per_layer_keys_give_the_same_logits_as_a_forced_type(smollm2, files, to
 def test_forced_type_overrides_per_layer_keys(smollm2, files, tokens):
     with Model(files["mixed"], n_ctx=N_CTX, flash_attn=True, cache_type_k="q4_0") as m:
         assert m.layer_cache_types() == [("q4_0", "q8_0")] * N_LAYER
-        assert m.cache_type_source == {"K": "caller", "V": "GGUF pykvq.cache.layer_types_v"}
+        assert m.cache_type_source == {"K": "caller", "V": f"GGUF {Keys.Cache.LAYER_TYPES_V}"}
         got = m.eval_logits(tokens, output_from=0)
     assert np.array_equal(got, logits(smollm2, tokens, cache_type_k="q4_0", cache_type_v="q8_0"))
 
@@ -255,7 +256,7 @@ def test_codebook_with_k_shift_and_fa_off(nuq_files, tokens):
 
 @nuq
 def test_bad_codebook_fails_and_rotation_mismatch_warns(nuq_files):
-    with pytest.raises(CacheTypeError, match="kvq_codebook_k"):
+    with pytest.raises(CacheTypeError, match=suffix(Tensors.CODEBOOK_K)):
         Model(nuq_files["bad"], n_ctx=N_CTX, flash_attn=True)
     with Model(nuq_files["rot_off"], n_ctx=N_CTX, flash_attn=True) as m:
         assert m.attn_rotation["K"]

@@ -14,6 +14,7 @@ from convert.gguf_io import read_gguf
 from convert.hadamard import hadamard
 from convert.smooth import rope_norm
 from pykvq import Model
+from pykvq.keys import Keys
 from pykvq.ref import roundtrip
 
 from test_convert import (FAST_CALIB, assert_same_model, eval_tokens, f32_logits, geo, ref_logits,  # noqa: F401
@@ -159,9 +160,9 @@ def test_learned_transforms_leave_the_model_unchanged(learned_f32, ref_logits, e
 def test_learned_file_keys_and_runtime_log(learned_f32):
     out, _ = learned_f32
     r = read_gguf(out)
-    layers = list(r.meta("pykvq.baked.rotate_v_layers"))
+    layers = list(r.meta(Keys.Baked.ROTATE_V_LAYERS))
     assert len(layers) == 30 and set(layers) <= {"learned", "hadamard"}
-    assert max(r.meta("pykvq.baked.rotate_v_cond")) <= 105
+    assert max(r.meta(Keys.Baked.ROTATE_V_COND)) <= 105
     with Model(out, n_ctx=256) as m:
         assert m.attn_rotation["V"] is False                   # the learned transform replaces the online one
         assert "V/O learned" in m.transforms() and "learned Q/K pair transform" in m.transforms()

@@ -265,7 +265,7 @@ def test_type_registry_and_sizes():
     for name in FORMATS:
         t = cache_types.resolve(name)
         f = nuq.FORMATS[name]
-        assert t == 46 + FORMATS.index(name)
+        assert t == cache_types.CACHE_TYPES[FORMATS[0]] + FORMATS.index(name)   # consecutive, in FORMATS order
         assert ffi.string(L.ggml_type_name(t)).decode() == name
         assert L.ggml_blck_size(t) == f.block and L.ggml_is_quantized(t)
         assert L.ggml_row_size(t, 128) == 128 // f.block * f.type_size

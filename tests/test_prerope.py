@@ -108,6 +108,7 @@ from contextlib import contextmanager  # noqa: E402
 from pykvq import Model  # noqa: E402
 from pykvq.errors import PykvqError  # noqa: E402
 from pykvq.eval import log_softmax  # noqa: E402
+from pykvq.keys import Tensors  # noqa: E402
 
 
 @contextmanager
@@ -228,15 +229,15 @@ def test_seq_cp_continues_like_the_source(smol_pre, passage):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(a).max())
 
 
-@pytest.mark.parametrize("tensor,value,msg", [("kvq_k_scale", 0.0, "finite and > 0"),
-                                               ("kvq_k_scale", -1.0, "finite and > 0"),
-                                               ("kvq_k_mean", np.nan, "must be finite")])
+@pytest.mark.parametrize("tensor,value,msg", [(Tensors.K_SCALE, 0.0, "finite and > 0"),
+                                               (Tensors.K_SCALE, -1.0, "finite and > 0"),
+                                               (Tensors.K_MEAN, np.nan, "must be finite")])
 def test_bad_statistics_are_refused(smol_pre, tmp_path, tensor, value, msg):
     """A file whose pre-RoPE statistics cannot be honoured is refused when the context is made, naming
     the tensor and element, before anything is computed."""
     from convert.gguf_io import Tensor, read_gguf, write_gguf
     m = read_gguf(smol_pre)
-    name = f"blk.7.{tensor}"
+    name = tensor.format(bid=7)
     data = np.array(m.tensors[name].data, np.float32)
     data[1, 5] = value
     m.tensors[name] = Tensor(name, m.tensors[name].qtype, data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pykvq import Model
+from pykvq.keys import Keys, Values
 
 pytestmark = pytest.mark.qwen
 
@@ -66,7 +67,7 @@ def test_qwen_ksort_relayout_and_v_rotation_keep_the_model(qwen, qwen_hf, passag
     run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--ksort", "--smooth-qk", "--rotate-v", "hadamard",
                 "--calib-seqs", "2", "--calib-len", "256")
     with Model(out, n_ctx=256) as m:
-        assert m.meta("pykvq.rope.layout") == "norm" and m.cache_type_k == "bfp4_32"
+        assert m.meta(Keys.Rope.LAYOUT) == Values.ROPE_LAYOUT_NORM and m.cache_type_k == "bfp4_32"
         toks = m.tokenize(passage)[:128]
     a, b = _f32_logits(qwen, toks), _f32_logits(out, toks)
     la, lb = log_softmax(a.astype(np.float64)), log_softmax(b.astype(np.float64))
