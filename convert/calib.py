@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pykvq.models import cache_dir
+from pykvq.paths import cache_dir
 from pykvq.progress import progress_bar
 
 from .geometry import Geometry, pair_rms

@@ -161,11 +161,9 @@ def _cast_weights(m: GGUFModel, outtype: str) -> None:
 def _calibration_hf_dir(src: Path, args) -> Path:
     if args.hf_dir:
         return Path(args.hf_dir)
-    from pykvq.models import cache_dir, materialize_hf
-    st = src.stat()
-    d = cache_dir() / "hf" / f"{src.stem}-{st.st_size}"
-    log.info("dequantizing %s to an HF checkpoint for calibration (%s, once)", src.name, d)
-    return materialize_hf(src, d)
+    from convert.hf_checkpoint import cached_dir, hf_checkpoint
+    log.info("dequantizing %s to an HF checkpoint for calibration (%s, once)", src.name, cached_dir(src))
+    return hf_checkpoint(src)
 
 
 def convert(args) -> dict:

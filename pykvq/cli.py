@@ -53,7 +53,7 @@ def _text_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _resolve_model(name):
-    from .models import MODELS, fetch
+    from .registry import MODELS, fetch
     if name is None or name in MODELS:
         return fetch(name or "smollm2-135m")
     return name
@@ -151,7 +151,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_fetch(args) -> int:
-    from .models import fetch
+    from .registry import fetch
     print(fetch(args.name, progress=True))
     return 0
 
@@ -169,7 +169,7 @@ def _suite_dirs(args):
 
 
 def _suite_model(args):
-    from .models import MODELS, fetch
+    from .registry import MODELS, fetch
     name = args.model or "smollm2-135m"
     if name in MODELS:
         return name, fetch(name, progress=True)

@@ -57,7 +57,7 @@ def wikitext_test_path() -> Path:
     if env:
         _wikitext_bytes()
         return Path(env)
-    from .models import cache_dir
+    from .paths import cache_dir
     out = cache_dir() / "text" / "wiki.test.raw"
     if not (out.is_file() and hashlib.sha256(out.read_bytes()).hexdigest() == WIKITEXT_SHA256):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ def wikitext_test_path() -> Path:
 
 def kjv_text() -> str:
     """The King James Bible as plain text (chapter headings kept, verse numbers removed)."""
-    from .models import cache_dir
+    from .paths import cache_dir
     out = cache_dir() / "text" / "kjv.txt"
     if out.is_file():
         return out.read_text(encoding="utf-8")

@@ -140,7 +140,7 @@ class Model:
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
                  n_seq_max: int = 1):
         if path is None:
-            from .models import default_model_path
+            from .registry import default_model_path
             path = default_model_path()
         self.path = Path(path)
         self.seed = seed

@@ -25,7 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pykvq.models import fetch
+from pykvq.registry import fetch
 from pykvq.suite.speed import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent

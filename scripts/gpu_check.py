@@ -65,7 +65,7 @@ def kv(setting: str) -> tuple[str, str]:
 def default_model(name: str) -> Path | None:
     try:
         sys.path.insert(0, str(REPO))
-        from pykvq.models import fetch
+        from pykvq.registry import fetch
         return fetch(name)
     except Exception as e:  # noqa: BLE001 - no venv on the GPU machine: the caller names a path
         log(f"no pykvq model registry here ({type(e).__name__}: {e}); pass --model / --bench-model")

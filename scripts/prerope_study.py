@@ -60,14 +60,15 @@ class Study:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from pykvq.models import cache_dir, fetch, materialize_hf
+        from convert.hf_checkpoint import hf_checkpoint
+        from pykvq.registry import fetch
         torch.set_num_threads(threads)
         gguf = fetch(model)
         self.g = geometry(read_gguf(gguf))
         if self.g.layout != "norm":
             raise SystemExit("this study handles NORM-layout (llama) models; the file layout of a NEOX model "
                              "would need the re-layout first")
-        self.hf = materialize_hf(gguf, cache_dir() / "hf" / f"{gguf.stem}-{gguf.stat().st_size}")
+        self.hf = hf_checkpoint(gguf)
         text, source = calibration_text("canterbury")
         t0 = time.time()
         self.calib = collect_cached(self.hf, text, self.g, n_seq=n_seq, seq_len=seq_len, source=source, fisher=True)

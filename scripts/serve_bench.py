@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from pykvq import Model  # noqa: E402
 from pykvq.data import wikitext_test  # noqa: E402
-from pykvq.models import fetch  # noqa: E402
+from pykvq.registry import fetch  # noqa: E402
 from pykvq.serve import Server, free_port  # noqa: E402
 
 BIN = REPO / "build" / "bin"

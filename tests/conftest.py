@@ -24,7 +24,7 @@ def _outside_checkout(path) -> bool:
         return False
     if not p.is_relative_to(REPO.parent) or p.is_relative_to(REPO):
         return False
-    from pykvq.models import cache_dir
+    from pykvq.paths import cache_dir
     return not (p.is_relative_to(cache_dir().resolve()) or p.is_relative_to(Path(tempfile.gettempdir()).resolve()))
 
 
@@ -56,15 +56,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from pykvq.models import fetch
+    from pykvq.registry import fetch
     return fetch("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2) -> Path:
     """SmolLM2 as an HF checkpoint (f32, dequantized from the GGUF by transformers), cached."""
-    from pykvq.models import cache_dir, materialize_hf
-    return materialize_hf(smollm2, cache_dir() / "hf" / f"{smollm2.stem}-{smollm2.stat().st_size}")
+    from convert.hf_checkpoint import hf_checkpoint
+    return hf_checkpoint(smollm2)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.qwen
 
 @pytest.fixture(scope="module")
 def qwen():
-    from pykvq.models import fetch
+    from pykvq.registry import fetch
     return fetch("qwen2.5-coder-1.5b")
 
 
@@ -31,8 +31,8 @@ def test_qwen_q8_0_kld_is_small(qwen, passage):
 
 @pytest.fixture(scope="module")
 def qwen_hf(qwen):
-    from pykvq.models import cache_dir, materialize_hf
-    return materialize_hf(qwen, cache_dir() / "hf" / f"{qwen.stem}-{qwen.stat().st_size}")
+    from convert.hf_checkpoint import hf_checkpoint
+    return hf_checkpoint(qwen)
 
 
 def _f32_logits(path, tokens):

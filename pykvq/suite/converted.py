@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..errors import PykvqError
-from ..models import cache_dir
+from ..paths import cache_dir
 
 CONVERTER = Path(__file__).resolve().parents[2] / "convert" / "to_gguf.py"
 

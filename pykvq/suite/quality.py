@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..model import Model
-from ..models import cache_dir
+from ..paths import cache_dir
 from .converted import converted
 from .settings import Setting
 from .store import ResultStore

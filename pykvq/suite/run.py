@@ -68,7 +68,7 @@ def params(model: str, quick: bool) -> dict:
 def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, text_file: str | None = None,
             parts: tuple[str, ...] = ("eval", "bench", "passkey"), threads: int | None = None,
             n_gpu_layers: int = 0, progress: bool | None = None, readme: Path | None = None) -> Path:
-    from ..models import MODELS, fetch
+    from ..registry import MODELS, fetch
     text, text_name = eval_text(text_file)
     for name in models:
         if name not in MODELS:

