@@ -1,4 +1,4 @@
-"""pykvq command line: generate, perplexity, kld, info, fetch, demo, and the suite
+"""pykvq command line: generate, perplexity, kld, info, fetch, demo, serve, and the suite
 (eval, bench, passkey, report, results).
 
     pykvq generate "What is the capital of France?" -ctk q8_0 -ctv q4_0
@@ -150,6 +150,14 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve import serve
+    extra = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    return serve(_resolve_model(args.model), cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                 host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx_size,
+                 threads=args.threads, extra=extra)
+
+
 def cmd_fetch(args) -> int:
     from .registry import fetch
     print(fetch(args.name, progress=True))
@@ -289,6 +297,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch", help="download a known model into the cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("serve", help="llama-server (OpenAI-compatible HTTP) with pykvq's cache types",
+                       description="Start build/bin/llama-server on a GGUF with flash attention on. Cache types "
+                       "left open come from a pykvq-converted file (per-layer types, codebooks), else f16. "
+                       "Arguments after -- go to llama-server unchanged (e.g. -- --slot-save-path DIR "
+                       "--context-shift --rpc HOST:PORT -ngl 99).")
+    _model_arg(p)
+    p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE", help="K cache type (default: the file's, else f16)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="V cache type (default: the file's, else f16)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size shared by all slots (default: the model's)")
+    p.add_argument("-np", "--parallel", type=int, default=4, help="parallel slots (default 4)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama-server's)")
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="-- then more llama-server arguments")
+    p.set_defaults(func=cmd_serve)
 
     from .suite.settings import TRANSFORMS
     p = sub.add_parser("eval", help="quality matrix: KLD / p99 / same top-1 / PPL vs an f16 cache, "
