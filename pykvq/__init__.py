@@ -15,7 +15,8 @@ from .cache_types import CACHE_TYPES, GGML_TYPES
 from .errors import (CacheTypeError, ContextOverflowError, DecodeError, FetchError,
                      LibraryNotFoundError, ModelLoadError, PykvqError)
 from .eval import KLDResult, PerplexityResult
-from .model import KVCacheInfo, Model
+from .cache_info import KVCacheInfo
+from .model import Model
 
 __version__ = "0.1.0"
 

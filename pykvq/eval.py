@@ -32,12 +32,6 @@ def nll(logprobs: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return -logprobs[np.arange(len(targets)), targets]
 
 
-def kld_rows(base_logprobs: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
-    """KL(base || this) per row, exact (float64)."""
-    p = np.exp(base_logprobs)
-    return (p * (base_logprobs - logprobs)).sum(axis=-1)
-
-
 def percentile(values: np.ndarray, fraction: float) -> float:
     """Linear-interpolated percentile of llama-perplexity (fraction in [0, 1])."""
     v = np.sort(np.asarray(values, dtype=np.float64))

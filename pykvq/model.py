@@ -1,29 +1,25 @@
 """Model: one GGUF loaded into the patched llama.cpp with one context.
 
-Generation, tokenization, perplexity and KL divergence against a baseline
-(another Model, or a llama-perplexity base-logits file), plus exact KV-cache
-sizes. The KV-cache types are chosen per Model (cache_type_k / cache_type_v).
+This module is the core: loading, the context and its KV-cache types, metadata, tokens, decoding,
+sequences and state. Generation (pykvq/generation.py) and quality against a baseline
+(pykvq/evaluation.py) are mixed into Model, so pykvq.Model has them all.
 """
 from __future__ import annotations
 
-import codecs
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from . import cache_types, log
 from ._lib import ffi, lib
-from .errors import (CacheTypeError, ContextOverflowError, DecodeError,
-                     ModelLoadError, PykvqError)
-from .eval import (KLDAccumulator, KLDResult, PerplexityResult, log_softmax,
-                   nll, scored_positions)
+from .cache_info import KVCacheInfo
+from .errors import CacheTypeError, ContextOverflowError, DecodeError, ModelLoadError, PykvqError
+from .evaluation import Evaluation, kld_sweep
+from .generation import Generation
 from .keys import Keys, Values
-from .logits_file import LogitsFile, LogitsWriter
-from .progress import progress_bar
-from .stops import until_stop
+
+__all__ = ["Model", "KVCacheInfo", "kld_sweep", "check_gguf", "check_block_fits", "KV_CACHE_TYPE_MODEL"]
 
 GGUF_MAGIC = b"GGUF"
 FLASH_ATTN = cache_types.AUTO_OFF_ON
@@ -44,81 +40,7 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
-@dataclass(frozen=True)
-class KVCacheInfo:
-    """Exact KV-cache geometry and size of a context.
-
-    The cache types can differ between layers (a GGUF's pykvq.cache.layer_types_k/v):
-    type_k / type_v are then "mixed", layer_types holds each layer's (K, V) type and
-    layer_bytes each layer's (K, V) bytes per token; the per-token-per-layer sizes are
-    means over the layers, and total_bytes / bits_per_value are exact sums.
-    """
-    type_k: str
-    type_v: str
-    n_ctx: int
-    n_layer: int            # layers with a KV cache
-    n_embd_k_gqa: int       # K values per token per layer (n_head_kv * head_dim_k)
-    n_embd_v_gqa: int
-    bytes_k_per_token_layer: float
-    bytes_v_per_token_layer: float
-    bytes_f16_per_token_layer: int
-    layer_types: tuple = ()     # ((type_k, type_v), ...) per layer with a KV cache
-    layer_bytes: tuple = ()     # ((bytes K, bytes V) per token, ...) per layer with a KV cache
-
-    @property
-    def mixed(self) -> bool:
-        return len(set(self.layer_types)) > 1
-
-    @property
-    def bytes_per_token_layer(self) -> float:
-        return self.bytes_k_per_token_layer + self.bytes_v_per_token_layer
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V bytes one token takes in all layers."""
-        if self.layer_bytes:
-            return sum(k + v for k, v in self.layer_bytes)
-        return round(self.bytes_per_token_layer * self.n_layer)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_token * self.n_ctx
-
-    @property
-    def ratio_vs_f16(self) -> float:
-        return self.bytes_per_token_layer / self.bytes_f16_per_token_layer
-
-    @property
-    def bits_per_value(self) -> float:
-        """True average over all cached values (K and V, every layer)."""
-        return 8 * self.bytes_per_token / (self.n_layer * (self.n_embd_k_gqa + self.n_embd_v_gqa))
-
-    def type_summary(self, which: str = "k") -> str:
-        """e.g. "nuq3 x28, q8_0 x2 (layers 0,27)"; just the type when all layers agree."""
-        i = 0 if which.lower() == "k" else 1
-        names = [t[i] for t in self.layer_types]
-        if not names:
-            return self.type_k if i == 0 else self.type_v
-        counts = {}
-        for il, n in enumerate(names):
-            counts.setdefault(n, []).append(il)
-        if len(counts) == 1:
-            return names[0]
-        order = sorted(counts.items(), key=lambda kv: -len(kv[1]))
-        parts = [f"{order[0][0]} x{len(order[0][1])}"]
-        parts += [f"{n} x{len(ls)} (layer{'s' if len(ls) > 1 else ''} {','.join(map(str, ls))})" for n, ls in order[1:]]
-        return ", ".join(parts)
-
-    def __str__(self) -> str:
-        types = (f"K={self.type_summary('k')} V={self.type_summary('v')}" if self.mixed
-                 else f"K={self.type_k} V={self.type_v}")
-        return (f"KV cache {types}: {self.total_bytes / 2**20:.2f} MiB "
-                f"for {self.n_ctx} tokens x {self.n_layer} layers "
-                f"({self.bytes_per_token_layer:g} B/token/layer, {self.bits_per_value:.3f} bits/value, "
-                f"{self.ratio_vs_f16:.3f}x f16 = {1 / self.ratio_vs_f16:.2f}x smaller)")
-
-
-class Model:
+class Model(Generation, Evaluation):
     """A GGUF model with a llama.cpp context.
 
     cache_type_k / cache_type_v: KV-cache types ("f16", "q8_0", "q4_0", ...); None takes
@@ -131,6 +53,9 @@ class Model:
     per context: "auto" (upstream's rule: on for a quantized cache whose head
     size is a multiple of 64), "on" or "off".
     n_seq_max: number of sequences the cache holds (seq_cp needs 2 or more).
+
+    Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
+    save_logits / kl_divergence (pykvq/evaluation.py).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
@@ -500,196 +425,6 @@ class Model:
         self.reset()
         rows = self._decode(tokens, 0, output_from, collect=True)
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
-
-    # ---- generation -----------------------------------------------------------------------
-    def prompt_tokens(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
-        text = None
-        if not raw:
-            msgs = ([{"role": "system", "content": system}] if system else []) + \
-                   [{"role": "user", "content": prompt}]
-            text = self.apply_chat_template(msgs)
-        if text is None:
-            return self.tokenize(prompt, add_special=True, parse_special=False)
-        return self.tokenize(text, add_special=True, parse_special=True)
-
-    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.95,
-                 seed: int | None = None, stream: bool = False, raw: bool = False,
-                 system: str | None = None, stop: str | list[str] | None = None):
-        """Generate a reply to prompt (chat template applied unless raw=True or
-        the model has none). temperature 0 is greedy. Returns the text, or with
-        stream=True an iterator of text pieces. The reply ends before the first
-        stop string (llama-cpp-python's and mlx-lm's `stop`)."""
-        return self._reply(self.prompt_tokens(prompt, raw=raw, system=system), max_tokens, temperature, top_p,
-                           seed, stream, stop)
-
-    def chat(self, messages: list[dict], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.95,
-             seed: int | None = None, stream: bool = False, stop: str | list[str] | None = None):
-        """The assistant's reply to a conversation, [{"role": "system"|"user"|"assistant", "content": ...}],
-        rendered with the model's chat template (as llama_cpp.Llama.create_chat_completion does). Returns the
-        text, or with stream=True an iterator of text pieces."""
-        text = self.apply_chat_template(messages)
-        if text is None:
-            raise PykvqError(f"{self.path.name} has no chat template; use generate(prompt, raw=True)")
-        return self._reply(self.tokenize(text, add_special=True, parse_special=True), max_tokens, temperature,
-                           top_p, seed, stream, stop)
-
-    def _reply(self, tokens, max_tokens, temperature, top_p, seed, stream, stop):
-        if len(tokens) >= self.n_ctx:
-            raise ContextOverflowError(
-                f"prompt is {len(tokens)} tokens, the context holds {self.n_ctx}; "
-                "shorten the prompt or create the Model with a larger n_ctx")
-        it = self._generate(tokens, max_tokens, temperature, top_p, self.seed if seed is None else seed)
-        it = until_stop(it, [stop] if isinstance(stop, str) else stop)
-        return it if stream else "".join(it)
-
-    def _generate(self, tokens, max_tokens, temperature, top_p, seed) -> Iterator[str]:
-        L = self._lib
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if temperature <= 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-        else:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        dec = codecs.getincrementaldecoder("utf-8")("replace")
-        try:
-            self.reset()
-            self._decode(tokens, 0)
-            pos = len(tokens)
-            for _ in range(max_tokens):
-                tok = L.llama_sampler_sample(chain, self._ctx, -1)
-                if L.llama_vocab_is_eog(self._vocab, tok):
-                    break
-                piece = dec.decode(self.token_bytes(tok))
-                if piece:
-                    yield piece
-                if pos >= self.n_ctx:
-                    log.logger.warning("pykvq: generation stopped at the context limit (%d)", self.n_ctx)
-                    break
-                self._decode([tok], pos)
-                pos += 1
-            tail = dec.decode(b"", final=True)
-            if tail:
-                yield tail
-        finally:
-            L.llama_sampler_free(chain)
-
-    # ---- quality --------------------------------------------------------------------------
-    def _check_eval_ctx(self, n_ctx: int) -> None:
-        if n_ctx > self.n_ctx:
-            raise ContextOverflowError(
-                f"evaluation context {n_ctx} exceeds the model's context {self.n_ctx}; "
-                f"create the Model with n_ctx >= {n_ctx}")
-        if n_ctx < 4:
-            raise ValueError("n_ctx must be at least 4")
-
-    def _chunks(self, text: str | None, tokens, n_ctx: int, n_chunks: int | None) -> tuple[np.ndarray, int]:
-        self._check_eval_ctx(n_ctx)
-        if tokens is None:
-            tokens = self.tokenize(text, add_special=True, parse_special=False)
-        tokens = np.asarray(tokens, dtype=np.int32)
-        n_max = len(tokens) // n_ctx
-        if n_max < 1:
-            raise ContextOverflowError(
-                f"the text is {len(tokens)} tokens; at least {n_ctx} are needed for one chunk of {n_ctx}")
-        n = n_max if n_chunks is None else min(n_chunks, n_max)
-        return tokens, n
-
-    def _chunk_logits(self, chunk: np.ndarray) -> np.ndarray:
-        toks = chunk.tolist()
-        if self.add_bos:
-            toks[0] = self.bos
-        first, _ = scored_positions(len(toks))
-        return self.eval_logits(toks, output_from=first)[:-1]
-
-    def perplexity(self, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
-                   tokens=None, progress: bool | None = None) -> PerplexityResult:
-        """Perplexity over chunks of n_ctx tokens, scored like llama-perplexity."""
-        tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
-        first, last = scored_positions(n_ctx)
-        nlls = []
-        for i in progress_bar(range(n), desc=f"perplexity {self.cache_type_k}/{self.cache_type_v}",
-                              enable=progress):
-            chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-            nlls.append(nll(log_softmax(self._chunk_logits(chunk)), chunk[first + 1:last + 1]))
-        v = np.concatenate(nlls)
-        return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
-
-    def save_logits(self, path, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
-                    tokens=None, progress: bool | None = None, nll_out: list | None = None) -> Path:
-        """Write a llama-perplexity base-logits file (--kl-divergence-base format), atomically.
-        nll_out, if given, receives each chunk's exact target NLLs (the file keeps log-probs
-        only to 16 bits, so a PPL read back from it is approximate)."""
-        tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
-        first, last = scored_positions(n_ctx)
-        w = LogitsWriter(path, n_ctx, self.n_vocab, tokens, n)
-        try:
-            for i in progress_bar(range(n), desc="baseline logits", enable=progress):
-                chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-                logits = self._chunk_logits(chunk)
-                if nll_out is not None:
-                    nll_out.append(nll(log_softmax(logits), chunk[first + 1:last + 1]))
-                w.add_chunk(logits)
-        except BaseException:
-            w.abort()
-            raise
-        w.close()
-        return Path(path)
-
-    def kl_divergence(self, text: str | None = None, baseline: "Model | str | os.PathLike | None" = None,
-                      n_ctx: int = 512, n_chunks: int | None = None, *, tokens=None,
-                      progress: bool | None = None) -> KLDResult:
-        """KL divergence of this model's next-token distributions from a baseline's.
-
-        baseline: a Model (evaluated chunk by chunk on the same tokens, exact)
-        or the path of a base-logits file written by save_logits() or
-        `llama-perplexity --kl-divergence-base` (tokens come from the file;
-        probabilities below e^-16 are dropped as llama-perplexity does).
-        """
-        if baseline is None:
-            raise ValueError("kl_divergence needs a baseline: a Model or a base-logits file")
-        if isinstance(baseline, Model):
-            return kld_sweep(baseline, {"": self}, text, n_ctx, n_chunks, tokens=tokens, progress=progress,
-                             desc=f"KLD {self.cache_type_k}/{self.cache_type_v}")[""]
-        acc = KLDAccumulator(n_ctx)
-        first, last = scored_positions(n_ctx)
-        f = LogitsFile(baseline)
-        if f.n_vocab != self.n_vocab:
-            raise PykvqError(f"{f.path}: vocabulary {f.n_vocab} differs from the model's {self.n_vocab}")
-        if f.n_ctx != n_ctx:
-            n_ctx = f.n_ctx
-            acc = KLDAccumulator(n_ctx)
-            first, last = scored_positions(n_ctx)
-        if n_ctx > self.n_ctx:
-            raise ContextOverflowError(f"{f.path} was computed with n_ctx={n_ctx} > the model's {self.n_ctx}")
-        n = f.n_chunk if n_chunks is None else min(n_chunks, f.n_chunk)
-        for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}", enable=progress):
-            chunk = f.chunk_tokens(i)
-            base, valid = f.chunk_logprobs(i)
-            acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
-        return acc.result()
-
-
-def kld_sweep(baseline: Model, candidates: dict[str, Model], text: str | None = None, n_ctx: int = 512,
-              n_chunks: int | None = None, *, tokens=None, progress: bool | None = None,
-              desc: str | None = None) -> dict[str, KLDResult]:
-    """KL divergence of several models (cache settings) from one baseline Model
-    over the same chunks. The baseline is evaluated once per chunk and shared,
-    so N settings cost N + 1 evaluations instead of 2N."""
-    for m in candidates.values():
-        if m.n_vocab != baseline.n_vocab:
-            raise PykvqError(f"vocabularies differ ({baseline.n_vocab} vs {m.n_vocab})")
-        m._check_eval_ctx(n_ctx)
-    tokens, n = baseline._chunks(text, tokens, n_ctx, n_chunks)
-    first, last = scored_positions(n_ctx)
-    accs = {name: KLDAccumulator(n_ctx) for name in candidates}
-    for i in progress_bar(range(n), desc=desc or f"KLD sweep ({len(candidates)} settings)", enable=progress):
-        chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-        targets = chunk[first + 1:last + 1]
-        base = log_softmax(baseline._chunk_logits(chunk))
-        for name, m in candidates.items():
-            accs[name].add(base, m._chunk_logits(chunk), targets)
-    return {name: a.result() for name, a in accs.items()}
 
 
 def check_block_fits(which: str, type_name: str, block: int, head_dim: int) -> None:

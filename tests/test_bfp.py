@@ -173,7 +173,7 @@ def test_head_size_the_block_does_not_divide():
 
 @pytest.fixture(scope="module")
 def bfp_sweep(f16_model, smollm2, passage):
-    from pykvq.model import kld_sweep
+    from pykvq.evaluation import kld_sweep
     settings = {f"{n}/{r}": (n, r) for n in FORMATS for r in ("on", "off")}
     settings["q4_0/on"] = ("q4_0", "on")
     models = {k: Model(smollm2, n_ctx=1024, cache_type_k=n, cache_type_v=n, flash_attn=True,

@@ -262,7 +262,7 @@ QUALITY_TYPES = ["q8_0", "q4_0", "bfp4_32", "nuq4", "nuq3o"]
 @pytest.fixture(scope="module")
 def path_sweep(smollm2, passage, f16_model):
     from pykvq import Model
-    from pykvq.model import kld_sweep
+    from pykvq.evaluation import kld_sweep
     res = {}
     for mode in ("0", None):
         with fa_mode(mode):

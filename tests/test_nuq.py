@@ -476,7 +476,7 @@ def test_graph_without_codebooks_uses_the_fallback():
 
 @pytest.fixture(scope="module")
 def nuq_sweep(f16_model, smollm2, passage):
-    from pykvq.model import kld_sweep
+    from pykvq.evaluation import kld_sweep
     settings = {n: (n, n) for n in FORMATS}
     settings["q4_0"] = ("q4_0", "q4_0")
     settings["nuq3/nuq2o"] = ("nuq3", "nuq2o")

@@ -1,0 +1,136 @@
+"""Quality of a Model against a baseline: perplexity, base-logits files, KL divergence.
+
+The chunking and scoring follow llama-perplexity (pykvq/eval.py holds the pure-numpy metrics).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ContextOverflowError, PykvqError
+from .eval import KLDAccumulator, KLDResult, PerplexityResult, log_softmax, nll, scored_positions
+from .logits_file import LogitsFile, LogitsWriter
+from .progress import progress_bar
+
+
+class Evaluation:
+    """Model's perplexity / save_logits / kl_divergence (a mixin: Model supplies tokenize, eval_logits,
+    n_ctx, n_vocab, add_bos, bos and the cache type names)."""
+
+    def _check_eval_ctx(self, n_ctx: int) -> None:
+        if n_ctx > self.n_ctx:
+            raise ContextOverflowError(
+                f"evaluation context {n_ctx} exceeds the model's context {self.n_ctx}; "
+                f"create the Model with n_ctx >= {n_ctx}")
+        if n_ctx < 4:
+            raise ValueError("n_ctx must be at least 4")
+
+    def _chunks(self, text: str | None, tokens, n_ctx: int, n_chunks: int | None) -> tuple[np.ndarray, int]:
+        self._check_eval_ctx(n_ctx)
+        if tokens is None:
+            tokens = self.tokenize(text, add_special=True, parse_special=False)
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n_max = len(tokens) // n_ctx
+        if n_max < 1:
+            raise ContextOverflowError(
+                f"the text is {len(tokens)} tokens; at least {n_ctx} are needed for one chunk of {n_ctx}")
+        n = n_max if n_chunks is None else min(n_chunks, n_max)
+        return tokens, n
+
+    def _chunk_logits(self, chunk: np.ndarray) -> np.ndarray:
+        toks = chunk.tolist()
+        if self.add_bos:
+            toks[0] = self.bos
+        first, _ = scored_positions(len(toks))
+        return self.eval_logits(toks, output_from=first)[:-1]
+
+    def perplexity(self, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
+                   tokens=None, progress: bool | None = None) -> PerplexityResult:
+        """Perplexity over chunks of n_ctx tokens, scored like llama-perplexity."""
+        tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
+        first, last = scored_positions(n_ctx)
+        nlls = []
+        for i in progress_bar(range(n), desc=f"perplexity {self.cache_type_k}/{self.cache_type_v}",
+                              enable=progress):
+            chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+            nlls.append(nll(log_softmax(self._chunk_logits(chunk)), chunk[first + 1:last + 1]))
+        v = np.concatenate(nlls)
+        return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
+
+    def save_logits(self, path, text: str | None = None, n_ctx: int = 512, n_chunks: int | None = None, *,
+                    tokens=None, progress: bool | None = None, nll_out: list | None = None) -> Path:
+        """Write a llama-perplexity base-logits file (--kl-divergence-base format), atomically.
+        nll_out, if given, receives each chunk's exact target NLLs (the file keeps log-probs
+        only to 16 bits, so a PPL read back from it is approximate)."""
+        tokens, n = self._chunks(text, tokens, n_ctx, n_chunks)
+        first, last = scored_positions(n_ctx)
+        w = LogitsWriter(path, n_ctx, self.n_vocab, tokens, n)
+        try:
+            for i in progress_bar(range(n), desc="baseline logits", enable=progress):
+                chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+                logits = self._chunk_logits(chunk)
+                if nll_out is not None:
+                    nll_out.append(nll(log_softmax(logits), chunk[first + 1:last + 1]))
+                w.add_chunk(logits)
+        except BaseException:
+            w.abort()
+            raise
+        w.close()
+        return Path(path)
+
+    def kl_divergence(self, text: str | None = None, baseline: "Evaluation | str | os.PathLike | None" = None,
+                      n_ctx: int = 512, n_chunks: int | None = None, *, tokens=None,
+                      progress: bool | None = None) -> KLDResult:
+        """KL divergence of this model's next-token distributions from a baseline's.
+
+        baseline: a Model (evaluated chunk by chunk on the same tokens, exact)
+        or the path of a base-logits file written by save_logits() or
+        `llama-perplexity --kl-divergence-base` (tokens come from the file;
+        probabilities below e^-16 are dropped as llama-perplexity does).
+        """
+        if baseline is None:
+            raise ValueError("kl_divergence needs a baseline: a Model or a base-logits file")
+        if isinstance(baseline, Evaluation):
+            return kld_sweep(baseline, {"": self}, text, n_ctx, n_chunks, tokens=tokens, progress=progress,
+                             desc=f"KLD {self.cache_type_k}/{self.cache_type_v}")[""]
+        acc = KLDAccumulator(n_ctx)
+        first, last = scored_positions(n_ctx)
+        f = LogitsFile(baseline)
+        if f.n_vocab != self.n_vocab:
+            raise PykvqError(f"{f.path}: vocabulary {f.n_vocab} differs from the model's {self.n_vocab}")
+        if f.n_ctx != n_ctx:
+            n_ctx = f.n_ctx
+            acc = KLDAccumulator(n_ctx)
+            first, last = scored_positions(n_ctx)
+        if n_ctx > self.n_ctx:
+            raise ContextOverflowError(f"{f.path} was computed with n_ctx={n_ctx} > the model's {self.n_ctx}")
+        n = f.n_chunk if n_chunks is None else min(n_chunks, f.n_chunk)
+        for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}", enable=progress):
+            chunk = f.chunk_tokens(i)
+            base, valid = f.chunk_logprobs(i)
+            acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
+        return acc.result()
+
+
+def kld_sweep(baseline: Evaluation, candidates: dict[str, Evaluation], text: str | None = None, n_ctx: int = 512,
+              n_chunks: int | None = None, *, tokens=None, progress: bool | None = None,
+              desc: str | None = None) -> dict[str, KLDResult]:
+    """KL divergence of several models (cache settings) from one baseline Model
+    over the same chunks. The baseline is evaluated once per chunk and shared,
+    so N settings cost N + 1 evaluations instead of 2N."""
+    for m in candidates.values():
+        if m.n_vocab != baseline.n_vocab:
+            raise PykvqError(f"vocabularies differ ({baseline.n_vocab} vs {m.n_vocab})")
+        m._check_eval_ctx(n_ctx)
+    tokens, n = baseline._chunks(text, tokens, n_ctx, n_chunks)
+    first, last = scored_positions(n_ctx)
+    accs = {name: KLDAccumulator(n_ctx) for name in candidates}
+    for i in progress_bar(range(n), desc=desc or f"KLD sweep ({len(candidates)} settings)", enable=progress):
+        chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+        targets = chunk[first + 1:last + 1]
+        base = log_softmax(baseline._chunk_logits(chunk))
+        for name, m in candidates.items():
+            accs[name].add(base, m._chunk_logits(chunk), targets)
+    return {name: a.result() for name, a in accs.items()}
