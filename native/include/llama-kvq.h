@@ -109,3 +109,28 @@ private:
 
 // what the llama_context constructor running on this thread was asked for (all AUTO outside a scope)
 const llama_kvq_ctx_opts & llama_kvq_ctx_opts_current();
+
+// pykvq in llama's memories (native/llama-kvq-memory.cpp)
+#include <functional>
+#include <string>
+
+struct llama_model;
+struct llama_memory_i;
+struct gguf_context;
+class llama_kv_cache;
+
+// calls f on every attention KV cache a memory holds (plain, iSWA base and SWA, hybrid); returns how many
+int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(llama_kv_cache &)> & f);
+
+// "q4_0", or "mixed: q8_0 1.23 MiB q4_0 4.56 MiB" when the layers' cache tensors differ in type
+std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors);
+bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
+
+// logs what a context's caches hold: types per layer when they differ, bits/value, codebook sources
+void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
+
+// what a converted GGUF asks for (native/llama-kvq-model.cpp)
+void llama_kvq_load_cache_keys(llama_model & model, const gguf_context * ctx);  // pykvq.cache.* keys
+void llama_kvq_load_codebooks(llama_model & model);                              // host copies of blk.N.kvq_codebook_k/v
+// fills what the caller left open (cache types, rotation) from the file's keys and logs where each came from
+void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_params & params, llama_kvq_ctx_opts & kvq);

@@ -1,0 +1,300 @@
+// pykvq: the llama side of pykvq's caches in llama_kv_cache and the memories that hold it: every attention
+// KV cache of a memory (the cache-kind visitor), per-layer descriptions, codebooks, the online rotation
+// setting, the pre-RoPE key domain, and the log line that says what a context's caches hold.
+// The methods are declared in src/llama-kv-cache.h (patches 0003, 0006, 0009); their bodies live here.
+#include "llama-kvq.h"
+
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-hybrid-iswa.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+
+//
+// the cache-kind visitor
+//
+
+int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(llama_kv_cache &)> & f) {
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        f(*kv);
+        return 1;
+    }
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        f(*iswa->get_base());
+        f(*iswa->get_swa());
+        return 2;
+    }
+    if (auto * hyb = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        f(*hyb->get_mem_attn());
+        return 1;
+    }
+    if (auto * hyb_iswa = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        f(*hyb_iswa->get_mem_attn()->get_base());
+        f(*hyb_iswa->get_mem_attn()->get_swa());
+        return 2;
+    }
+    return 0;
+}
+
+//
+// online Hadamard rotation
+//
+
+void llama_kv_cache::set_attn_rot(llama_attn_rot_type rot_k, llama_attn_rot_type rot_v) {
+    const auto apply = [](bool & cur, llama_attn_rot_type want, int64_t n_embd_head, const char * which) {
+        if (want == LLAMA_ATTN_ROT_TYPE_AUTO) {
+            return;
+        }
+        const bool on = want == LLAMA_ATTN_ROT_TYPE_ENABLED;
+        if (on && (n_embd_head <= 0 || n_embd_head % 64 != 0)) {
+            LLAMA_LOG_WARN("%s: cannot rotate %s: head size %d is not a multiple of 64; rotation stays off\n",
+                    __func__, which, (int) n_embd_head);
+            cur = false;
+            return;
+        }
+        cur = on;
+    };
+    apply(attn_rot_k, rot_k, n_embd_head_k_all, "K");
+    apply(attn_rot_v, rot_v, n_embd_head_v_all, "V");
+
+    LLAMA_LOG_INFO("%s: attn_rot_k = %d, attn_rot_v = %d (set per context)\n", __func__, attn_rot_k, attn_rot_v);
+
+    init_attn_rot_hadamard();
+}
+
+void llama_memory_set_attn_rot(llama_memory_i * mem, llama_attn_rot_type rot_k, llama_attn_rot_type rot_v) {
+    if (llama_kvq_for_each_kv_cache(mem, [&](llama_kv_cache & kv) { kv.set_attn_rot(rot_k, rot_v); }) == 0) {
+        LLAMA_LOG_WARN("%s: this memory holds no attention KV cache; the rotation setting is ignored\n", __func__);
+    }
+}
+
+//
+// per-layer types and nuq codebooks
+//
+
+const int8_t * llama_kv_cache::kvq_codebook(int32_t il, bool v) const {
+    const auto it = map_layer_ids.find(il);
+    if (it == map_layer_ids.end()) {
+        return nullptr;
+    }
+    return v ? layers[it->second].cb_v : layers[it->second].cb_k;
+}
+
+void llama_kv_cache::kvq_describe(std::vector<llama_kvq_layer_desc> & out) const {
+    for (const auto & [il, ikv] : map_layer_ids) {
+        if (il < 0 || (size_t) il >= out.size()) {
+            continue;
+        }
+        const auto & layer = layers[ikv];
+        auto & d = out[il];
+        d.il_owner = layer.il;
+        d.rot_k = attn_rot_k;
+        d.rot_v = attn_rot_v;
+        if (layer.k) {
+            d.type_k = layer.k->type;
+            d.cb_k = llama_kvq_is_nuq(layer.k->type) ? (layer.cb_k ? 1 : 2) : 0;
+            d.n_embd_k_gqa = layer.k->ne[0];
+        }
+        if (layer.v) {
+            d.type_v = layer.v->type;
+            d.cb_v = llama_kvq_is_nuq(layer.v->type) ? (layer.cb_v ? 1 : 2) : 0;
+            d.n_embd_v_gqa = layer.v->ne[0];
+        }
+    }
+}
+
+std::vector<llama_kvq_layer_desc> llama_memory_kvq_layers(const llama_memory_i * mem, uint32_t n_layer) {
+    std::vector<llama_kvq_layer_desc> out(n_layer);
+    llama_kvq_for_each_kv_cache(const_cast<llama_memory_i *>(mem), [&](llama_kv_cache & kv) { kv.kvq_describe(out); });
+    return out;
+}
+
+const int8_t * llama_kv_cache_context::kvq_codebook(int32_t il, bool v) const {
+    return kv->kvq_codebook(il, v);
+}
+
+std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors) {
+    std::map<ggml_type, size_t> bytes; // type -> bytes over the layers of that type
+    for (const ggml_tensor * t : tensors) {
+        if (t) {
+            bytes[t->type] += ggml_nbytes(t);
+        }
+    }
+    if (bytes.size() <= 1) {
+        return bytes.empty() ? "none" : ggml_type_name(bytes.begin()->first);
+    }
+    std::string s = "mixed:";
+    for (const auto & [t, n] : bytes) {
+        s += format(" %s %.2f MiB", ggml_type_name(t), n / (1024.0 * 1024.0));
+    }
+    return s;
+}
+
+bool llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors) {
+    return std::any_of(tensors.begin(), tensors.end(), [](const ggml_tensor * t) { return t && ggml_is_quantized(t->type); });
+}
+
+// pykvq: what the context's attention caches hold, per layer: the types when they differ between layers,
+// the true average bits per cached value, and where the nuq codebooks come from
+void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem) {
+    const auto layers = llama_memory_kvq_layers(mem, model.hparams.n_layer_all);
+
+    double bits[2] = { 0, 0 }, values[2] = { 0, 0 };
+    for (int v = 0; v < 2; ++v) {
+        std::map<int32_t, std::vector<uint32_t>> by_type; // type -> layers
+        int n_file = 0, n_fallback = 0;
+        bool rot = false;
+        for (uint32_t il = 0; il < layers.size(); ++il) {
+            const auto & d = layers[il];
+            const int32_t  t = v ? d.type_v : d.type_k;
+            const uint32_t n = v ? d.n_embd_v_gqa : d.n_embd_k_gqa;
+            if (t < 0 || d.il_owner != (int32_t) il) {
+                continue; // no cache, or another layer's (counted there)
+            }
+            by_type[t].push_back(il);
+            bits[v]   += 8.0 * ggml_row_size((ggml_type) t, n);
+            values[v] += n;
+            const int32_t src = v ? d.cb_v : d.cb_k;
+            n_file     += src == 1;
+            n_fallback += src == 2;
+            rot = rot || (v ? d.rot_v : d.rot_k);
+        }
+        const char which = v ? 'V' : 'K';
+        if (by_type.size() > 1) {
+            // most common type first, the others with their layers
+            std::vector<std::pair<int32_t, std::vector<uint32_t>>> sorted(by_type.begin(), by_type.end());
+            std::stable_sort(sorted.begin(), sorted.end(), [](const auto & a, const auto & b) { return a.second.size() > b.second.size(); });
+            std::string s;
+            for (size_t i = 0; i < sorted.size(); ++i) {
+                s += format("%s%s \u00d7%zu", i ? ", " : "", ggml_type_name((ggml_type) sorted[i].first), sorted[i].second.size());
+                if (i > 0) {
+                    s += " (layer" + std::string(sorted[i].second.size() > 1 ? "s " : " ");
+                    for (size_t j = 0; j < sorted[i].second.size(); ++j) {
+                        s += format("%s%u", j ? "," : "", sorted[i].second[j]);
+                    }
+                    s += ")";
+                }
+            }
+            LLAMA_LOG_INFO("%s: %c cache types per layer: %s\n", __func__, which, s.c_str());
+        }
+        if (n_file + n_fallback > 0) {
+            LLAMA_LOG_INFO("%s: %c codebooks: file for %d layers, fallback for %d\n", __func__, which, n_file, n_fallback);
+            const int cal_rot = model.kvq.codebook_rot[v];
+            if (n_file > 0 && cal_rot >= 0 && (cal_rot == 1) != rot) {
+                LLAMA_LOG_WARN("%s: the GGUF's %c codebooks were calibrated with the online Hadamard rotation %s, but this context has it %s "
+                        "(pykvq.cache.codebook_rot_%c); expect a worse %c cache\n", __func__, which, cal_rot ? "on" : "off", rot ? "on" : "off",
+                        v ? 'v' : 'k', which);
+            }
+        }
+    }
+    if (values[0] + values[1] > 0) {
+        LLAMA_LOG_INFO("%s: KV cache bits/value: K %.3f, V %.3f, K+V %.3f\n", __func__,
+                values[0] > 0 ? bits[0] / values[0] : 0.0, values[1] > 0 ? bits[1] / values[1] : 0.0,
+                (bits[0] + bits[1]) / (values[0] + values[1]));
+    }
+}
+
+//
+// the pre-RoPE key cache (the graph side: native/llama-kvq-prerope.cpp)
+//
+
+uint32_t llama_kv_cache::kvq_set_k_domain() {
+    n_prerope = 0;
+    const char * env = getenv("PYKVQ_K_DOMAIN");
+    // auto: quantized K layers; post: none; pre: every layer, an f16 K cache too (for equivalence tests)
+    const bool force_post = env != nullptr && strcmp(env, "post") == 0;
+    const bool force_pre  = env != nullptr && strcmp(env, "pre")  == 0;
+    if (env != nullptr && !force_post && !force_pre && strcmp(env, "auto") != 0) {
+        throw std::runtime_error(format("PYKVQ_K_DOMAIN = '%s': expected auto, post or pre", env));
+    }
+    if (!model.kvq.k_prerope || other) {
+        return 0;
+    }
+    if (force_post) {
+        LLAMA_LOG_INFO("%s: pre-RoPE key cache off (PYKVQ_K_DOMAIN=post): keys are cached after RoPE\n", __func__);
+        return 0;
+    }
+    const char * why_not = nullptr;
+    for (auto & layer : layers) {
+        const uint32_t il = layer.il;
+        const auto & ml = model.layers[il];
+        // an unquantized K cache gains nothing from centring: it stays exactly upstream's
+        if (!ggml_is_quantized(layer.k->type) && !force_pre) {
+            continue;
+        }
+        const char * why = llama_kvq_prerope_unsupported(llama_model_rope_type(&model), hparams.has_rope(il), hparams.n_lora_kv > 0);
+        if (why == nullptr && (ml.kvq_k_mean == nullptr || ml.kvq_k_scale == nullptr)) {
+            why = "the file lacks blk.N.kvq_k_mean / kvq_k_scale";
+        }
+        if (why != nullptr) {
+            why_not = why;
+            LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);
+            continue;
+        }
+        llama_kvq_prerope_check_stats(ml.kvq_k_mean, ml.kvq_k_scale, il);
+        layer.k_mean  = ml.kvq_k_mean;
+        layer.k_scale = ml.kvq_k_scale;
+        ++n_prerope;
+    }
+    LLAMA_LOG_INFO("%s: pre-RoPE key cache in %u of %zu layers (centred by the file's kvq_k_mean / kvq_k_scale, RoPE applied "
+                   "when flash attention reads K; online Hadamard of the centred K %s)%s%s\n", __func__, n_prerope, layers.size(),
+                   attn_rot_k ? "on" : "off", why_not ? "; others post-RoPE: " : "", why_not ? why_not : "");
+    return n_prerope;
+}
+
+std::pair<ggml_tensor *, ggml_tensor *> llama_kv_cache::kvq_prerope(int32_t il) const {
+    const auto & layer = layers[map_layer_ids.at(il)];
+    return { layer.k_mean, layer.k_scale };
+}
+
+ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_kv, const slot_info & sinfo) const {
+    if (n_prerope == 0) {
+        return nullptr;
+    }
+    ggml_tensor * pos = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1);
+    ggml_set_name(pos, "kvq_k_pos");
+    ggml_set_input(pos);
+    return pos;
+}
+
+void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo) const {
+    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
+    int32_t * data = (int32_t *) dst->data;
+    const int64_t n_kv = dst->ne[0];
+    for (int64_t s = 0; s < dst->ne[1]; ++s) {
+        const auto & cells = v_cells[sinfo.s0 + s];
+        for (int64_t j = 0; j < n_kv; ++j) {
+            data[s*n_kv + j] = j < (int64_t) cells.size() && !cells.is_empty(j) ? cells.pos_get(j) : 0;
+        }
+    }
+}
+
+uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem) {
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        return kv->kvq_set_k_domain();
+    }
+    return 0;
+}
+
+std::pair<ggml_tensor *, ggml_tensor *> llama_kv_cache_context::kvq_prerope(int32_t il) const {
+    return kv->kvq_prerope(il);
+}
+
+bool llama_kv_cache_context::kvq_any_prerope() const {
+    return kv->kvq_any_prerope();
+}
+
+ggml_tensor * llama_kv_cache_context::build_input_k_pos(ggml_context * ctx) const {
+    return kv->build_input_k_pos(ctx, n_kv, sinfos[i_cur]);
+}
+
+void llama_kv_cache_context::set_input_k_pos(ggml_tensor * dst) const {
+    kv->set_input_k_pos(dst, sinfos[i_cur]);
+}
