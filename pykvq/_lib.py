@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cffi import FFI
 
+from . import log
 from .errors import LibraryNotFoundError
 
 CDEF = r"""
@@ -281,6 +282,7 @@ ffi.cdef(CDEF)
 
 _lib = None
 _lock = threading.Lock()
+_log_callback = None  # the cffi callback must stay referenced while the lib is loaded
 
 
 def candidate_paths() -> list[Path]:
@@ -324,11 +326,22 @@ def lib():
             ggml_base = ffi.dlopen(str(path.parent / "libggml-base.so"))
             ggml_cpu = ffi.dlopen(str(path.parent / "libggml-cpu.so"))
             lb = ffi.dlopen(str(path))
-            from . import log
-            log.install(lb)
+            _route_log(lb)
             lb.llama_backend_init()
             _lib = _Lib(lb, ggml_base, ggml_cpu, path)
         return _lib
+
+
+def _route_log(lb) -> None:
+    """Send llama.cpp's and ggml's log to pykvq.log."""
+    global _log_callback
+
+    @ffi.callback("void(int, const char *, void *)")
+    def on_log(level, text, _user):
+        log.record(level, ffi.string(text).decode("utf-8", "replace"))
+
+    _log_callback = on_log
+    lb.llama_log_set(on_log, ffi.NULL)
 
 
 class _Lib:

@@ -1,4 +1,4 @@
-"""Route llama.cpp / ggml log output through Python.
+"""llama.cpp / ggml log output, routed through Python (pure: pykvq/_lib.py installs the callback).
 
 Lines are kept in a ring buffer (so errors can quote what llama.cpp said) and
 echoed to stderr when verbose logging is on (PYKVQ_VERBOSE=1 or
@@ -17,7 +17,6 @@ _LEVEL_ERROR = 4
 _KEEP = 5000  # fragments; context creation alone logs a few hundred at debug level
 _buffer: collections.deque[str] = collections.deque(maxlen=_KEEP)
 _verbose = os.environ.get("PYKVQ_VERBOSE", "") not in ("", "0")
-_callback = None  # the cffi callback must stay referenced while the lib is loaded
 
 
 def set_verbose(on: bool) -> None:
@@ -38,16 +37,8 @@ def recent_text(n: int = 20) -> str:
     return "".join(recent(n)).strip()
 
 
-def install(lib) -> None:
-    global _callback
-    from ._lib import ffi
-
-    @ffi.callback("void(int, const char *, void *)")
-    def _on_log(level, text, _user):
-        s = ffi.string(text).decode("utf-8", "replace")
-        _buffer.append(s)
-        if _verbose or level == _LEVEL_ERROR:
-            sys.stderr.write(s)
-
-    _callback = _on_log
-    lib.llama_log_set(_callback, ffi.NULL)
+def record(level: int, text: str) -> None:
+    """One fragment of llama.cpp's log (ggml_log_level level): kept, and echoed when verbose or an error."""
+    _buffer.append(text)
+    if _verbose or level == _LEVEL_ERROR:
+        sys.stderr.write(text)
