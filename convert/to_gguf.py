@@ -2,6 +2,7 @@
 """Bake KV-cache-friendly transforms into a GGUF's attention weights.
 
     python convert/to_gguf.py SRC -o OUT.gguf [--ksort] [--smooth-qk] [--rotate-v hadamard]
+    pykvq-convert SRC -o OUT.gguf ...          # the same, installed (pip install 'pykvq[convert]')
 
 SRC is an HF checkpoint directory (llama / mistral / SmolLM / qwen2) or an
 existing GGUF (any weight type). Attention output is mathematically unchanged;
@@ -143,6 +144,9 @@ def _is_hf_dir(p: Path) -> bool:
 def _hf_to_f32_gguf(src: Path, tmpdir: Path) -> Path:
     """Upstream's converter (tokenizer, metadata, tensor names) to an f32 GGUF."""
     out = tmpdir / "upstream-f32.gguf"
+    if not UPSTREAM.is_file():
+        raise ConvertError(f"an HF checkpoint input needs llama.cpp's converter ({UPSTREAM}), which a pykvq checkout "
+                           "fetches into third_party/ (make fetch); convert a GGUF instead")
     cmd = [sys.executable, str(UPSTREAM), str(src), "--outfile", str(out), "--outtype", "f32"]
     log.info("running the pinned upstream converter: %s", " ".join(cmd[1:]))
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -263,6 +267,7 @@ def convert(args) -> dict:
 
 
 def main(argv=None) -> int:
+    """The command line (python convert/to_gguf.py, python -m convert.to_gguf, pykvq-convert)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:

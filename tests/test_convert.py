@@ -345,6 +345,16 @@ def test_help_explains_each_transform():
         assert flag in res.stdout
 
 
+def test_converter_runs_as_installed_module_and_command(tmp_path):
+    """The suite runs `python -m convert.to_gguf`; pip installs the `convert` package and pykvq-convert.
+    Both work from a directory outside the checkout."""
+    cmd = Path(sys.executable).parent / "pykvq-convert"
+    for argv in ([sys.executable, "-m", "convert.to_gguf", "--help"], [str(cmd), "--help"]):
+        res = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "--prerope-k" in res.stdout
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q5_0"])
 def test_stock_round_trips_match_ggml_reference(smollm2, name):
     """pykvq.ref.stock (used to fake-quantize K and Q in calibration), bit for bit against gguf-py's port of

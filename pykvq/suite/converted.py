@@ -1,7 +1,9 @@
 """Converted GGUFs, made once per (model, variant) and cached under $PYKVQ_CACHE/converted.
 
-The converter's own report is kept beside each file, so a cached conversion
-still says how long it took.
+The converter is the `convert` package installed with pykvq (its command line: pykvq-convert); it
+runs as `python -m convert.to_gguf` in a process of its own, as the speed runs do, so torch and its
+memory never enter the suite's process. Its own report is kept beside each file, so a cached
+conversion still says how long it took.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from ..errors import PykvqError
 from ..paths import cache_dir
 
-CONVERTER = Path(__file__).resolve().parents[2] / "convert" / "to_gguf.py"
+CONVERTER = [sys.executable, "-m", "convert.to_gguf"]
 
 
 def converted(src: Path, variant: str | None, flags: list[str]) -> tuple[Path, dict]:
@@ -24,14 +26,14 @@ def converted(src: Path, variant: str | None, flags: list[str]) -> tuple[Path, d
     out = cache_dir() / "converted" / f"{src.stem}.{variant}.gguf"
     meta = out.with_suffix(".json")
     if not (out.exists() and meta.exists()):
-        if not CONVERTER.is_file():
-            raise PykvqError(f"the converter ({CONVERTER}) is not there: converted settings need a checkout")
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, str(CONVERTER), str(src), "-o", str(out), "--no-progress", *flags]
+        cmd = [*CONVERTER, str(src), "-o", str(out), "--no-progress", *flags]
         print(f"[pykvq] converting {src.name} -> {out.name} ({' '.join(flags)})", file=sys.stderr, flush=True)
         t0 = time.time()
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise PykvqError(f"conversion failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+            hint = ("\nthe converter is not installed: pip install 'pykvq[convert]' (in a checkout: pip install -e "
+                    "'.[convert]')" if "No module named 'convert'" in res.stderr else "")
+            raise PykvqError(f"conversion failed: {' '.join(cmd)}\n{res.stderr[-3000:]}{hint}")
         meta.write_text(json.dumps({"seconds": round(time.time() - t0, 1), "stdout": res.stdout}))
     return out, json.loads(meta.read_text())
