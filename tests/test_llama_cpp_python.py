@@ -6,7 +6,9 @@ through native/include/llama-kvq-api.h instead.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,10 +20,21 @@ import pytest
 
 from conftest import REPO
 
-import pykvq  # noqa: F401  (first: it points LLAMA_CPP_LIB_PATH at pykvq's build, as a user's script would)
-
 TREE = REPO / "third_party" / "llama.cpp"
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python's Python layer is installed by 'make setup'")
+
+# llama_cpp is only ever imported in child processes: importing it installs llama-cpp-python's own log callback
+# into the shared libllama, which would take llama.cpp's messages away from this process's pykvq models.
+if importlib.util.find_spec("llama_cpp") is None:
+    pytest.skip("llama-cpp-python's Python layer is installed by 'make setup'", allow_module_level=True)
+
+
+def _child(code: str, *args: str) -> str:
+    """Run code in a fresh interpreter that imports pykvq first (as a user's script would); its stdout."""
+    res = subprocess.run([sys.executable, "-c", "import pykvq\n" + textwrap.dedent(code), *args],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
 
 
 def _sdist_llama_h() -> bytes:
@@ -42,16 +55,30 @@ STRUCTS = ["llama_context_params", "llama_model_params", "llama_batch", "llama_t
            "llama_sampler_chain_params", "llama_logit_bias"]
 
 
-def _c_layout(tmp_path) -> dict:
+def _ctypes_layout() -> dict:
+    """sizeof and every field's offset of the structs above, as llama-cpp-python's ctypes declares them."""
+    return json.loads(_child("""
+        import ctypes, json, sys
+        import llama_cpp
+        out = {}
+        for name in sys.argv[1:]:
+            cls = getattr(llama_cpp.llama_cpp, name)
+            out[name] = {"(sizeof)": ctypes.sizeof(cls), **{f[0]: getattr(cls, f[0]).offset for f in cls._fields_}}
+        print(json.dumps(out))
+    """, *STRUCTS))
+
+
+def _c_layout(tmp_path, fields: dict) -> dict:
     """sizeof and every field's offset of the structs above, as the patched tree's C compiler sees them."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     lines = []
     for name in STRUCTS:
-        cls = getattr(llama_cpp.llama_cpp, name)
         lines.append(f'printf("\\"{name}\\": {{\\"(sizeof)\\": %zu", sizeof(struct {name}));')
-        for field, *_ in cls._fields_:
+        for field in fields[name]:
+            if field == "(sizeof)":
+                continue
             lines.append(f'printf(", \\"{field}\\": %zu", offsetof(struct {name}, {field}));')
         lines.append('printf("}%s\\n", "' + ("," if name != STRUCTS[-1] else "") + '");')
     src = tmp_path / "layout.c"
@@ -64,15 +91,11 @@ def _c_layout(tmp_path) -> dict:
 
 
 def test_struct_layouts_match_llama_cpp_python(tmp_path):
-    import ctypes
-
     from pykvq._lib import ffi
-    c = _c_layout(tmp_path)
+    py = _ctypes_layout()
+    c = _c_layout(tmp_path, py)
     for name in STRUCTS:
-        cls = getattr(llama_cpp.llama_cpp, name)
-        assert ctypes.sizeof(cls) == c[name]["(sizeof)"], name
-        for field, *_ in cls._fields_:
-            assert getattr(cls, field).offset == c[name][field], f"{name}.{field}"
+        assert py[name] == c[name], name
     # pykvq's own cffi declarations agree too
     assert ffi.sizeof("struct llama_context_params") == c["llama_context_params"]["(sizeof)"]
     assert ffi.sizeof("struct llama_model_params") == c["llama_model_params"]["(sizeof)"]
@@ -91,7 +114,6 @@ def test_ggml_type_ids_exported():
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
-    import pykvq
     import llama_cpp
     from llama_cpp import Llama
     path, type_name, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -110,19 +132,16 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("cache", ["nuq4", "bfp4_32"])
-def test_llama_cpp_Llama_with_pykvq_cache(smollm2, passage, cache, monkeypatch):
+def test_llama_cpp_Llama_with_pykvq_cache(smollm2, passage, cache):
     from pykvq import Model
-    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
     m = Model(smollm2, n_ctx=512, cache_type_k=cache, cache_type_v=cache, flash_attn=True)
     try:
         tokens = m.tokenize(passage)[:200]
         ref = m.eval_logits(tokens)[-1].astype(np.float64)
-        res = subprocess.run([sys.executable, "-c", _SCRIPT, str(smollm2), cache, json.dumps(tokens)],
-                             capture_output=True, text=True, timeout=300, cwd=REPO)
+        stdout = _child(_SCRIPT, str(smollm2), cache, json.dumps(tokens))
     finally:
         m.close()
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = json.loads(stdout.strip().splitlines()[-1])
     assert out["lib"] == str(REPO / "build" / "bin")
     got = np.array(out["logits"])
     # the same library, graph and cache type: the same next-token distribution up to float reordering
