@@ -332,6 +332,12 @@ def lib():
         return _lib
 
 
+def reclaim_log() -> None:
+    """Point llama.cpp's log at pykvq again: another binding in the process (llama_cpp sets its own callback
+    when imported) takes it over, and pykvq's errors would lose what llama.cpp said."""
+    lib()._llama.llama_log_set(_log_callback, ffi.NULL)
+
+
 def _route_log(lb) -> None:
     """Send llama.cpp's and ggml's log to pykvq.log."""
     global _log_callback

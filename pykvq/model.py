@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache_types, log
-from ._lib import ffi, lib
+from ._lib import ffi, lib, reclaim_log
 from .cache_info import KVCacheInfo
 from .errors import CacheTypeError, ContextOverflowError, DecodeError, ModelLoadError, PykvqError
 from .evaluation import Evaluation, kld_sweep
@@ -85,6 +85,7 @@ class Model(Generation, Evaluation):
             log.set_verbose(verbose)
 
         L = self._lib = lib()
+        reclaim_log()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
         log.clear()

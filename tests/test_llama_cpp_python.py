@@ -152,3 +152,17 @@ def test_llama_cpp_Llama_with_pykvq_cache(smollm2, passage, cache):
     assert int(np.argmax(got)) == int(np.argmax(ref))
     assert out["role"] == "assistant"
     assert "Paris" in out["answer"], out["answer"]
+
+
+def test_pykvq_keeps_its_log_after_llama_cpp_is_imported(smollm2):
+    """llama_cpp's import takes over libllama's log callback; a pykvq Model made afterwards takes it back, so
+    its errors still quote llama.cpp."""
+    out = _child("""
+        import sys
+        from pykvq import Model, log
+        import llama_cpp
+        m = Model(sys.argv[1], n_ctx=256)
+        print(len(log.recent_text(5000)))
+        m.close()
+    """, str(smollm2))
+    assert int(out.strip().splitlines()[-1]) > 1000
