@@ -22,7 +22,7 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/cpu/fattn.cpp
 )
 
-# CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by patch 0008, compiled with its flags
+# CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by patch 0009, compiled with its flags
 # and architectures; they include ggml-cuda's own headers (common.cuh, fattn.cuh).
 set(GGML_KVQ_CUDA_SOURCES
     ${GGML_KVQ_DIR}/cuda/kvq-cuda.cu

@@ -65,6 +65,15 @@ void llama_kvq_load_codebooks(llama_model & model) {
     }
 }
 
+const int8_t * llama_kvq_layer_codebook(const llama_model & model, int il, bool v, ggml_type type) {
+    const int8_t * cb = model.kvq_codebook(il, v, type);
+    if (cb != nullptr && !llama_kvq_codebook_ok(cb, type)) {
+        throw std::runtime_error(format("blk.%d.kvq_codebook_%c is not a valid %s codebook (%d entries strictly ascending in [-127, 127])",
+                il, v ? 'v' : 'k', ggml_type_name(type), llama_kvq_n_codes(type)));
+    }
+    return cb;
+}
+
 ggml_type llama_model::kvq_cache_type(ggml_type requested, uint32_t il, bool v) const {
     if (requested != LLAMA_KV_CACHE_TYPE_MODEL) {
         return requested;

@@ -119,6 +119,26 @@ struct llama_memory_i;
 struct gguf_context;
 class llama_kv_cache;
 
+// what one model layer's attention cache holds
+struct llama_kvq_layer_desc {
+    int32_t  type_k = -1;     // ggml type of the K / V cache tensor, -1 when the layer has none
+    int32_t  type_v = -1;
+    int32_t  cb_k   = 0;      // codebook: 0 not a nuq cache, 1 from the file, 2 the type's fallback
+    int32_t  cb_v   = 0;
+    bool     rot_k  = false;  // the online Hadamard rotation of the cache holding the layer
+    bool     rot_v  = false;
+    uint32_t n_embd_k_gqa = 0;
+    uint32_t n_embd_v_gqa = 0;
+    int32_t  il_owner = -1;   // the layer whose cache tensors these are (differs for a layer that reuses another's)
+};
+
+// one entry per model layer [0, n_layer) for every attention KV cache a memory holds (plain, iSWA, hybrid)
+std::vector<llama_kvq_layer_desc> llama_memory_kvq_layers(const llama_memory_i * mem, uint32_t n_layer);
+
+// key domain of the memory's attention caches: pre-RoPE for the layers the file's pykvq.cache.k_domain,
+// statistics and the cache type allow (PYKVQ_K_DOMAIN=post keeps every layer post-RoPE). Returns the layer count.
+uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem);
+
 // calls f on every attention KV cache a memory holds (plain, iSWA base and SWA, hybrid); returns how many
 int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(llama_kv_cache &)> & f);
 
@@ -132,5 +152,8 @@ void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
 // what a converted GGUF asks for (native/llama-kvq-model.cpp)
 void llama_kvq_load_cache_keys(llama_model & model, const gguf_context * ctx);  // pykvq.cache.* keys
 void llama_kvq_load_codebooks(llama_model & model);                              // host copies of blk.N.kvq_codebook_k/v
+// the file's codebook for layer il's K / V cache of `type` (nullptr: none, or not the type it was calibrated for);
+// throws std::runtime_error naming the tensor when it is not a valid codebook of that type
+const int8_t * llama_kvq_layer_codebook(const llama_model & model, int il, bool v, ggml_type type);
 // fills what the caller left open (cache types, rotation) from the file's keys and logs where each came from
 void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_params & params, llama_kvq_ctx_opts & kvq);
