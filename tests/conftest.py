@@ -82,6 +82,15 @@ def smollm2_f32(smollm2, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_converted(smollm2, smollm2_hf, tmp_path_factory):
+    """The real Q4_1 file with every transform (K-sort, smoothing, Hadamard V; V/O requantized to q8_0)."""
+    from test_convert import TRANSFORMS, run_convert
+    out = tmp_path_factory.mktemp("conv") / "smollm2-kvq.gguf"
+    run_convert(smollm2, "-o", out, "--hf-dir", smollm2_hf, *TRANSFORMS["all"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def wikitext() -> str:
     from pykvq.data import wikitext_test
     return wikitext_test()

@@ -214,14 +214,6 @@ def test_greedy_continuation_is_unchanged(smollm2_f32, smollm2_hf, tmp_path):
     assert outs[0] == outs[1] and len(outs[0]) > 20
 
 
-@pytest.fixture(scope="session")
-def smollm2_converted(smollm2, smollm2_hf, tmp_path_factory):
-    """The real Q4_1 file with every transform (V/O requantized to q8_0)."""
-    out = tmp_path_factory.mktemp("conv") / "smollm2-kvq.gguf"
-    run_convert(smollm2, "-o", out, "--hf-dir", smollm2_hf, *TRANSFORMS["all"])
-    return out
-
-
 def test_quantized_input_smoothing_is_bit_exact(smollm2, smollm2_hf, eval_tokens, tmp_path):
     out = tmp_path / "smooth.gguf"
     before = hashlib.sha256(smollm2.read_bytes()).hexdigest()

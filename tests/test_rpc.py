@@ -74,9 +74,12 @@ def complete(model, *args, rpc: str | None = None):
     return res.stdout, res.stderr
 
 
-@pytest.mark.parametrize("cache", ["f16", "q4_0", "nuq4", "bfp4_32", "file"])
-def test_rpc_greedy_equals_local(smollm2, codebook_file, workers, cache):
-    model, args = (codebook_file, []) if cache == "file" else (smollm2, ["-ctk", cache, "-ctv", cache])
+@pytest.mark.parametrize("cache", ["f16", "q4_0", "nuq4", "bfp4_32", "file", "ksorted"])
+def test_rpc_greedy_equals_local(smollm2, codebook_file, smollm2_converted, workers, cache):
+    """"file": per-layer types and codebooks from the GGUF; "ksorted": a converted file (K-sort with its 2-D rope
+    factors, smoothing, Hadamard V; its own bfp4_32 cache types)."""
+    model, args = {"file": (codebook_file, []), "ksorted": (smollm2_converted, [])}.get(
+        cache, (smollm2, ["-ctk", cache, "-ctv", cache]))
     local, _ = complete(model, *args)
     remote, log = complete(model, *args, rpc=workers)
     assert remote == local and len(local) > len(PROMPT) + 20
@@ -85,6 +88,8 @@ def test_rpc_greedy_equals_local(smollm2, codebook_file, workers, cache):
     assert "offloaded 31/31 layers" in log
     if cache == "file":
         assert "codebooks: file for 29 layers" in log, log[-3000:]
+    if cache == "ksorted":
+        assert "keys are K-sorted" in log and "bfp4_32" in log, log[-3000:]
 
 
 def test_rpc_perplexity_kld_is_zero(smollm2, passage, workers, tmp_path):
