@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .eval import KLDResult
+from .keys import Keys
 from .model import KVCacheInfo, Model, kld_sweep
 from .suite.settings import Setting, parse_setting
 
@@ -123,8 +124,8 @@ def explain_model(setting: str, m: Model) -> str:
     if s.variant():
         flags = " ".join(TRANSFORMS.get(s.transform) or [])
         made_by = f"convert/to_gguf.py {flags}".rstrip() + ", converted once and cached"
-    return explain(setting, types, m.k_domain, m.meta("pykvq.cache.k_scale_method"), m.attn_rotation, books,
-                   m.meta("pykvq.cache.codebook_method"), made_by)
+    return explain(setting, types, m.k_domain, m.meta(Keys.Cache.K_SCALE_METHOD), m.attn_rotation, books,
+                   m.meta(Keys.Cache.CODEBOOK_METHOD), made_by)
 
 
 # ---- I/O -------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def _say(msg: str) -> None:
 
 def model_file(src: Path, setting: Setting) -> Path:
     """The GGUF a setting runs on: src itself, or src converted once and cached ($PYKVQ_CACHE/converted)."""
-    from .models import cache_dir
+    from .paths import cache_dir
     from .suite.converted import converted
     variant = setting.variant()
     if variant is None:
@@ -154,7 +155,7 @@ def model_file(src: Path, setting: Setting) -> Path:
 
 def open_models(src: Path | None = None, *, n_ctx: int = DEMO_CTX, n_threads: int | None = None) -> dict[str, Model]:
     """{row label: Model} for the demo's rows, each with flash attention and its setting's cache."""
-    from .models import fetch
+    from .registry import fetch
     src = Path(src) if src is not None else fetch(DEMO_MODEL, progress=True)
     out: dict[str, Model] = {}
     try:
