@@ -2,6 +2,7 @@
 // calibration, key domain), host copies of the nuq codebooks, and the defaults a context takes from them.
 // The llama_model methods are declared in src/llama-model.h (patch 0006); their bodies live here.
 #include "llama-kvq.h"
+#include "llama-kvq-keys.h"
 
 #include "llama-impl.h"
 #include "llama-model.h"
@@ -14,9 +15,9 @@ void llama_kvq_load_cache_keys(llama_model & model, const gguf_context * ctx) {
     const auto & gguf_kv = model.gguf_kv;
     // per-layer cache types (string arrays, which gguf_kv leaves out) and the keys the codebooks were calibrated under
     for (int v = 0; v < 2; ++v) {
-        const char * key_layers = v ? "pykvq.cache.layer_types_v" : "pykvq.cache.layer_types_k";
-        const char * key_type   = v ? "pykvq.cache.type_v"        : "pykvq.cache.type_k";
-        const char * key_rot    = v ? "pykvq.cache.codebook_rot_v" : "pykvq.cache.codebook_rot_k";
+        const char * key_layers = v ? LLAMA_KVQ_KEY_CACHE_LAYER_TYPES_V : LLAMA_KVQ_KEY_CACHE_LAYER_TYPES_K;
+        const char * key_type   = v ? LLAMA_KVQ_KEY_CACHE_TYPE_V        : LLAMA_KVQ_KEY_CACHE_TYPE_K;
+        const char * key_rot    = v ? LLAMA_KVQ_KEY_CACHE_CODEBOOK_ROT_V : LLAMA_KVQ_KEY_CACHE_CODEBOOK_ROT_K;
         kvq.layer_types[v].clear();
         const int64_t kid = gguf_find_key(ctx, key_layers);
         if (kid >= 0) {
@@ -37,11 +38,11 @@ void llama_kvq_load_cache_keys(llama_model & model, const gguf_context * ctx) {
         const auto ir = gguf_kv.find(key_rot);
         kvq.codebook_rot[v] = ir == gguf_kv.end() ? -1 : ir->second == "true" ? 1 : 0;
     }
-    const auto it = gguf_kv.find("pykvq.cache.k_domain");
-    if (it != gguf_kv.end() && it->second != "prerope" && it->second != "postrope") {
-        throw std::runtime_error(format("pykvq.cache.k_domain = '%s': expected prerope or postrope", it->second.c_str()));
+    const auto it = gguf_kv.find(LLAMA_KVQ_KEY_CACHE_K_DOMAIN);
+    if (it != gguf_kv.end() && it->second != LLAMA_KVQ_VALUE_K_DOMAIN_PREROPE && it->second != LLAMA_KVQ_VALUE_K_DOMAIN_POSTROPE) {
+        throw std::runtime_error(format(LLAMA_KVQ_KEY_CACHE_K_DOMAIN " = '%s': expected " LLAMA_KVQ_VALUE_K_DOMAIN_PREROPE " or " LLAMA_KVQ_VALUE_K_DOMAIN_POSTROPE, it->second.c_str()));
     }
-    kvq.k_prerope = it != gguf_kv.end() && it->second == "prerope";
+    kvq.k_prerope = it != gguf_kv.end() && it->second == LLAMA_KVQ_VALUE_K_DOMAIN_PREROPE;
 }
 
 void llama_kvq_load_codebooks(llama_model & model) {
@@ -139,15 +140,15 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
             LLAMA_LOG_INFO("%s: cache type %s = f16 (default)\n", "llama_kvq_apply_model_defaults", which);
         }
     };
-    pick(params.type_k, "pykvq.cache.type_k", "K");
-    pick(params.type_v, "pykvq.cache.type_v", "V");
+    pick(params.type_k, LLAMA_KVQ_KEY_CACHE_TYPE_K, "K");
+    pick(params.type_v, LLAMA_KVQ_KEY_CACHE_TYPE_V, "V");
 
-    if (kvq.attn_rot_k == LLAMA_ATTN_ROT_TYPE_AUTO && key("pykvq.baked.ksort") == "true") {
+    if (kvq.attn_rot_k == LLAMA_ATTN_ROT_TYPE_AUTO && key(LLAMA_KVQ_KEY_BAKED_KSORT) == "true") {
         kvq.attn_rot_k = LLAMA_ATTN_ROT_TYPE_DISABLED;
         LLAMA_LOG_INFO("%s: online K rotation off: the GGUF's keys are K-sorted and a Hadamard would undo it (force with attn_rot_k/-rotk on)\n", __func__);
     }
-    if (kvq.attn_rot_v == LLAMA_ATTN_ROT_TYPE_AUTO && (key("pykvq.baked.rotate_v") == "hadamard" || key("pykvq.baked.rotate_v") == "learned")) {
+    if (kvq.attn_rot_v == LLAMA_ATTN_ROT_TYPE_AUTO && (key(LLAMA_KVQ_KEY_BAKED_ROTATE_V) == LLAMA_KVQ_VALUE_ROTATE_V_HADAMARD || key(LLAMA_KVQ_KEY_BAKED_ROTATE_V) == LLAMA_KVQ_VALUE_ROTATE_V_LEARNED)) {
         kvq.attn_rot_v = LLAMA_ATTN_ROT_TYPE_DISABLED;
-        LLAMA_LOG_INFO("%s: online V rotation off: a transform (%s) is baked into W_v/W_o (force with attn_rot_v/-rotv on)\n", __func__, key("pykvq.baked.rotate_v").c_str());
+        LLAMA_LOG_INFO("%s: online V rotation off: a transform (%s) is baked into W_v/W_o (force with attn_rot_v/-rotv on)\n", __func__, key(LLAMA_KVQ_KEY_BAKED_ROTATE_V).c_str());
     }
 }
