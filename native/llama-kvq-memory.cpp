@@ -298,3 +298,39 @@ ggml_tensor * llama_kv_cache_context::build_input_k_pos(ggml_context * ctx) cons
 void llama_kv_cache_context::set_input_k_pos(ggml_tensor * dst) const {
     kv->set_input_k_pos(dst, sinfos[i_cur]);
 }
+
+//
+// session states: what decodes a layer's bytes, in its type word
+//
+
+int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope) {
+    int32_t word = (int32_t) type | (prerope ? LLAMA_KVQ_STATE_PREROPE : 0);
+    if (cb != nullptr && llama_kvq_is_nuq(type)) {
+        uint32_t h = 2166136261u; // FNV-1a over the codebook's entries
+        for (int i = 0; i < llama_kvq_n_codes(type); ++i) {
+            h = (h ^ (uint8_t) cb[i]) * 16777619u;
+        }
+        word |= (int32_t) (1 + h % 255) << LLAMA_KVQ_STATE_CB_SHIFT;
+    }
+    return word;
+}
+
+std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which) {
+    if (have == want) {
+        return "";
+    }
+    const int32_t type_mask = LLAMA_KVQ_STATE_PREROPE - 1;
+    const auto type_name = [&](int32_t w) { return std::string(ggml_type_name((ggml_type) (w & type_mask))); };
+    if ((have & type_mask) != (want & type_mask)) {
+        return format("mismatched %s type (the state holds %s, this context's cache is %s)", which == 'K' ? "key" : "value",
+                      type_name(have).c_str(), type_name(want).c_str());
+    }
+    if ((have ^ want) & LLAMA_KVQ_STATE_PREROPE) {
+        return format("the state holds a %s-RoPE K cache, this context's is %s-RoPE (pykvq key domain)",
+                      (have & LLAMA_KVQ_STATE_PREROPE) ? "pre" : "post", (want & LLAMA_KVQ_STATE_PREROPE) ? "pre" : "post");
+    }
+    const int cb_have = (have >> LLAMA_KVQ_STATE_CB_SHIFT) & 0xff, cb_want = (want >> LLAMA_KVQ_STATE_CB_SHIFT) & 0xff;
+    const auto cb_name = [](int f) { return f ? format("a file codebook (fingerprint %d)", f) : std::string("the fallback codebook"); };
+    return format("the state's %c cache (%s) was written with %s, this context uses %s", which, type_name(have).c_str(),
+                  cb_name(cb_have).c_str(), cb_name(cb_want).c_str());
+}

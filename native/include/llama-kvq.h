@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 static inline bool llama_kvq_is_nuq(ggml_type type) {
     return (int) type >= 0 && type < GGML_TYPE_COUNT && ggml_kvq_is_nuq(type);
@@ -84,8 +85,15 @@ ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, 
 // block the stored K was turned by, 0 for none); throws when fa_node is not one
 void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h);
 
-// session states: a pre-RoPE K layer's type word carries this bit (type ids stay far below it)
-#define LLAMA_KVQ_STATE_PREROPE 0x10000
+// session states: each layer's K / V type word also says what else decodes the bytes: a pre-RoPE K layer sets
+// LLAMA_KVQ_STATE_PREROPE, a file codebook puts its fingerprint (1..255) in bits 20..27 (type ids stay far below)
+#define LLAMA_KVQ_STATE_PREROPE  0x10000
+#define LLAMA_KVQ_STATE_CB_SHIFT 20
+
+// the type word a state records for a layer's cache tensor (native/llama-kvq-memory.cpp)
+int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope);
+// "" when a state's word (have) fits this context's (want), else why not, naming K or V
+std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
 
 // pykvq's per-context settings (native/llama-kvq.cpp). llama_context_params has no room for them: they come
 // from llama_kvq_init_from_model, else the process default (llama_kvq_set_default_attn_rot, the tools' -rotk)
