@@ -131,6 +131,66 @@ class Server:
         return self.request("POST", path, body, timeout=timeout)
 
 
+class RpcWorkers:
+    """n of pykvq's ggml-rpc-server workers on free loopback ports, stopped on exit. `endpoints` is the value for
+    the tools' --rpc (llama-bench: -rpc)."""
+
+    def __init__(self, n: int = 2, *, threads: int = 1, host: str = "127.0.0.1", startup_timeout: float = 60.0):
+        self.n, self.threads, self.host, self.startup_timeout = n, threads, host, startup_timeout
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"{self.host}:{p}" for p in self.ports)
+
+    def start(self) -> "RpcWorkers":
+        binary = lib_path().parent / "ggml-rpc-server"
+        if not binary.is_file():
+            raise PykvqError(f"{binary} is not built; run 'make build'")
+        try:
+            for _ in range(self.n):
+                port = free_port(self.host)
+                proc = subprocess.Popen([str(binary), "-H", self.host, "-p", str(port), "-t", str(self.threads)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                self.procs.append(proc)
+                self._wait(port, proc)
+                self.ports.append(port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, port: int, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise PykvqError(f"ggml-rpc-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                with socket.create_connection((self.host, port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise PykvqError(f"ggml-rpc-server did not listen on {self.host}:{port}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.procs, self.ports = [], []
+
+    def __enter__(self) -> "RpcWorkers":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def serve(model, **kwargs) -> int:
     """Run llama-server in the foreground (Ctrl-C stops it); returns its exit code."""
     cmd = server_command(model, **kwargs)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from pykvq import Model  # noqa: E402
 from pykvq.data import wikitext_test  # noqa: E402
 from pykvq.registry import fetch  # noqa: E402
-from pykvq.serve import Server, free_port  # noqa: E402
+from pykvq.serve import RpcWorkers, Server  # noqa: E402
 
 BIN = REPO / "build" / "bin"
 
@@ -56,28 +56,15 @@ def server_run(model: Path, cache: str, texts: list[str], n_predict: int, thread
 
 
 def rpc_bench(model: Path, cache: str, threads: int, depth: int) -> dict:
-    procs, eps = [], []
-    try:
-        for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen([str(BIN / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port),
-                                           "-t", str(max(1, threads // 2))],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            eps.append(f"127.0.0.1:{port}")
-        time.sleep(1.0)
-        out = {}
-        for where, extra in (("local", ["-ngl", "0"]), ("rpc", ["-rpc", ",".join(eps), "-ngl", "99"])):
+    out = {}
+    with RpcWorkers(2, threads=max(1, threads // 2)) as workers:
+        for where, extra in (("local", ["-ngl", "0"]), ("rpc", ["-rpc", workers.endpoints, "-ngl", "99"])):
             cmd = [str(BIN / "llama-bench"), "-m", str(model), "-ctk", cache, "-ctv", cache, "-fa", "1",
                    "-p", "512", "-n", "32", "-d", str(depth), "-r", "2", "-t", str(threads), "-o", "json", *extra]
             rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
             for r in rows:
-                kind = "pp" if r["n_prompt"] > 0 else "tg"
-                out[f"{where}_{kind}"] = r["avg_ts"]
-        return {"cache": cache, **out}
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait()
+                out[f"{where}_{'pp' if r['n_prompt'] > 0 else 'tg'}"] = r["avg_ts"]
+    return {"cache": cache, **out}
 
 
 def main() -> int:

@@ -91,6 +91,19 @@ def smollm2_converted(smollm2, smollm2_hf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_codebooks(smollm2, tmp_path_factory):
+    """SmolLM2 with per-layer cache types and K codebooks from the file (weights untouched): nuq3 K with a codebook
+    of its own in every layer but 0, whose K is q8_0; q8_0 V. For the server and RPC tests."""
+    import numpy as np
+    from gguf_variants import variant
+    n_layer = 30
+    cb = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)
+    return variant(smollm2, tmp_path_factory.mktemp("codebooks") / "smollm2-codebooks.gguf",
+                   layer_types_k=["q8_0"] + ["nuq3"] * (n_layer - 1), layer_types_v=["q8_0"] * n_layer,
+                   type_k="nuq3", type_v="q8_0", rot_k=True, codebooks_k={il: cb for il in range(1, n_layer)})
+
+
+@pytest.fixture(scope="session")
 def wikitext() -> str:
     from pykvq.data import wikitext_test
     return wikitext_test()

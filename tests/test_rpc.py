@@ -8,62 +8,22 @@ from __future__ import annotations
 import re
 import socket
 import struct
-import subprocess
 import threading
 import time
 
-import numpy as np
 import pytest
-from conftest import run_tool, tool
-from gguf_variants import variant
+from conftest import run_tool
 
-from pykvq.serve import Server, free_port
+from pykvq.serve import RpcWorkers, Server
 
-N_LAYER = 30
 PROMPT = "The three largest cities of France are"
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ggml-rpc-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"ggml-rpc-server did not listen on {port}")
 
 
 @pytest.fixture(scope="module")
 def workers():
     """Two pykvq RPC workers on free loopback ports, one CPU thread each; stopped after the module."""
-    procs, ports = [], []
-    try:
-        for _ in range(2):
-            port = free_port()
-            p = subprocess.Popen([str(tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            procs.append(p)
-            _wait_port(port, p)
-            ports.append(port)
-        yield ",".join(f"127.0.0.1:{p}" for p in ports)
-    finally:
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-@pytest.fixture(scope="module")
-def codebook_file(smollm2, tmp_path_factory):
-    cb = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)
-    return variant(smollm2, tmp_path_factory.mktemp("rpc") / "codebooks.gguf",
-                   layer_types_k=["q8_0"] + ["nuq3"] * (N_LAYER - 1), layer_types_v=["q8_0"] * N_LAYER,
-                   type_k="nuq3", type_v="q8_0", rot_k=True, codebooks_k={il: cb for il in range(1, N_LAYER)})
+    with RpcWorkers(2, threads=1) as w:
+        yield w.endpoints
 
 
 def complete(model, *args, rpc: str | None = None):
@@ -75,10 +35,10 @@ def complete(model, *args, rpc: str | None = None):
 
 
 @pytest.mark.parametrize("cache", ["f16", "q4_0", "nuq4", "bfp4_32", "file", "ksorted"])
-def test_rpc_greedy_equals_local(smollm2, codebook_file, smollm2_converted, workers, cache):
+def test_rpc_greedy_equals_local(smollm2, smollm2_codebooks, smollm2_converted, workers, cache):
     """"file": per-layer types and codebooks from the GGUF; "ksorted": a converted file (K-sort with its 2-D rope
     factors, smoothing, Hadamard V; its own bfp4_32 cache types)."""
-    model, args = {"file": (codebook_file, []), "ksorted": (smollm2_converted, [])}.get(
+    model, args = {"file": (smollm2_codebooks, []), "ksorted": (smollm2_converted, [])}.get(
         cache, (smollm2, ["-ctk", cache, "-ctv", cache]))
     local, _ = complete(model, *args)
     remote, log = complete(model, *args, rpc=workers)

@@ -8,26 +8,13 @@ import concurrent.futures as cf
 
 import numpy as np
 import pytest
-from gguf_variants import variant
 
 from pykvq.serve import Server
 
 openai = pytest.importorskip("openai", reason="the OpenAI client is a test dependency (make setup installs it)")
 
-N_LAYER = 30
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one sentence about the sea.", "What is 12 times 12?"]
-
-
-@pytest.fixture(scope="module")
-def codebook_file(smollm2, tmp_path_factory):
-    """SmolLM2 with per-layer cache types and K codebooks from the file: nuq3 K (a codebook of its own in
-    every layer) and q8_0 V, except layer 0 whose K is q8_0."""
-    cb = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)
-    d = tmp_path_factory.mktemp("server")
-    return variant(smollm2, d / "codebooks.gguf", layer_types_k=["q8_0"] + ["nuq3"] * (N_LAYER - 1),
-                   layer_types_v=["q8_0"] * N_LAYER, type_k="nuq3", type_v="q8_0", rot_k=True,
-                   codebooks_k={il: cb for il in range(1, N_LAYER)})
 
 
 def client(srv: Server):
@@ -64,12 +51,12 @@ def own_choice_rates(model, runs: list[tuple[str, list[int]]], **kw) -> list[flo
 
 
 @pytest.mark.parametrize("cache", ["nuq4", "bfp4_32", "file"])
-def test_parallel_slots(smollm2, codebook_file, cache, tmp_path):
+def test_parallel_slots(smollm2, smollm2_codebooks, cache, tmp_path):
     """Four clients at once on four slots, then one at a time. Each answer must be the model's own greedy text:
     teacher-forced through pykvq's in-process Model with the same cache, >= 75% of its tokens are that Model's
     top choice (measured 83-100%: batch shapes change float sums, which flips near-ties in a 135M model; a slot
     reading another slot's cache scores near 0). "file": per-layer types and codebooks from the GGUF."""
-    model, kw = (codebook_file, {}) if cache == "file" else (smollm2, dict(cache_type_k=cache, cache_type_v=cache))
+    model, kw = (smollm2_codebooks, {}) if cache == "file" else (smollm2, dict(cache_type_k=cache, cache_type_v=cache))
     extra = ["-lv", "4"] if cache == "file" else []          # llama's load log: where types and codebooks came from
     with Server(model, n_parallel=4, n_ctx=2048, threads=2, log_path=tmp_path / "srv.log", extra=extra, **kw) as srv:
         with cf.ThreadPoolExecutor(len(RAW_PROMPTS)) as ex:
@@ -122,7 +109,7 @@ def test_context_shift_keeps_generating(smollm2, cache, tmp_path):
     assert len(words) > 100
 
 
-def test_slot_save_restore(codebook_file, smollm2, tmp_path):
+def test_slot_save_restore(smollm2_codebooks, smollm2, tmp_path):
     """A slot saved with a codebook cache restores into a fresh server and continues exactly; a server with
     another cache layout refuses the file."""
     slots = tmp_path / "slots"
@@ -130,11 +117,11 @@ def test_slot_save_restore(codebook_file, smollm2, tmp_path):
     prompt = "The history of the Roman Empire begins"
     body = {"prompt": prompt, "n_predict": 24, "temperature": 0.0, "cache_prompt": True, "id_slot": 0}
     common = dict(n_ctx=1024, threads=2, extra=["--slot-save-path", str(slots)])
-    with Server(codebook_file, log_path=tmp_path / "a.log", **common) as srv:
+    with Server(smollm2_codebooks, log_path=tmp_path / "a.log", **common) as srv:
         first = srv.post("/completion", body)
         saved = srv.post("/slots/0?action=save", {"filename": "slot0.bin"})
         assert saved["n_saved"] > 0
-    with Server(codebook_file, log_path=tmp_path / "b.log", **common) as srv:
+    with Server(smollm2_codebooks, log_path=tmp_path / "b.log", **common) as srv:
         restored = srv.post("/slots/0?action=restore", {"filename": "slot0.bin"})
         assert restored["n_restored"] == saved["n_saved"]
         again = srv.post("/completion", body)
