@@ -5,6 +5,8 @@ Every server is started on a free port by pykvq.serve.Server and stopped when it
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -133,3 +135,17 @@ def test_slot_save_restore(smollm2_codebooks, smollm2, tmp_path):
         log = srv.log_tail(10**7)
     assert "400" in str(e.value) or "500" in str(e.value) or "error" in str(e.value).lower()
     assert "type" in log.lower(), log[-2000:]
+
+
+def test_bad_input_is_a_clear_error(smollm2):
+    """An unknown cache type fails before a server starts, in the API and in `pykvq serve`; a server that cannot
+    start says why."""
+    from pykvq.errors import CacheTypeError, PykvqError
+    from pykvq.serve import server_command
+    with pytest.raises(CacheTypeError, match="bfp3_32"):
+        server_command(smollm2, cache_type_k="bfp3_32")
+    res = subprocess.run([sys.executable, "-m", "pykvq", "serve", "-m", str(smollm2), "-ctv", "nuq9"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "nuq9" in res.stderr, res.stderr
+    with pytest.raises(PykvqError, match="exited"):
+        Server(smollm2, extra=["--no-such-flag"]).start()
