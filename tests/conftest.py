@@ -46,12 +46,15 @@ PASSAGE_CHARS = 20000
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYKVQ_TEST_QWEN"):
-        return
-    skip = pytest.mark.skip(reason="needs Qwen2.5-Coder-1.5B; set PYKVQ_TEST_QWEN=1")
+    skips = {}
+    if not os.environ.get("PYKVQ_TEST_QWEN"):
+        skips["qwen"] = pytest.mark.skip(reason="needs Qwen2.5-Coder-1.5B; set PYKVQ_TEST_QWEN=1")
+    if not os.environ.get("PYKVQ_SOAK"):
+        skips["soak"] = pytest.mark.skip(reason="long fuzz/soak run; set PYKVQ_SOAK=1 (make soak)")
     for item in items:
-        if "qwen" in item.keywords:
-            item.add_marker(skip)
+        for mark, skip in skips.items():
+            if mark in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
