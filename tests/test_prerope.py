@@ -43,7 +43,7 @@ def test_rope_freqs_match_reference(kw):
 
 
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, seed=0, n_threads=2):
+                   rot=0, seed=0, n_threads=2, start=None):
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
     # pre-RoPE keys with a large per-channel mean (a k_proj bias), centred and scaled by calibrated statistics
@@ -55,9 +55,12 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     vb, Vd = quantize(vt, Vx, None)
     # cell positions: consecutive runs, a gap (removed cells), a shifted block and one out of order
     pos = np.arange(n_kv, dtype=np.int32) + 7
-    pos[100:] += 50
-    pos[200:230] -= 300
-    pos[250] = 3
+    if start is None:
+        pos[100:] += 50
+        pos[200:230] -= 300
+        pos[250] = 3
+    else:                                                                # one consecutive run from `start`
+        pos += start - 7
     pos = np.stack([pos + 1000 * s for s in range(S)])                   # [S, n_kv]
     ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
     w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
@@ -87,6 +90,18 @@ def test_decode_matches_reference(kt, vt, mode, rot):
     """One query over 300 cells with gaps, a shifted block and an out-of-order cell (exact cos/sin
     after every jump, the one-step recurrence in between), with and without the Hadamard."""
     out, ref = run_prerope_fa(kt, vt, mode=mode, n_dims=64, rot=rot)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("D,n_dims,rot", [(64, 64, 64), (128, 128, 128), (128, 128, 64), (128, 96, 32), (64, 64, 0)])
+@pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
+def test_decode_consecutive_tiles(D, n_dims, rot, mode):
+    """Decode (3 tokens x G = 3 rows) over 1500 consecutive cells starting at position 20000: Q turned
+    back by each tile's position (advanced tile to tile, re-anchored every 16 tiles), keys by their
+    offset in the tile from a per-head table; the fused path (full rotary) and the table path
+    (partial rotary), per-head frequencies and mscale."""
+    out, ref = run_prerope_fa("q4_0", "q8_0", mode=mode, n_dims=n_dims, D=D, N=3, n_kv=1500, H=6, Hkv=2,
+                              mscale=1.1, per_head=True, rot=rot, start=20000)
     assert rel_err(out, ref) < 1e-4
 
 

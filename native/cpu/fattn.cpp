@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -79,9 +80,9 @@ fa_plan fa_make_plan(const ggml_tensor * dst, int nth) {
     p.n_chunks = (n_kv + p.chunk - 1) / p.chunk;
 
     // Q, K tile, K tile transposed, V tile, S/P, O, max, sum and ALiBi slope per row, mask rows per token,
-    // pre-RoPE K: cos, sin, cos(w), sin(w) and the effective scale per channel
+    // pre-RoPE K: cos, sin, cos(w), sin(w) and the effective scale per channel, Q turned back by a tile's position
     p.scratch = p.R*p.DK + FA_TILE_KV*p.DK*2 + FA_TILE_KV*p.DV + p.R*FA_TILE_KV + p.R*p.DV + 3*p.R
-              + p.TQ*FA_TILE_KV + 5*p.DK + FA_PAD;
+              + p.TQ*FA_TILE_KV + 5*p.DK + p.R*p.DK + FA_PAD;
     p.partials = p.n_chunks > 1 ? (size_t) (p.n_units*p.n_chunks*p.R*(2 + p.DV)) : 0;
     return p;
 }
@@ -330,6 +331,46 @@ inline void fa_rope_fill(const fa_prerope & pr, const float * w, int32_t p, floa
 // The butterfly stages commute, so the three in-register stages (h = 1, 2, 4) run first.
 inline void fa_fwht(float * x, int64_t DK, int n) {
 #if defined(__AVX2__) && defined(__FMA__)
+    if (n % 64 == 0) {
+        // the six stages within each 64 values in registers, the rest (h >= 64) through memory
+        const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+        const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+        const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+        for (int64_t d = 0; d < DK; d += 64) {
+            __m256 v[8];
+            for (int i = 0; i < 8; ++i) {
+                v[i] = _mm256_loadu_ps(x + d + 8*i);
+                v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
+                v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
+                v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
+            }
+            for (int h = 1; h < 8; h *= 2) {
+                for (int i = 0; i < 8; i += 2*h) {
+                    for (int j = i; j < i + h; ++j) {
+                        const __m256 a = v[j], c = v[j + h];
+                        v[j]     = _mm256_add_ps(a, c);
+                        v[j + h] = _mm256_sub_ps(a, c);
+                    }
+                }
+            }
+            for (int i = 0; i < 8; ++i) {
+                _mm256_storeu_ps(x + d + 8*i, v[i]);
+            }
+        }
+        for (int64_t b = 0; b < DK; b += n) {
+            float * y = x + b;
+            for (int h = 64; h < n; h *= 2) {
+                for (int i = 0; i < n; i += 2*h) {
+                    for (int j = i; j < i + h; j += 8) {
+                        const __m256 a = _mm256_loadu_ps(y + j), c = _mm256_loadu_ps(y + j + h);
+                        _mm256_storeu_ps(y + j,     _mm256_add_ps(a, c));
+                        _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, c));
+                    }
+                }
+            }
+        }
+        return;
+    }
     if (n % 8 == 0) {
         const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
         const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
@@ -453,6 +494,214 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
     }
 }
 
+// Decode (few query rows) over a tile whose cells hold consecutive positions p0, p0+1, ...:
+// q·R(p0 + t)k = (R(p0)ᵀq)·(R(t)k). The query rows turn by -p0 once per tile and each key by its
+// offset t only, read from a table of R(t)·mscale for t < FA_TILE_KV that depends on the head's
+// frequencies alone, so it is built once per thread and head, not per tile (no cos/sin per key).
+struct fa_rope_tab {
+    std::vector<float> w;            // the frequencies it was built from, then mscale, n_dims, mode, DK
+    std::vector<float> c, s;         // [FA_TILE_KV][DK] laid out like fa_rope_fill's arrays
+    std::vector<double> c64, s64;    // [n_dims/2] the turn of one whole tile, R(FA_TILE_KV)
+};
+
+const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int64_t DK) {
+    thread_local fa_rope_tab tab;
+    const int hd = pr.n_dims/2;
+    std::vector<float> key(w, w + hd);
+    key.push_back(pr.mscale);
+    key.push_back((float) pr.n_dims);
+    key.push_back(pr.neox ? 1.0f : 0.0f);
+    key.push_back((float) DK);
+    if (key == tab.w) {
+        return tab;
+    }
+    tab.w = key;
+    tab.c.assign(FA_TILE_KV*DK, 1.0f);      // channels past n_dims: not rotated
+    tab.s.assign(FA_TILE_KV*DK, 0.0f);
+    tab.c64.resize(hd);
+    tab.s64.resize(hd);
+    for (int i = 0; i < hd; ++i) {
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        const double c1 = cos((double) w[i]), s1 = sin((double) w[i]);
+        double ct = 1.0, st = 0.0;           // R(t), advanced in double: exact to float over a tile
+        for (int t = 0; t < FA_TILE_KV; ++t) {
+            float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+            c[a] = (float) (ct*pr.mscale); s[a] = (float) (-st*pr.mscale);
+            c[b] = (float) (ct*pr.mscale); s[b] = (float) ( st*pr.mscale);
+            const double cn = ct*c1 - st*s1;
+            st = st*c1 + ct*s1;
+            ct = cn;
+        }
+        tab.c64[i] = ct;
+        tab.s64[i] = st;
+    }
+    return tab;
+}
+
+// the tile's cells hold positions pos[0], pos[0]+1, ..., pos[0]+n-1
+inline bool fa_consecutive(const int32_t * pos, int64_t n) {
+    for (int64_t t = 1; t < n; ++t) {
+        if (pos[t] != pos[0] + t) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// rows Qr = R(p0)ᵀ Q for the R query rows, given cos/sin of p0*w per pair
+void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp, const float * Q, int64_t R, int64_t DK, float * Qr) {
+    memcpy(Qr, Q, R*DK*sizeof(float));
+    for (int64_t r = 0; r < R; ++r) {
+        const float * q = Q + r*DK;
+        float * y = Qr + r*DK;
+        for (int i = 0; i < pr.n_dims/2; ++i) {
+            int a, b;
+            fa_rope_pair(pr, i, &a, &b);
+            const float c = (float) cp[i], s = (float) sp[i];
+            y[a] = q[a]*c + q[b]*s;
+            y[b] = q[b]*c - q[a]*s;
+        }
+    }
+}
+
+// k rows of a consecutive tile: undo the Hadamard, restore scale and mean, turn row t by R(t)
+void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t n, float * Kf, const float * sc,
+                         const fa_rope_tab & tab) {
+    const float * mu = pr.mean + ik2*DK;
+    const int nd = pr.n_dims, hd = nd/2;
+    for (int64_t t = 0; t < n; ++t) {
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        if (pr.n_rot_h) {
+            fa_fwht(x, DK, pr.n_rot_h);
+        }
+        int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (nd % 16 == 0) {
+            if (pr.neox) {
+                for (; j < hd; j += 8) {
+                    const int jb = j + hd;
+                    const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j),  _mm256_loadu_ps(sc + j),  _mm256_loadu_ps(mu + j));
+                    const __m256 xb = _mm256_fmadd_ps(_mm256_loadu_ps(x + jb), _mm256_loadu_ps(sc + jb), _mm256_loadu_ps(mu + jb));
+                    _mm256_storeu_ps(x + j,  _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),  _mm256_mul_ps(xb, _mm256_loadu_ps(s + j))));
+                    _mm256_storeu_ps(x + jb, _mm256_fmadd_ps(xb, _mm256_loadu_ps(c + jb), _mm256_mul_ps(xa, _mm256_loadu_ps(s + jb))));
+                }
+            } else {
+                for (; j < nd; j += 8) {
+                    const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
+                    _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),
+                                                            _mm256_mul_ps(_mm256_permute_ps(xa, 0xB1), _mm256_loadu_ps(s + j))));
+                }
+            }
+            j = nd;
+        }
+#endif
+        if (j == 0) {
+            for (int k = 0; k < nd; ++k) {
+                x[k] = x[k]*sc[k] + mu[k];
+            }
+            for (int i = 0; i < hd; ++i) {
+                int a, b;
+                fa_rope_pair(pr, i, &a, &b);
+                const float xa = x[a], xb = x[b];
+                x[a] = xa*c[a] + xb*s[a];
+                x[b] = xb*c[b] + xa*s[b];
+            }
+        }
+        for (int64_t d = nd; d < DK; ++d) {
+            x[d] = x[d]*sc[d] + mu[d];
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same for a whole row in registers, straight into the scores (head sizes 64 and 128, full
+// rotary, Hadamard blocks of 8 .. DK): S[r*n + t] = Qr_r·(R(t)(c_t*sc + mu)). No K row is stored
+// or re-read between the transform, the rotation and the dots.
+template <int NV>
+void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int64_t n, const float * sc,
+                       const fa_rope_tab & tab, const float * Qr, int64_t R, float * S) {
+    constexpr int DK = 8*NV;
+    const float * mu = pr.mean + ik2*DK;
+    const int nvh = pr.n_rot_h/8;          // Hadamard block in vectors (0: none)
+    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    for (int64_t t = 0; t < n; ++t) {
+        const float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m256 v[NV];
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_loadu_ps(x + 8*i);
+        }
+        if (nvh) {
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
+                v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
+                v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
+            }
+            for (int h = 1; h < nvh; h *= 2) {
+                for (int i = 0; i < NV; i += 2*h) {
+                    for (int j = i; j < i + h; ++j) {
+                        const __m256 a = v[j], b = v[j + h];
+                        v[j]     = _mm256_add_ps(a, b);
+                        v[j + h] = _mm256_sub_ps(a, b);
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
+        }
+        if (pr.neox) {
+            for (int i = 0; i < NV/2; ++i) {
+                const int ib = i + NV/2;
+                const __m256 a = v[i], b = v[ib];
+                v[i]  = _mm256_fmadd_ps(a, _mm256_loadu_ps(c + 8*i),  _mm256_mul_ps(b, _mm256_loadu_ps(s + 8*i)));
+                v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
+            }
+        } else {
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
+            }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const float * q = Qr + r*DK;
+            __m256 a0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(q)), a1 = _mm256_mul_ps(v[1], _mm256_loadu_ps(q + 8));
+            for (int i = 2; i < NV; i += 2) {
+                a0 = _mm256_fmadd_ps(v[i],     _mm256_loadu_ps(q + 8*i),     a0);
+                a1 = _mm256_fmadd_ps(v[i + 1], _mm256_loadu_ps(q + 8*i + 8), a1);
+            }
+            __m256 a = _mm256_add_ps(a0, a1);
+            __m128 y = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            y = _mm_add_ps(y, _mm_movehl_ps(y, y));
+            S[r*n + t] = _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+        }
+    }
+}
+#endif
+
+// fa_prerope_scores for this head size and layout, or false
+bool fa_prerope_scores_any(const fa_prerope & pr, int64_t ik2, int64_t DK, const float * Kf, int64_t n, const float * sc,
+                           const fa_rope_tab & tab, const float * Qr, int64_t R, float * S) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (pr.n_dims == DK && (pr.n_rot_h == 0 || (pr.n_rot_h >= 8 && pr.n_rot_h <= DK && DK % pr.n_rot_h == 0))) {
+        if (DK == 64) {
+            fa_prerope_scores<8>(pr, ik2, Kf, n, sc, tab, Qr, R, S);
+            return true;
+        }
+        if (DK == 128) {
+            fa_prerope_scores<16>(pr, ik2, Kf, n, sc, tab, Qr, R, S);
+            return true;
+        }
+    }
+#endif
+    GGML_UNUSED(pr); GGML_UNUSED(ik2); GGML_UNUSED(DK); GGML_UNUSED(Kf); GGML_UNUSED(n); GGML_UNUSED(sc);
+    GGML_UNUSED(tab); GGML_UNUSED(Qr); GGML_UNUSED(R); GGML_UNUSED(S);
+    return false;
+}
+
 // a unit: KV head ik2 of sequence iq3 with its G query heads, tokens j0 .. j0+nt
 struct fa_unit {
     int64_t iq3, ik2, j0, nt, R;
@@ -470,7 +719,7 @@ fa_unit fa_unit_at(const fa_plan & p, const ggml_tensor * q, int64_t u) {
 }
 
 struct fa_scratch {
-    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask, * rope;
+    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask, * rope, * Qr;
 };
 
 fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
@@ -486,6 +735,7 @@ fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
     s.slope = s.L + p.R;
     s.mask = s.slope + p.R;
     s.rope = s.mask + p.TQ*FA_TILE_KV;
+    s.Qr   = s.rope + 5*p.DK;
     return s;
 }
 
@@ -547,6 +797,13 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             rope_sc[d] = pr.scale[w.ik2*DK + d]*f;
         }
     }
+    // decode: tiles of consecutive cells turn Q back by the tile's position instead (fa_rope_tab)
+    const int hd = pr.n_dims/2;
+    constexpr int FA_MAX_PAIRS = 256;
+    const fa_rope_tab * tab = pr.on && R < FA_GEMM_ROWS && hd <= FA_MAX_PAIRS ? &fa_rope_tab_for(pr, pr.freqs + w.ik2*hd, DK) : nullptr;
+    double q_c[FA_MAX_PAIRS], q_s[FA_MAX_PAIRS];
+    int32_t q_p0 = INT32_MIN;
+    int q_steps = 0;
 
     // one mask row per token serves every head of the group unless the mask has a head dimension
     const bool mask_per_head = mask && mask->ne[2] > 1;
@@ -580,10 +837,42 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         for (int64_t t = 0; t < n; ++t) {
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
         }
+        const float * Qd = s.Q;
+        bool scored = false;       // S already holds the scores
         if (pr.on) {
-            fa_prerope_tile(pr, w.ik2, DK, kpos + ic, n, s.Kf, rope_cs, rope_c1, rope_s1, rope_sc);
+            const int32_t * tp = kpos + ic;
+            if (tab && fa_consecutive(tp, n)) {
+                // R(p0) per pair: exactly, or advanced by one tile from the previous tile (re-anchored every 16)
+                if (q_p0 != INT32_MIN && tp[0] == q_p0 + FA_TILE_KV && q_steps < 16) {
+                    for (int i = 0; i < hd; ++i) {
+                        const double cn = q_c[i]*tab->c64[i] - q_s[i]*tab->s64[i];
+                        q_s[i] = q_s[i]*tab->c64[i] + q_c[i]*tab->s64[i];
+                        q_c[i] = cn;
+                    }
+                    ++q_steps;
+                } else {
+                    const float * wh = pr.freqs + w.ik2*hd;
+                    for (int i = 0; i < hd; ++i) {
+                        const double th = (double) tp[0]*wh[i];
+                        q_c[i] = cos(th);
+                        q_s[i] = sin(th);
+                    }
+                    q_steps = 0;
+                }
+                q_p0 = tp[0];
+                fa_rope_q_back(pr, q_c, q_s, s.Q, R, DK, s.Qr);
+                if (fa_prerope_scores_any(pr, w.ik2, DK, s.Kf, n, rope_sc, *tab, s.Qr, R, s.S)) {
+                    scored = true;
+                } else {
+                    fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
+                    Qd = s.Qr;
+                }
+            } else {
+                fa_prerope_tile(pr, w.ik2, DK, tp, n, s.Kf, rope_cs, rope_c1, rope_s1, rope_sc);
+            }
         }
-        if (R >= FA_GEMM_ROWS) {
+        if (scored) {
+        } else if (R >= FA_GEMM_ROWS) {
             for (int64_t t = 0; t < n; ++t) {
                 for (int64_t d = 0; d < DK; ++d) {
                     s.Kt[d*n + t] = s.Kf[t*DK + d];
@@ -592,7 +881,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             memset(s.S, 0, R*n*sizeof(float));
             simd_gemm(s.S, s.Q, s.Kt, (int) R, (int) DK, (int) n);
         } else {
-            fa_dots(s.Q, R, DK, s.Kf, n, s.S);
+            fa_dots(Qd, R, DK, s.Kf, n, s.S);
         }
 
         // softcap, mask, online softmax; P overwrites S
