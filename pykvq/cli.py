@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="One process per cache type; ratios to f16 and stock q4_0 of the same run.")
     _model_arg(p)
     p.add_argument("--types", default="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o",
-                   help="comma-separated cache types, K/V for different ones (default: f16 and stock/new 4-2 bit)")
+                   help="comma-separated cache types, K/V for different ones, or suite settings such as "
+                        "q4_0@prerope (a converted file, made once and cached) (default: f16 and stock/new 4-2 bit)")
     p.add_argument("--depths", default="0,4096,8192", help="KV depths in tokens (default 0,4096,8192)")
     p.add_argument("--pp", type=int, default=512, help="prefill batch in tokens (default 512)")
     p.add_argument("--tg", type=int, default=32, help="decoded tokens per depth (default 32)")
@@ -346,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("passkey", help="passkey retrieval at increasing distance, success rate per type")
     _model_arg(p)
-    p.add_argument("--types", default="f16,q8_0,q4_0,nuq4,nuq2o", help="comma-separated cache types (K/V allowed)")
+    p.add_argument("--types", default="f16,q8_0,q4_0,nuq4,nuq2o",
+                   help="comma-separated cache types (K/V allowed) or suite settings such as q4_0@prerope")
     p.add_argument("--lengths", default=None,
                    help="prompt lengths in tokens (default: 1024, 2048, ... up to the model's context)")
     p.add_argument("--trials", type=int, default=3, help="keys per type (default 3)")

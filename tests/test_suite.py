@@ -133,7 +133,7 @@ def test_quick_eval_matches_a_direct_kld_against_an_f16_model(quick, smollm2, wi
 
 def test_quick_bench_and_passkey_rows(quick, smollm2):
     bench = _load(quick / "bench_smollm2-135m.json")
-    assert set(bench["rows"]) == {"f16", "f16 (upstream kernel)", "q4_0", "nuq4"}
+    assert set(bench["rows"]) == {"f16", "f16 (upstream kernel)", "q4_0", "nuq4", "q4_0@prerope"}
     for r in bench["rows"].values():
         assert set(r["tokens_per_s"]) == {"tg8 @ d0", "tg8 @ d256", "pp64 @ d0", "pp64 @ d256"}
         assert all(np.isfinite(v) and v > 0 for v in r["tokens_per_s"].values())
@@ -141,6 +141,9 @@ def test_quick_bench_and_passkey_rows(quick, smollm2):
     # 4.5 bits against f16's 16: the exact KV bytes per token (30 layers x 2 x 3 heads x 64)
     assert bench["rows"]["f16"]["kv_bytes_per_token"] == 30 * 2 * 192 * 2
     assert bench["rows"]["q4_0"]["kv_bytes_per_token"] == 30 * 2 * 6 * 18
+    # a converted setting runs on its converted file: the pre-RoPE key cache, same bytes as q4_0
+    pre = bench["rows"]["q4_0@prerope"]
+    assert pre["kv_bytes_per_token"] == 30 * 2 * 6 * 18 and "keys cached pre-RoPE" in pre["active"]
     pk = _load(quick / "passkey_smollm2-135m.json")
     # hand-checked: SmolLM2 with an f16 cache finds the key at 256 and 512 tokens
     assert pk["rows"]["f16"]["success"] == {"256": 1.0, "512": 1.0}

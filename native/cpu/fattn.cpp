@@ -618,13 +618,13 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
 #if defined(__AVX2__) && defined(__FMA__)
 // The same for a whole row in registers, straight into the scores (head sizes 64 and 128, full
 // rotary, Hadamard blocks of 8 .. DK): S[r*n + t] = Qr_r·(R(t)(c_t*sc + mu)). No K row is stored
-// or re-read between the transform, the rotation and the dots.
-template <int NV>
+// or re-read between the transform, the rotation and the dots. NVH (the Hadamard block in vectors,
+// 0: none) is a template argument so that every index into v[] is a constant and v[] stays in registers.
+template <int NV, int NVH>
 void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int64_t n, const float * sc,
                        const fa_rope_tab & tab, const float * Qr, int64_t R, float * S) {
     constexpr int DK = 8*NV;
     const float * mu = pr.mean + ik2*DK;
-    const int nvh = pr.n_rot_h/8;          // Hadamard block in vectors (0: none)
     const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
     const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
     const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
@@ -632,17 +632,22 @@ void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int
         const float * x = Kf + t*DK;
         const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
         __m256 v[NV];
+        #pragma GCC unroll 16
         for (int i = 0; i < NV; ++i) {
             v[i] = _mm256_loadu_ps(x + 8*i);
         }
-        if (nvh) {
+        if (NVH) {
+            #pragma GCC unroll 16
             for (int i = 0; i < NV; ++i) {
                 v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
                 v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
                 v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
             }
-            for (int h = 1; h < nvh; h *= 2) {
+            #pragma GCC unroll 16
+            for (int h = 1; h < NVH; h *= 2) {
+                #pragma GCC unroll 16
                 for (int i = 0; i < NV; i += 2*h) {
+                    #pragma GCC unroll 16
                     for (int j = i; j < i + h; ++j) {
                         const __m256 a = v[j], b = v[j + h];
                         v[j]     = _mm256_add_ps(a, b);
@@ -651,10 +656,12 @@ void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int
                 }
             }
         }
+        #pragma GCC unroll 16
         for (int i = 0; i < NV; ++i) {
             v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
         }
         if (pr.neox) {
+            #pragma GCC unroll 16
             for (int i = 0; i < NV/2; ++i) {
                 const int ib = i + NV/2;
                 const __m256 a = v[i], b = v[ib];
@@ -662,6 +669,7 @@ void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int
                 v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
             }
         } else {
+            #pragma GCC unroll 16
             for (int i = 0; i < NV; ++i) {
                 v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
             }
@@ -669,6 +677,7 @@ void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int
         for (int64_t r = 0; r < R; ++r) {
             const float * q = Qr + r*DK;
             __m256 a0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(q)), a1 = _mm256_mul_ps(v[1], _mm256_loadu_ps(q + 8));
+            #pragma GCC unroll 16
             for (int i = 2; i < NV; i += 2) {
                 a0 = _mm256_fmadd_ps(v[i],     _mm256_loadu_ps(q + 8*i),     a0);
                 a1 = _mm256_fmadd_ps(v[i + 1], _mm256_loadu_ps(q + 8*i + 8), a1);
@@ -686,13 +695,26 @@ void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int
 bool fa_prerope_scores_any(const fa_prerope & pr, int64_t ik2, int64_t DK, const float * Kf, int64_t n, const float * sc,
                            const fa_rope_tab & tab, const float * Qr, int64_t R, float * S) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (pr.n_dims == DK && (pr.n_rot_h == 0 || (pr.n_rot_h >= 8 && pr.n_rot_h <= DK && DK % pr.n_rot_h == 0))) {
+    if (pr.n_dims == DK) {
+        using fn = void (*)(const fa_prerope &, int64_t, const float *, int64_t, const float *, const fa_rope_tab &,
+                            const float *, int64_t, float *);
+        fn f = nullptr;
+        // by head size, then Hadamard block: none, 8, 16, 32, 64 (, 128)
         if (DK == 64) {
-            fa_prerope_scores<8>(pr, ik2, Kf, n, sc, tab, Qr, R, S);
-            return true;
+            const fn t[] = { fa_prerope_scores<8, 0>, fa_prerope_scores<8, 1>, fa_prerope_scores<8, 2>,
+                             fa_prerope_scores<8, 4>, fa_prerope_scores<8, 8> };
+            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
+                          pr.n_rot_h == 64 ? 4 : -1;
+            f = i < 0 ? nullptr : t[i];
+        } else if (DK == 128) {
+            const fn t[] = { fa_prerope_scores<16, 0>, fa_prerope_scores<16, 1>, fa_prerope_scores<16, 2>,
+                             fa_prerope_scores<16, 4>, fa_prerope_scores<16, 8>, fa_prerope_scores<16, 16> };
+            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
+                          pr.n_rot_h == 64 ? 4 : pr.n_rot_h == 128 ? 5 : -1;
+            f = i < 0 ? nullptr : t[i];
         }
-        if (DK == 128) {
-            fa_prerope_scores<16>(pr, ik2, Kf, n, sc, tab, Qr, R, S);
+        if (f) {
+            f(pr, ik2, Kf, n, sc, tab, Qr, R, S);
             return true;
         }
     }

@@ -19,6 +19,12 @@ from ..paths import cache_dir
 CONVERTER = [sys.executable, "-m", "convert.to_gguf"]
 
 
+def for_setting(src: Path, setting) -> tuple[Path, dict]:
+    """The file a suite Setting runs on: src itself, or src converted with the setting's flags."""
+    variant = setting.variant()
+    return converted(src, variant, setting.converter_flags() if variant else [])
+
+
 def converted(src: Path, variant: str | None, flags: list[str]) -> tuple[Path, dict]:
     """(path, {"seconds", "stdout"}) of src converted with flags; variant None is src itself."""
     if variant is None:

@@ -77,8 +77,10 @@ def found(text: str, key: int) -> bool:
     return bool(nums) and nums[0] == str(key)
 
 
-def run(src: Path, types: list[tuple[str, str]], out: Path, *, lengths: list[int], trials: int = 3,
+def run(src: Path, settings: list, out: Path, *, lengths: list[int], trials: int = 3,
         seed: int = 1234) -> ResultStore:
+    """Success per length for each suite Setting (cache types; a converted file where it has a transform)."""
+    from .converted import for_setting
     lengths = sorted(set(lengths))
     config = {"model": src.name, "model_bytes": src.stat().st_size, "lengths": lengths, "trials": trials,
               "seed": seed, "needle": "uniform in the first half of the shortest length"}
@@ -86,12 +88,13 @@ def run(src: Path, types: list[tuple[str, str]], out: Path, *, lengths: list[int
     rng = random.Random(seed)
     plan = [(rng.randrange(10000, 100000), rng.randrange(0, max(1, lengths[0] // 2))) for _ in range(trials)]
     n_ctx = max(lengths) + ANSWER_TOKENS + 8
-    for k, v in types:
-        label = k if k == v else f"{k}/{v}"
+    for s in settings:
+        label = s.label
         if label in store:
             continue
+        path, _ = for_setting(src, s)
         t0 = time.time()
-        with Model(src, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True) as m:
+        with Model(path, n_ctx=n_ctx, flash_attn=True, **s.model_kwargs()) as m:
             if m.n_ctx < n_ctx:
                 raise ValueError(f"context {m.n_ctx} < {n_ctx}")
             runs = []
@@ -101,6 +104,6 @@ def run(src: Path, types: list[tuple[str, str]], out: Path, *, lengths: list[int
                 _say(f"{label} trial {i + 1}/{trials}: " + ", ".join(
                     f"{L}:{'ok' if found(a, key) else 'miss'}" for L, a in ans.items()))
         success = {str(L): sum(found(r["answers"][str(L)], r["key"]) for r in runs) / trials for L in lengths}
-        store.put(label, {"label": label, "k": k, "v": v, "success": success, "runs": runs,
+        store.put(label, {"label": label, "k": s.k, "v": s.v, "transform": s.transform, "success": success, "runs": runs,
                           "seconds": round(time.time() - t0, 1)})
     return store

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..model import Model
 from ..paths import cache_dir
-from .converted import converted
+from .converted import for_setting
 from .settings import Setting
 from .store import ResultStore
 
@@ -68,7 +68,7 @@ def run(src: Path, settings: list[Setting], out: Path, *, text: str, text_name: 
     if len(todo) < len(settings):
         _say(f"{len(settings) - len(todo)} of {len(settings)} settings already in {out}")
     for i, s in enumerate(todo):
-        path, conv = converted(src, s.variant(), s.converter_flags() if s.variant() else [])
+        path, conv = for_setting(src, s)
         _say(f"[{i + 1}/{len(todo)}] {s.label}")
         with Model(path, n_ctx=n_ctx, flash_attn=True, **s.model_kwargs()) as m:
             row = evaluate(m, base, chunks, progress)

@@ -153,7 +153,8 @@ def speed_md(d: dict, model: str, img: str | None) -> list[str]:
     md = [f"### Speed and memory: {meta['model']}", "",
           f"{dev}, flash attention on, through the API in one fill per type (module `pykvq.suite.speed`): "
           f"tg{tg} = {tg} single-token decodes at depth d, pp{pp} = one {pp}-token batch at depth d. "
-          "Tokens/s with the ratio to f16 and to stock q4_0 from the same run. `f16` decodes through pykvq's "
+          "Tokens/s with the ratio to f16 and to stock q4_0 from the same run (a converted setting such as "
+          "`nuq4@prerope` also to its types unconverted). `f16` decodes through pykvq's "
           "CPU flash attention; `f16 (upstream kernel)` is the same binary with `GGML_KVQ_FA=0`, what stock "
           "llama.cpp runs (its f16 decode accumulates V in f16 and runs scalar for head dims below "
           "GGML_F16_STEP, 128 on AVX512-FP16 CPUs). Peak RSS is the whole process "
@@ -173,6 +174,9 @@ def speed_md(d: dict, model: str, img: str | None) -> list[str]:
                 rel.append(f"{v / f16['tokens_per_s'][c]:.2f}× f16")
             if q4 and label not in ("q4_0", "f16"):
                 rel.append(f"{v / q4['tokens_per_s'][c]:.2f}× q4_0")
+            plain = label.partition("@")[0]       # a converted setting: vs the same types unconverted
+            if plain != label and plain not in ("q4_0", "f16") and plain in rows:
+                rel.append(f"{v / rows[plain]['tokens_per_s'][c]:.2f}× {plain}")
             cells.append(f"{v:.1f}" + (f" ({', '.join(rel)})" if rel else ""))
         md.append(f"| {label} | {kvb} | {rss} | " + " | ".join(cells) + " |")
     if img:

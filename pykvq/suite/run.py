@@ -12,38 +12,31 @@ from pathlib import Path
 from ..data import eval_text
 from ..errors import PykvqError
 from . import passkey, quality, report, speed
-from .settings import matrix
+from .settings import matrix, parse_settings
 
 PRESETS = {
     "full": dict(settings="full", n_ctx=512, chunks=16,
-                 bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o", depths=[0, 4096, 8192], pp=512, tg=32,
-                 passkey_types="f16,q4_0,nuq4,nuq2o", lengths=None, trials=2),
-    "quick": dict(settings="quick", n_ctx=256, chunks=2, bench_types="f16,q4_0,nuq4", depths=[0, 256], pp=64,
+                 bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o,q4_0@prerope,nuq4@prerope",
+                 depths=[0, 4096, 8192], pp=512, tg=32,
+                 passkey_types="f16,q4_0,nuq4,nuq2o,q4_0@prerope", lengths=None, trials=2),
+    "quick": dict(settings="quick", n_ctx=256, chunks=2, bench_types="f16,q4_0,nuq4,q4_0@prerope", depths=[0, 256], pp=64,
                   tg=8, passkey_types="f16,nuq4", lengths=[256, 512], trials=1),
 }
 # per model, on top of "full": a 1.5B model on 2 cores gets the core matrix and shorter runs
 MODEL_OVERRIDES = {
     "qwen2.5-coder-1.5b": dict(settings="q8_0,q4_0,q8_0/q4_0,bfp4_32,nuq4,nuq4@fisher,nuq3o@fisher,"
-                                        "nuq2o@fisher,q8_0/nuq3o",
-                               chunks=4, bench_types="f16,q8_0,q4_0,nuq4,nuq3o", depths=[0, 4096],
-                               passkey_types="f16,q4_0,nuq4,q8_0/q4_0,q8_0/nuq3o", lengths=[1024, 2048],
+                                        "nuq2o@fisher,q8_0/nuq3o,q4_0@prerope,nuq4@prerope,q8_0/q4_0@prerope,"
+                                        "auto@prerope+kvbits-4.5,auto@prerope+kvbits-3.6,auto@prerope+kvbits-2.75",
+                               chunks=4, bench_types="f16,q8_0,q4_0,nuq4,nuq3o,q4_0@prerope", depths=[0, 4096],
+                               passkey_types="f16,q4_0,nuq4,q8_0/q4_0,q8_0/nuq3o,q4_0@prerope", lengths=[1024, 2048],
                                trials=2),
 }
 
 
-def type_pairs(spec: str) -> list[tuple[str, str]]:
-    """'f16,q8_0/q4_0' -> [("f16", "f16"), ("q8_0", "q4_0")], checked against the known types."""
-    from ..cache_types import resolve
-    out = []
-    for s in (x.strip() for x in spec.split(",") if x.strip()):
-        k, _, v = s.partition("/")
-        v = v or k
-        resolve(k)
-        resolve(v)
-        out.append((k, v))
-    if not out:
-        raise PykvqError("no cache types given")
-    return out
+def type_pairs(spec: str) -> list:
+    """'f16,q8_0/q4_0,q4_0@prerope' -> suite Settings (cache types, and a converted file where a
+    transform is named), checked against the known types and transforms."""
+    return parse_settings(spec)
 
 
 def default_lengths(src: Path) -> list[int]:

@@ -130,9 +130,13 @@ MATRICES = {
              "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq3o", "nuq2", "nuq2o",
              "nuq4@fisher", "nuq3@fisher", "nuq3o@fisher", "nuq2o@fisher",
              "nuq4@smooth+vrot", "nuq3o@smooth+vrot", "nuq2o@smooth+vrot", "q4_0@smooth+vrot",
-             "q8_0/nuq3o", "auto@kvbits-2.75", "auto@kvbits-3.6", "auto@kvbits-4.5"],
+             "q8_0/nuq3o", "auto@kvbits-2.75", "auto@kvbits-3.6", "auto@kvbits-4.5",
+             "q4_0@prerope", "q4_0@prerope-mean", "q4_0@prerope:rot-off", "nuq4@prerope", "q4_0/f16@prerope",
+             "q8_0/q4_0@prerope", "auto@prerope+kvbits-4.5", "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"],
     "core": ["q8_0", "q4_0", "q4_0:rot-off", "q8_0/q4_0", "bfp4_32", "nuq4", "nuq3o", "nuq2o",
-             "nuq4@fisher", "nuq3o@fisher", "nuq2o@fisher", "nuq3o@smooth+vrot", "q8_0/nuq3o"],
+             "nuq4@fisher", "nuq3o@fisher", "nuq2o@fisher", "nuq3o@smooth+vrot", "q8_0/nuq3o",
+             "q4_0@prerope", "nuq4@prerope", "q8_0/q4_0@prerope", "auto@prerope+kvbits-4.5",
+             "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"],
     "quick": ["q8_0", "q4_0", "nuq4"],
 }
 

@@ -43,7 +43,7 @@ def peak_rss() -> int | None:
 
 
 def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, threads: int | None,
-            n_gpu_layers: int, rss_only: bool = False) -> dict:
+            n_gpu_layers: int, rss_only: bool = False, rotation: str = "auto") -> dict:
     """Tokens/s of pp@d and tg@d for every depth d (in this process); with rss_only, only the
     peak RSS of a context of the same size after a warm-up batch (the KV buffer is cleared at
     creation and the compute buffers reserved, so that is already the peak)."""
@@ -52,8 +52,9 @@ def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, thre
     from ..data import eval_text
     from ..model import Model
     n_ctx = max(depths) + pp + tg + 8
-    m = Model(path, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True, n_threads=threads,
-              n_gpu_layers=n_gpu_layers)
+    # "auto": the converted file's own (per-layer) types
+    m = Model(path, n_ctx=n_ctx, cache_type_k=None if k == "auto" else k, cache_type_v=None if v == "auto" else v,
+              flash_attn=True, n_threads=threads, n_gpu_layers=n_gpu_layers, attn_rot_k=rotation, attn_rot_v=rotation)
     text, _ = eval_text()
     toks = m.tokenize(text[:400_000], add_special=False)
     need = max(depths) + pp + tg
@@ -105,24 +106,30 @@ def run_child(args: dict, env: dict | None = None) -> dict:
     return res
 
 
-def run(src: Path, types: list[tuple[str, str]], out: Path, *, depths: list[int], pp: int = 512, tg: int = 32,
+def run(src: Path, settings: list, out: Path, *, depths: list[int], pp: int = 512, tg: int = 32,
         threads: int | None = None, n_gpu_layers: int = 0, upstream_f16: bool = True) -> ResultStore:
+    """Settings (suite.settings.Setting: cache types, and a converted file where the setting has a
+    transform, e.g. q4_0@prerope) measured each in its own process."""
+    from .converted import for_setting
+    from .settings import parse_setting
     threads = threads or os.cpu_count() or 1
     config = {"model": src.name, "model_bytes": src.stat().st_size, "depths": sorted(set(depths)), "pp": pp,
               "tg": tg, "threads": threads, "n_gpu_layers": n_gpu_layers, "machine": platform.machine(),
               "cpu": cpu_name(), "flash_attn": True}
     store = ResultStore(out, config)
-    rows = [(k if k == v else f"{k}/{v}", k, v, None) for k, v in types]
-    if upstream_f16 and ("f16", "f16") in types and not n_gpu_layers:
-        rows.insert(types.index(("f16", "f16")) + 1, (UPSTREAM_F16, "f16", "f16", {"GGML_KVQ_FA": "0"}))
-    for label, k, v, env in rows:
+    rows = [(s.label, s, None) for s in settings]
+    labels = [s.label for s in settings]
+    if upstream_f16 and "f16" in labels and not n_gpu_layers:
+        rows.insert(labels.index("f16") + 1, (UPSTREAM_F16, parse_setting("f16"), {"GGML_KVQ_FA": "0"}))
+    for label, s, env in rows:
         if label in store:
             continue
+        path, _ = for_setting(src, s)
         _say(f"{label}: depths {','.join(map(str, config['depths']))}, pp{pp} / tg{tg} ...")
         t0 = time.time()
-        res = run_child({"path": str(src), "k": k, "v": v, "depths": config["depths"], "pp": pp, "tg": tg,
-                         "threads": threads, "n_gpu_layers": n_gpu_layers}, env)
-        res.update(label=label, k=k, v=v, seconds=round(time.time() - t0, 1))
+        res = run_child({"path": str(path), "k": s.k, "v": s.v, "rotation": s.rotation, "depths": config["depths"],
+                         "pp": pp, "tg": tg, "threads": threads, "n_gpu_layers": n_gpu_layers}, env)
+        res.update(label=label, k=s.k, v=s.v, transform=s.transform, seconds=round(time.time() - t0, 1))
         store.put(label, res)
         _say(f"{label}: " + ", ".join(f"{c} {t:.1f}" for c, t in res["tokens_per_s"].items())
              + f" t/s; peak RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB ({res['seconds']:.0f} s)")
@@ -143,4 +150,4 @@ def cpu_name() -> str:
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     print(json.dumps(measure(a["path"], a["k"], a["v"], a["depths"], a["pp"], a["tg"], a["threads"],
-                             a["n_gpu_layers"], a.get("rss_only", False))))
+                             a["n_gpu_layers"], a.get("rss_only", False), a.get("rotation", "auto"))))
