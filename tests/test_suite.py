@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -154,3 +155,25 @@ def test_quick_run_resumes_without_measuring_again(quick, capsys):
     assert main(["results", "--quick", "--out", str(quick)]) == 0
     assert {p.name: p.read_text() for p in quick.glob("*.json")} == before
     assert "3 of 3 settings already in" in capsys.readouterr().err
+
+
+def test_converted_files_are_remade_when_the_converter_changes(tmp_path, monkeypatch, smollm2):
+    """A cached conversion is reused only if its fingerprint (converter sources + flags + input)
+    matches; a stale or unmarked one is made again. The converter here is a stand-in command that
+    copies its input (this checks the cache logic, not a conversion)."""
+    from pykvq.suite import converted as cv
+    monkeypatch.setenv("PYKVQ_CACHE", str(tmp_path))
+    calls = tmp_path / "calls"
+    stand_in = ("import shutil, sys; a = sys.argv[1:]; shutil.copy(a[0], a[a.index('-o') + 1]); "
+                f"open({str(calls)!r}, 'a').write('x')")
+    monkeypatch.setattr(cv, "CONVERTER", [sys.executable, "-c", stand_in])
+    fp = cv.converter_fingerprint(smollm2, ["--prerope-k"])
+    assert fp and fp == cv.converter_fingerprint(smollm2, ["--prerope-k"]) != cv.converter_fingerprint(smollm2, [])
+    out, meta = cv.converted(smollm2, "v", ["--prerope-k"])
+    assert meta["fingerprint"] == fp and calls.read_text() == "x"
+    cv.converted(smollm2, "v", ["--prerope-k"])                       # cached: not made again
+    assert calls.read_text() == "x"
+    m = out.with_suffix(".json")
+    m.write_text(json.dumps({**json.loads(m.read_text()), "fingerprint": "0" * 16}))   # another converter's
+    cv.converted(smollm2, "v", ["--prerope-k"])
+    assert calls.read_text() == "xx" and json.loads(m.read_text())["fingerprint"] == fp
