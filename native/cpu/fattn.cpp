@@ -221,6 +221,29 @@ inline float fa_hsum(GGML_F32_VEC v) {
 }
 #endif
 
+#ifdef FA_SIMD
+// out[0..3] = the horizontal sums of a0..a3, reduced together (one hadd tree instead of four chains)
+inline void fa_hsum4(GGML_F32_VEC a0, GGML_F32_VEC a1, GGML_F32_VEC a2, GGML_F32_VEC a3, float * out) {
+#if defined(__AVX512F__) && GGML_F32_EPR == 16
+    const __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1)));
+    const __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a1), 1)));
+    const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a2), 1)));
+    const __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a3), 1)));
+#elif defined(__AVX__) && GGML_F32_EPR == 8
+    const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+#endif
+#if (defined(__AVX512F__) && GGML_F32_EPR == 16) || (defined(__AVX__) && GGML_F32_EPR == 8)
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));   // per 128-bit half: s0 s1 s2 s3
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    out[0] = fa_hsum(a0);
+    out[1] = fa_hsum(a1);
+    out[2] = fa_hsum(a2);
+    out[3] = fa_hsum(a3);
+#endif
+}
+#endif
+
 // S[r*n + t] = Q_r·K_t for a few rows (decode): four keys per pass share each load of Q
 void fa_dots(const float * Q, int64_t R, int64_t DK, const float * Kf, int64_t n, float * S) {
 #ifdef FA_SIMD
@@ -240,10 +263,7 @@ void fa_dots(const float * Q, int64_t R, int64_t DK, const float * Kf, int64_t n
                     a2 = GGML_F32_VEC_FMA(a2, GGML_F32_VEC_LOAD(k + 2*DK + d), qv);
                     a3 = GGML_F32_VEC_FMA(a3, GGML_F32_VEC_LOAD(k + 3*DK + d), qv);
                 }
-                sr[t + 0] = fa_hsum(a0);
-                sr[t + 1] = fa_hsum(a1);
-                sr[t + 2] = fa_hsum(a2);
-                sr[t + 3] = fa_hsum(a3);
+                fa_hsum4(a0, a1, a2, a3, sr + t);
             }
             for (; t < n; ++t) {
                 ggml_vec_dot_f32((int) DK, sr + t, 0, q, 0, Kf + t*DK, 0, 1);
@@ -565,9 +585,109 @@ void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp,
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// fa_prerope_tile_rel with each row held in registers through the transform, scale, mean and
+// rotation (head sizes 64 and 128, full rotary, Hadamard blocks of 8 .. DK). NVH (the Hadamard
+// block in vectors, 0: none) is a template argument so that every index into v[] is a constant.
+template <int NV, int NVH>
+void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, const float * sc, const fa_rope_tab & tab) {
+    constexpr int DK = 8*NV;
+    const float * mu = pr.mean + ik2*DK;
+    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    for (int64_t t = 0; t < n; ++t) {
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m256 v[NV];
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_loadu_ps(x + 8*i);
+        }
+        if (NVH) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
+                v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
+                v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
+            }
+            #pragma GCC unroll 16
+            for (int h = 1; h < NVH; h *= 2) {
+                #pragma GCC unroll 16
+                for (int i = 0; i < NV; i += 2*h) {
+                    #pragma GCC unroll 16
+                    for (int j = i; j < i + h; ++j) {
+                        const __m256 a = v[j], b = v[j + h];
+                        v[j]     = _mm256_add_ps(a, b);
+                        v[j + h] = _mm256_sub_ps(a, b);
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
+        }
+        if (pr.neox) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV/2; ++i) {
+                const int ib = i + NV/2;
+                const __m256 a = v[i], b = v[ib];
+                v[i]  = _mm256_fmadd_ps(a, _mm256_loadu_ps(c + 8*i),  _mm256_mul_ps(b, _mm256_loadu_ps(s + 8*i)));
+                v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
+            }
+        } else {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            _mm256_storeu_ps(x + 8*i, v[i]);
+        }
+    }
+}
+#endif
+
+// fa_prerope_rows for this head size and layout, or false
+bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float * Kf, int64_t n, const float * sc,
+                         const fa_rope_tab & tab) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (pr.n_dims == DK) {
+        using fn = void (*)(const fa_prerope &, int64_t, float *, int64_t, const float *, const fa_rope_tab &);
+        fn f = nullptr;
+        // by head size, then Hadamard block: none, 8, 16, 32, 64 (, 128)
+        if (DK == 64) {
+            const fn t[] = { fa_prerope_rows<8, 0>, fa_prerope_rows<8, 1>, fa_prerope_rows<8, 2>,
+                             fa_prerope_rows<8, 4>, fa_prerope_rows<8, 8> };
+            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
+                          pr.n_rot_h == 64 ? 4 : -1;
+            f = i < 0 ? nullptr : t[i];
+        } else if (DK == 128) {
+            const fn t[] = { fa_prerope_rows<16, 0>, fa_prerope_rows<16, 1>, fa_prerope_rows<16, 2>,
+                             fa_prerope_rows<16, 4>, fa_prerope_rows<16, 8>, fa_prerope_rows<16, 16> };
+            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
+                          pr.n_rot_h == 64 ? 4 : pr.n_rot_h == 128 ? 5 : -1;
+            f = i < 0 ? nullptr : t[i];
+        }
+        if (f) {
+            f(pr, ik2, Kf, n, sc, tab);
+            return true;
+        }
+    }
+#endif
+    GGML_UNUSED(pr); GGML_UNUSED(ik2); GGML_UNUSED(DK); GGML_UNUSED(Kf); GGML_UNUSED(n); GGML_UNUSED(sc);
+    GGML_UNUSED(tab);
+    return false;
+}
+
 // k rows of a consecutive tile: undo the Hadamard, restore scale and mean, turn row t by R(t)
 void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t n, float * Kf, const float * sc,
                          const fa_rope_tab & tab) {
+    if (fa_prerope_rows_any(pr, ik2, DK, Kf, n, sc, tab)) {
+        return;
+    }
     const float * mu = pr.mean + ik2*DK;
     const int nd = pr.n_dims, hd = nd/2;
     for (int64_t t = 0; t < n; ++t) {
@@ -613,115 +733,6 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
             x[d] = x[d]*sc[d] + mu[d];
         }
     }
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// The same for a whole row in registers, straight into the scores (head sizes 64 and 128, full
-// rotary, Hadamard blocks of 8 .. DK): S[r*n + t] = Qr_r·(R(t)(c_t*sc + mu)). No K row is stored
-// or re-read between the transform, the rotation and the dots. NVH (the Hadamard block in vectors,
-// 0: none) is a template argument so that every index into v[] is a constant and v[] stays in registers.
-template <int NV, int NVH>
-void fa_prerope_scores(const fa_prerope & pr, int64_t ik2, const float * Kf, int64_t n, const float * sc,
-                       const fa_rope_tab & tab, const float * Qr, int64_t R, float * S) {
-    constexpr int DK = 8*NV;
-    const float * mu = pr.mean + ik2*DK;
-    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-    for (int64_t t = 0; t < n; ++t) {
-        const float * x = Kf + t*DK;
-        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
-        __m256 v[NV];
-        #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) {
-            v[i] = _mm256_loadu_ps(x + 8*i);
-        }
-        if (NVH) {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV; ++i) {
-                v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
-                v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
-                v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
-            }
-            #pragma GCC unroll 16
-            for (int h = 1; h < NVH; h *= 2) {
-                #pragma GCC unroll 16
-                for (int i = 0; i < NV; i += 2*h) {
-                    #pragma GCC unroll 16
-                    for (int j = i; j < i + h; ++j) {
-                        const __m256 a = v[j], b = v[j + h];
-                        v[j]     = _mm256_add_ps(a, b);
-                        v[j + h] = _mm256_sub_ps(a, b);
-                    }
-                }
-            }
-        }
-        #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) {
-            v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
-        }
-        if (pr.neox) {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV/2; ++i) {
-                const int ib = i + NV/2;
-                const __m256 a = v[i], b = v[ib];
-                v[i]  = _mm256_fmadd_ps(a, _mm256_loadu_ps(c + 8*i),  _mm256_mul_ps(b, _mm256_loadu_ps(s + 8*i)));
-                v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
-            }
-        } else {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV; ++i) {
-                v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
-            }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-            const float * q = Qr + r*DK;
-            __m256 a0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(q)), a1 = _mm256_mul_ps(v[1], _mm256_loadu_ps(q + 8));
-            #pragma GCC unroll 16
-            for (int i = 2; i < NV; i += 2) {
-                a0 = _mm256_fmadd_ps(v[i],     _mm256_loadu_ps(q + 8*i),     a0);
-                a1 = _mm256_fmadd_ps(v[i + 1], _mm256_loadu_ps(q + 8*i + 8), a1);
-            }
-            __m256 a = _mm256_add_ps(a0, a1);
-            __m128 y = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            y = _mm_add_ps(y, _mm_movehl_ps(y, y));
-            S[r*n + t] = _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
-        }
-    }
-}
-#endif
-
-// fa_prerope_scores for this head size and layout, or false
-bool fa_prerope_scores_any(const fa_prerope & pr, int64_t ik2, int64_t DK, const float * Kf, int64_t n, const float * sc,
-                           const fa_rope_tab & tab, const float * Qr, int64_t R, float * S) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if (pr.n_dims == DK) {
-        using fn = void (*)(const fa_prerope &, int64_t, const float *, int64_t, const float *, const fa_rope_tab &,
-                            const float *, int64_t, float *);
-        fn f = nullptr;
-        // by head size, then Hadamard block: none, 8, 16, 32, 64 (, 128)
-        if (DK == 64) {
-            const fn t[] = { fa_prerope_scores<8, 0>, fa_prerope_scores<8, 1>, fa_prerope_scores<8, 2>,
-                             fa_prerope_scores<8, 4>, fa_prerope_scores<8, 8> };
-            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
-                          pr.n_rot_h == 64 ? 4 : -1;
-            f = i < 0 ? nullptr : t[i];
-        } else if (DK == 128) {
-            const fn t[] = { fa_prerope_scores<16, 0>, fa_prerope_scores<16, 1>, fa_prerope_scores<16, 2>,
-                             fa_prerope_scores<16, 4>, fa_prerope_scores<16, 8>, fa_prerope_scores<16, 16> };
-            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
-                          pr.n_rot_h == 64 ? 4 : pr.n_rot_h == 128 ? 5 : -1;
-            f = i < 0 ? nullptr : t[i];
-        }
-        if (f) {
-            f(pr, ik2, Kf, n, sc, tab, Qr, R, S);
-            return true;
-        }
-    }
-#endif
-    GGML_UNUSED(pr); GGML_UNUSED(ik2); GGML_UNUSED(DK); GGML_UNUSED(Kf); GGML_UNUSED(n); GGML_UNUSED(sc);
-    GGML_UNUSED(tab); GGML_UNUSED(Qr); GGML_UNUSED(R); GGML_UNUSED(S);
-    return false;
 }
 
 // a unit: KV head ik2 of sequence iq3 with its G query heads, tokens j0 .. j0+nt
@@ -859,8 +870,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         for (int64_t t = 0; t < n; ++t) {
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
         }
-        const float * Qd = s.Q;
-        bool scored = false;       // S already holds the scores
+        const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
         if (pr.on) {
             const int32_t * tp = kpos + ic;
             if (tab && fa_consecutive(tp, n)) {
@@ -883,18 +893,13 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
                 }
                 q_p0 = tp[0];
                 fa_rope_q_back(pr, q_c, q_s, s.Q, R, DK, s.Qr);
-                if (fa_prerope_scores_any(pr, w.ik2, DK, s.Kf, n, rope_sc, *tab, s.Qr, R, s.S)) {
-                    scored = true;
-                } else {
-                    fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
-                    Qd = s.Qr;
-                }
+                fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
+                Qd = s.Qr;
             } else {
                 fa_prerope_tile(pr, w.ik2, DK, tp, n, s.Kf, rope_cs, rope_c1, rope_s1, rope_sc);
             }
         }
-        if (scored) {
-        } else if (R >= FA_GEMM_ROWS) {
+        if (R >= FA_GEMM_ROWS) {
             for (int64_t t = 0; t < n; ++t) {
                 for (int64_t d = 0; d < DK; ++d) {
                     s.Kt[d*n + t] = s.Kf[t*DK + d];
