@@ -245,6 +245,16 @@ def assert_within(stats):
                          f"the type's own {shifted[:, 1].mean():.3f}); a single shift in one sequence is fine")
 
 
+@pytest.mark.parametrize("setting,unified", [("q4_0", False),
+                                             pytest.param("nuq4", True, marks=pytest.mark.soak),
+                                             pytest.param("bfp4_32", False, marks=pytest.mark.soak),
+                                             pytest.param("prerope_q4_0", True, marks=pytest.mark.soak)])
+def test_soak_fast(setting, unified, files, text):
+    """30 operations on 4 sequences; in the suite: q4_0 with one stream per sequence."""
+    _, stats = run_soak(setting, unified, 30, 0, files, text)
+    assert_within(stats)
+
+
 @pytest.mark.soak
 @pytest.mark.parametrize("unified", [False, True])
 @pytest.mark.parametrize("setting", list(SETTINGS))
