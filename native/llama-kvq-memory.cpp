@@ -44,6 +44,47 @@ int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(l
 }
 
 //
+// cells in use (llama_kvq_memory_used_cells: the soak test's leak check)
+//
+
+// the used cells of one cache: a stream's own count for seq_id < 0, else a scan for the cells holding seq_id
+static int32_t kvq_used_cells(const llama_kv_cache & kv, llama_seq_id seq_id) {
+    const uint32_t n_seq = kv.get_n_seq_max();
+    if (seq_id >= 0) {
+        const llama_kv_cells & cells = kv.get_cells(seq_id);
+        int32_t n = 0;
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            n += !cells.is_empty(i) && cells.seq_has(i, seq_id);
+        }
+        return n;
+    }
+    // a unified cache maps every sequence to stream 0, a split one each to its own: count each stream once
+    std::vector<bool> seen(kv.get_n_stream(), false);
+    int32_t n = 0;
+    for (uint32_t s = 0; s < n_seq; ++s) {
+        const uint32_t strm = kv.get_stream(s);
+        if (strm < seen.size() && !seen[strm]) {
+            seen[strm] = true;
+            n += (int32_t) kv.get_cells(s).get_used();
+        }
+    }
+    return n;
+}
+
+int32_t llama_memory_kvq_used_cells(llama_memory_i * mem, llama_seq_id seq_id) {
+    int32_t n = 0;
+    bool out_of_range = false;
+    const int n_caches = llama_kvq_for_each_kv_cache(mem, [&](llama_kv_cache & kv) {
+        if (seq_id >= 0 && (uint32_t) seq_id >= kv.get_n_seq_max()) {
+            out_of_range = true;
+            return;
+        }
+        n += kvq_used_cells(kv, seq_id);
+    });
+    return n_caches == 0 || out_of_range ? -1 : n;
+}
+
+//
 // online Hadamard rotation
 //
 

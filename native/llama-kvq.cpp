@@ -101,3 +101,10 @@ int32_t llama_kvq_codebook_source(const llama_context * ctx, int32_t il, bool v)
     }
     return v ? layers[il].cb_v : layers[il].cb_k;
 }
+
+int32_t llama_kvq_memory_used_cells(const llama_context * ctx, llama_seq_id seq_id) {
+    if (!ctx || !ctx->get_memory()) {
+        return -1;
+    }
+    return llama_memory_kvq_used_cells(ctx->get_memory(), seq_id);
+}

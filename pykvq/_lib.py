@@ -127,6 +127,13 @@ bool llama_memory_can_shift(llama_memory_t mem);
 size_t llama_state_get_size(struct llama_context * ctx);
 size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
 size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
+bool llama_state_load_file(struct llama_context * ctx, const char * path_session, llama_token * tokens_out,
+                           size_t n_token_capacity, size_t * n_token_count_out);
+bool llama_state_save_file(struct llama_context * ctx, const char * path_session, const llama_token * tokens,
+                           size_t n_token_count);
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
 /* pykvq's public API, native/include/llama-kvq-api.h (llama.h is upstream's). attn_rot: -1 auto, 0 off, 1 on */
 struct llama_context * llama_kvq_init_from_model(struct llama_model * model, struct llama_context_params params,
                                                  int attn_rot_k, int attn_rot_v);
@@ -134,6 +141,7 @@ int32_t llama_kvq_layer_type(const struct llama_context * ctx, int32_t il, bool 
 int32_t llama_kvq_codebook_source(const struct llama_context * ctx, int32_t il, bool v);
 int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 int32_t llama_kvq_model_n_layer_types(const struct llama_model * model, bool v);
+int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);

@@ -53,6 +53,8 @@ class Model(Generation, Evaluation):
     per context: "auto" (upstream's rule: on for a quantized cache whose head
     size is a multiple of 64), "on" or "off".
     n_seq_max: number of sequences the cache holds (seq_cp needs 2 or more).
+    kv_unified: one cache buffer shared by all sequences (llama.cpp's kv_unified); False gives each
+    sequence a stream of its own, n_ctx / n_seq_max cells.
 
     Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
     save_logits / kl_divergence (pykvq/evaluation.py).
@@ -63,7 +65,7 @@ class Model(Generation, Evaluation):
                  flash_attn: bool | str | None = None, n_gpu_layers: int = 0, seed: int = 0,
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
-                 n_seq_max: int = 1):
+                 n_seq_max: int = 1, kv_unified: bool = False):
         if path is None:
             from .registry import default_model_path
             path = default_model_path()
@@ -131,6 +133,7 @@ class Model(Generation, Evaluation):
         cp.n_batch = n_batch or min(n_ctx, 2048)
         cp.n_ubatch = min(cp.n_batch, 512)
         cp.n_seq_max = n_seq_max
+        cp.kv_unified = kv_unified
         threads = n_threads or os.cpu_count() or 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = FLASH_ATTN[flash_attn]
@@ -408,9 +411,43 @@ class Model(Generation, Evaluation):
 
     def set_state(self, data: bytes) -> None:
         """Restore a state from get_state (same model, cache types and n_ctx)."""
+        log.clear()
         got = self._lib.llama_state_set_data(self._ctx, data, len(data))
         if got != len(data):
             raise DecodeError(f"llama.cpp rejected the state ({got} of {len(data)} bytes read): {_last_error()}")
+
+    def save_state_file(self, path: str | os.PathLike, tokens) -> None:
+        """Write the context's state and the tokens it holds to a session file (llama_state_save_file)."""
+        toks = ffi.new("llama_token[]", list(tokens))
+        if not self._lib.llama_state_save_file(self._ctx, os.fsencode(path), toks, len(toks)):
+            raise PykvqError(f"could not write the session file {path}: {_last_error()}")
+
+    def load_state_file(self, path: str | os.PathLike, max_tokens: int | None = None) -> list[int]:
+        """Restore a session file written by save_state_file (same model and cache layout); its tokens."""
+        cap = max_tokens or self.n_ctx
+        toks, n = ffi.new("llama_token[]", cap), ffi.new("size_t *")
+        log.clear()
+        if not self._lib.llama_state_load_file(self._ctx, os.fsencode(path), toks, cap, n):
+            raise DecodeError(f"llama.cpp rejected the session file {path}: {_last_error()}")
+        return list(ffi.unpack(toks, n[0]))
+
+    def get_seq_state(self, seq: int = 0) -> bytes:
+        """One sequence's cells (llama_state_seq_get_data), for set_seq_state into any sequence."""
+        n = self._lib.llama_state_seq_get_size(self._ctx, seq)
+        buf = ffi.new("uint8_t[]", n)
+        got = self._lib.llama_state_seq_get_data(self._ctx, buf, n, seq)
+        return bytes(ffi.buffer(buf, got))
+
+    def set_seq_state(self, data: bytes, seq: int = 0) -> None:
+        """Put a sequence saved by get_seq_state into sequence seq (its old cells are dropped)."""
+        log.clear()
+        if self._lib.llama_state_seq_set_data(self._ctx, data, len(data), seq) == 0:
+            raise DecodeError(f"llama.cpp rejected the sequence state for seq {seq}: {_last_error()}")
+
+    def used_cells(self, seq: int = -1) -> int:
+        """Cells of the KV cache in use: held by seq, or by any sequence for seq = -1 (every stream and
+        attention cache summed; llama_kvq_memory_used_cells)."""
+        return int(self._lib.llama_kvq_memory_used_cells(self._ctx, seq))
 
     def _logits(self, n_rows: int) -> np.ndarray:
         ptr = self._lib.llama_get_logits(self._ctx)

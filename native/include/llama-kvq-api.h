@@ -40,6 +40,12 @@ LLAMA_API int32_t llama_kvq_model_n_layer_types(const struct llama_model * model
 // whether the online Hadamard rotation of the K (v = false) or V cache is on: 1 on, 0 off, -1 no KV cache
 LLAMA_API int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 
+// cells of the context's attention KV caches in use: those holding sequence seq_id, or with seq_id < 0 those any
+// sequence holds. Summed over every stream (a non-unified cache has one per sequence) and every attention cache of
+// the memory (an iSWA memory's base and SWA caches both); a cell shared by copied sequences counts once in the
+// total. -1 when the context has no attention KV cache or seq_id is out of range.
+LLAMA_API int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);
+
 #ifdef __cplusplus
 }
 #endif

@@ -150,6 +150,9 @@ uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem);
 // calls f on every attention KV cache a memory holds (plain, iSWA base and SWA, hybrid); returns how many
 int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(llama_kv_cache &)> & f);
 
+// llama_kvq_memory_used_cells on a memory: -1 when it holds no attention KV cache or seq_id >= its n_seq_max
+int32_t llama_memory_kvq_used_cells(llama_memory_i * mem, llama_seq_id seq_id);
+
 // "q4_0", or "mixed: q8_0 1.23 MiB q4_0 4.56 MiB" when the layers' cache tensors differ in type
 std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors);
 bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
