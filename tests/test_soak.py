@@ -184,10 +184,8 @@ def references(path, kw, histories) -> dict[tuple, np.ndarray]:
     return out
 
 
-def run_soak(setting, unified, n_ops, seed, files, text):
-    name, kw = SETTINGS[setting]
-    path = files[name]
-    t0 = time.time()
+def drive(path, kw, unified, n_ops, seed, text) -> Soak:
+    """The seeded schedule on one context; every sequence removed at the end leaves no cell used."""
     with Model(path, n_ctx=N_CTX, flash_attn=True, n_seq_max=N_SEQ, kv_unified=unified, **kw) as m:
         soak = Soak(m, text, np.random.default_rng(seed), unified)
         for _ in range(n_ops):
@@ -197,15 +195,28 @@ def run_soak(setting, unified, n_ops, seed, files, text):
             del soak.seqs[sid]
         soak.check_cells("removing every sequence")
         assert m.used_cells() == 0
+    return soak
+
+
+def run_soak(setting, unified, n_ops, seed, files, text):
+    name, kw = SETTINGS[setting]
+    path = files[name]
+    t0 = time.time()
+    soak = drive(path, kw, unified, n_ops, seed, text)
     t_soak = time.time() - t0
+    # The same schedule (it never depends on the logits) on an f16 cache: the reference for shifted sequences.
+    # A fresh run of a shifted sequence's spliced history is not one: the cells after the removed range hold K/V
+    # computed while the removed tokens were there, in any cache type.
+    mirror = drive(path, dict(cache_type_k="f16", cache_type_v="f16"), unified, n_ops, seed, text)
+    assert [c[0] for c in mirror.checks] == [c[0] for c in soak.checks]
     hist = [c[0] for c in soak.checks]
     same = references(path, kw, hist)
     f16 = references(files["smollm2"], dict(cache_type_k="f16", cache_type_v="f16"), hist)
     stats = {"plain": [], "shifted": []}
-    for h, shifted, row in soak.checks:
+    for (h, shifted, row), (_, _, mrow) in zip(soak.checks, mirror.checks):
         stats["shifted" if shifted else "plain"].append(
             (kld_rows(row, same[h]), kld_rows(same[h], f16[h]), kld_rows(row, f16[h]),
-             int(row.argmax() == same[h].argmax()), np.sort(same[h])[-1] - np.sort(same[h])[-2]))
+             int(row.argmax() == same[h].argmax()), np.sort(same[h])[-1] - np.sort(same[h])[-2], kld_rows(row, mrow)))
     print(f"\n{setting} unified={unified} seed={seed}: {n_ops} ops {soak.ops}, {len(soak.checks)} checks, "
           f"soak {t_soak:.1f}s, total {time.time() - t0:.1f}s")
     for k, rows in stats.items():
@@ -213,7 +224,8 @@ def run_soak(setting, unified, n_ops, seed, files, text):
             a = np.array(rows)
             print(f"  {k:8s} n={len(a)}: KLD vs same type mean {a[:, 0].mean():.2e} max {a[:, 0].max():.2e}; "
                   f"same type vs f16 mean {a[:, 1].mean():.4f}; soak vs f16 mean {a[:, 2].mean():.4f} "
-                  f"max {a[:, 2].max():.4f}; top-1 same {a[:, 3].mean():.3f}")
+                  f"max {a[:, 2].max():.4f}; top-1 same {a[:, 3].mean():.3f}; vs the f16 mirror mean {a[:, 5].mean():.4f} "
+                  f"max {a[:, 5].max():.4f}")
     return soak, stats
 
 
@@ -239,10 +251,9 @@ def assert_within(stats):
     assert plain[:, 2].mean() < 1.2 * plain[:, 1].mean() + 0.002, (plain[:, 2].mean(), plain[:, 1].mean())
     if stats["shifted"]:
         shifted = np.array(stats["shifted"])
-        # a shifted post-RoPE key is requantized after its rotation: against f16, within twice the type's error
-        if not shifted[:, 2].mean() < 2 * shifted[:, 1].mean() + 0.005:
-            pytest.xfail(f"open: sequences shifted in the soak are far off (KLD vs f16 {shifted[:, 2].mean():.3f}, "
-                         f"the type's own {shifted[:, 1].mean():.3f}); a single shift in one sequence is fine")
+        # against the f16 cache that went through the same operations: a shifted post-RoPE key is requantized
+        # after its rotation, so within twice the type's own error on unshifted histories
+        assert shifted[:, 5].mean() < 2 * plain[:, 1].mean() + 0.005, (shifted[:, 5].mean(), plain[:, 1].mean())
 
 
 @pytest.mark.parametrize("setting,unified", [("q4_0", False),
