@@ -68,15 +68,15 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     in double precision over the reference-dequantized K/V. 15 cases: every type as K and V,
     f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 2 / 3 / 4 / 6 / 8 / 12 (two head blocks), 1 to 6
     splits, KV lengths off the tiles, 3 sequences with a per-sequence mask, masked keys, ALiBi,
-    softcap, sinks, random nuq codebooks. A pre-RoPE K cache (kvq-prerope.cuh, 14 cases): the row
+    softcap, sinks, random nuq codebooks. A pre-RoPE K cache (kvq-prerope.cuh, 16 cases): the row
     transform in f32 and the prefill path's K -> f16 conversion (kvq-rows.cuh; f16 rows in place)
     against the read path in double (pykvq/ref/prerope.py's decode), within 1e-4 of each row's
     largest key below position ~1300 (measured 5e-5: ggml's float angles pos*w), 2e-3 at positions
     ~30000 (measured 1e-3), and 1e-4 of the reference at the float angles everywhere (measured 2e-7);
-    the decode kernel's attention within 1e-4 (measured 5e-6): NORM / NEOX, Hadamard 2 / 32 / 64 /
-    128 or none, partial rotary (96 of 128, 40 of 64), per-head frequencies, mscale, positions with
+    the decode kernel's attention within 1e-4 (measured 6e-6; pairs with stock q4_0 and f16 V that
+    only a pre-RoPE K takes included): NORM / NEOX, Hadamard 2 / 16 / 32 / 64 / 128 or none, partial rotary (96 of 128, 40 of 64), per-head frequencies, mscale, positions with
     a gap, a shifted block and one out of order, 2 streams, head sizes 64 / 128 / 256."""
-    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 29 failures 0")
+    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 31 failures 0")
 
 
 def test_row_kernels_emulated(tmp_path):

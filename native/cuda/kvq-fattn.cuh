@@ -57,6 +57,18 @@ static __device__ __forceinline__ void kvq_fa_load(const char * row, int i0, con
             out[2*l + 0] = f.x;
             out[2*l + 1] = f.y;
         }
+    } else if constexpr (T == GGML_TYPE_Q4_0) {
+        // upstream's block (a pre-RoPE cache of stock q4_0 comes here): f16 d, then value j in the
+        // low nibble of byte j (j < 16) or the high nibble of byte j - 16
+        static_assert(16 % N == 0, "a lane's values lie in one half of a block");
+        const uint8_t * b  = (const uint8_t *) row + (i0/32)*18;
+        const float     d  = kvq_f16_bytes(b);
+        const int       j  = i0 % 32;
+        const int       sh = j < 16 ? 0 : 4;
+#pragma unroll
+        for (int l = 0; l < N; ++l) {
+            out[l] = d*(float) (((b[2 + j%16 + l] >> sh) & 0x0F) - 8);
+        }
     } else {
         kvq_dequantize<T, N>((const uint8_t *) row, i0, c, out);
     }
@@ -397,15 +409,34 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_F16)                  \
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_Q8_0)
 
+// Pairs compiled for a pre-RoPE K only: stock K / V types (upstream's kernels take them post-RoPE)
+// and quantized K with f16 V.
+#define KVQ_FA_PRE_PAIRS(X, D)                             \
+    X(D, GGML_TYPE_Q8_0,    GGML_TYPE_Q8_0)                \
+    X(D, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0)                \
+    X(D, GGML_TYPE_Q8_0,    GGML_TYPE_Q4_0)                \
+    X(D, GGML_TYPE_Q4_0,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_Q8_0,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_NUQ4,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_NUQ3,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_BFP4_32, GGML_TYPE_F16)
+
 #define KVQ_FA_CASE(D, TK, TV)                                                      \
     if (tk == TK && tv == TV) {                                                     \
         return kvq_fattn_vec_run<D, TK, TV>(a, pre, n_kv_heads, n_seq, stream);     \
+    }
+
+#define KVQ_FA_PRE_CASE(D, TK, TV)                                                  \
+    if (pre && tk == TK && tv == TV) {                                              \
+        kvq_fattn_vec_launch<D, TK, TV, true>(a, n_kv_heads, n_seq, stream);        \
+        return true;                                                                \
     }
 
 #define KVQ_FA_DEFINE(D)                                                                                      \
     bool kvq_fattn_vec_d##D(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bool pre, int n_kv_heads,  \
                             int n_seq, cudaStream_t stream) {                                                 \
         KVQ_FA_PAIRS(KVQ_FA_CASE, D)                                                                          \
+        KVQ_FA_PRE_PAIRS(KVQ_FA_PRE_CASE, D)                                                                  \
         return false;                                                                                         \
     }
 
@@ -416,6 +447,9 @@ static inline bool kvq_fattn_vec_has_pair(ggml_type tk, ggml_type tv, bool pre) 
     }
 #define KVQ_FA_HAS(D, TK, TV) if (tk == TK && tv == TV) { return true; }
     KVQ_FA_PAIRS(KVQ_FA_HAS, 0)
+    if (pre) {
+        KVQ_FA_PRE_PAIRS(KVQ_FA_HAS, 0)
+    }
 #undef KVQ_FA_HAS
     return false;
 }

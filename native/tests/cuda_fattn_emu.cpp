@@ -57,6 +57,21 @@ static void encode_row(ggml_type t, const float * x, int n, const int8_t * cb, u
                 }
             }
             return;
+        case GGML_TYPE_Q4_0:    // ggml's layout: d = -max/8 as f16, value j in nibble (j < 16 ? low : high) of byte j % 16
+            for (int b = 0; b < n/32; ++b) {
+                float mx = 0.0f;
+                for (int i = 0; i < 32; ++i) if (fabsf(x[32*b + i]) > fabsf(mx)) mx = x[32*b + i];
+                const uint16_t dh = ggml_kvq_fp32_to_fp16(mx/-8.0f);
+                const float d = ggml_kvq_fp16_to_fp32(dh);
+                memcpy(out + 18*b, &dh, 2);
+                int q[32];
+                for (int i = 0; i < 32; ++i) {
+                    q[i] = d == 0.0f ? 8 : std::max(0, std::min(15, (int) (x[32*b + i]/d + 8.5f)));
+                    deq[32*b + i] = d*(float) (q[i] - 8);
+                }
+                for (int i = 0; i < 16; ++i) out[18*b + 2 + i] = (uint8_t) (q[i] | q[i + 16] << 4);
+            }
+            return;
         case GGML_TYPE_BFP4_32: quantize_row_bfp4_32_ref(x, (block_bfp4_32 *) out, n); dequantize_row_bfp4_32((const block_bfp4_32 *) out, deq, n); return;
         case GGML_TYPE_BFP4_64: quantize_row_bfp4_64_ref(x, (block_bfp4_64 *) out, n); dequantize_row_bfp4_64((const block_bfp4_64 *) out, deq, n); return;
         case GGML_TYPE_BFP8_32: quantize_row_bfp8_32_ref(x, (block_bfp8_32 *) out, n); dequantize_row_bfp8_32((const block_bfp8_32 *) out, deq, n); return;
@@ -73,6 +88,7 @@ static size_t row_bytes(ggml_type t, int n) {
     switch (t) {
         case GGML_TYPE_F16:     return 2*(size_t) n;
         case GGML_TYPE_Q8_0:    return 34*(size_t) (n/32);
+        case GGML_TYPE_Q4_0:    return 18*(size_t) (n/32);
         case GGML_TYPE_BFP4_32: return sizeof(block_bfp4_32)*(size_t) (n/QK_BFP32);
         case GGML_TYPE_BFP4_64: return sizeof(block_bfp4_64)*(size_t) (n/QK_BFP64);
         case GGML_TYPE_BFP8_32: return sizeof(block_bfp8_32)*(size_t) (n/QK_BFP32);
@@ -426,6 +442,7 @@ int main() {
     const Pre norm_part = {  40, false,   0, 1.0f, true,     7 };
     const Pre norm_h2   = { 128, false,   2, 1.0f, false,    7 };   // a Hadamard smaller than a lane's values
     const Pre neox256   = { 256, true,    0, 1.0f, false,    7 };
+    const Pre norm_h16  = {  64, false,  16, 1.0f, true,     7 };
     const Pre far_norm  = {  64, false,  64, 1.0f, false, 30000 };  // large positions: float angles
     const Pre far_neox  = { 128, true,  128, 1.0f, true,  30000 };
     const double tol = 1e-4, tol_far = 2e-3;
@@ -447,6 +464,8 @@ int main() {
     run_case< 64, GGML_TYPE_NUQ3,    GGML_TYPE_NUQ3,    true>("nuq3/nuq3",       pre_gqa8,    &norm_part, tol);
     run_case<256, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4,    true>("nuq4/nuq4",       one_split,   &neox256,   tol);
     run_case< 64, GGML_TYPE_BFP8_32, GGML_TYPE_BFP8_32, true>("bfp8_32/bfp8_32", pre_streams, &far_norm,  tol);
+    run_case<128, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_streams, &neox_part, tol);   // pre-RoPE only pairs
+    run_case< 64, GGML_TYPE_NUQ4,    GGML_TYPE_F16,     true>("nuq4/f16",        pre_gqa8,    &norm_h16, tol);
     printf("pre-RoPE rows below position 10000: max err f32 %.2e, f16 beyond rounding %.2e\n", max_rel_f32, max_rel_f16);
     printf("cases %d failures %d\n", cases, failures);
     return failures != 0;
