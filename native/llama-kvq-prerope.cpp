@@ -30,6 +30,18 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
     return nullptr;
 }
 
+std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    const char * backend = reg ? ggml_backend_reg_name(reg) : "?";
+    if (strcmp(backend, "CUDA") == 0) {
+        return "";
+    }
+    // an RPC worker's backend is not known here, so RPC is refused too
+    return std::string("the pre-RoPE key cache has GPU kernels for CUDA only, not for ") + backend + " (device " +
+           ggml_backend_dev_name(dev) + "): run with PYKVQ_K_DOMAIN=post (post-RoPE keys), or keep the KV cache on the "
+           "CPU (-nkvo / offload_kqv = false)";
+}
+
 void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor * scale, int il) {
     for (const ggml_tensor * t : { mean, scale }) {
         if (t->type != GGML_TYPE_F32) {

@@ -3,6 +3,7 @@
 
     make gpu-check                       # or: python3 scripts/gpu_check.py
     python3 scripts/gpu_check.py --model path/to/model.gguf --steps ops,fallback,kld,bench
+    python3 scripts/gpu_check.py --list                  # the steps; --dry-run: the commands, none run
 
 Standard library only (the lent GPU machines have no pykvq venv); model paths default to
 pykvq's registry when pykvq imports. On a lent machine with a 10-minute limit per command, run
@@ -26,6 +27,12 @@ Steps (each writes $OUT or results/gpu/):
             norm+rope included): KLD GPU vs CPU for f16 / q4_0 / nuq4 / bfp4_32 caches
   bench     llama-bench -ngl 99 -fa 1, tg32 at depths 0 / 8192 / 32768 and pp512, each setting
             as a ratio to f16 in the same run; the issue's targets are checked and printed
+  prerope   the model converted with --prerope-k (or --prerope-model), fully offloaded: the log
+            must show every quantized-K layer pre-RoPE and the graph splits equal f16's (no CPU
+            fallback); KLD GPU vs CPU (same bound as kld) and, for reference, the post-RoPE cache's
+            (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
+            as a ratio to post-RoPE of the same type and to f16 (issue 20: decode >= 0.95x post,
+            >= 1.0x f16; prefill >= 0.9x f16), printed, not failed on
 """
 from __future__ import annotations
 
@@ -39,21 +46,29 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["build", "ops", "fallback", "pykvq", "kld", "ksort", "bench"]
+STEPS = ["build", "ops", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
 # stock baselines first; "K/V" = different K and V types
 SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
             "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
 KVQ_RE = "bfp|nuq"
 FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
 THREE_BIT = ["nuq3", "nuq3o"]
+# pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
+PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
+DRY_RUN = False
 
 
 def log(msg: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    log(" ".join(str(c) for c in cmd))
+def run(cmd: list[str], env_set: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    """cmd with env_set added to the environment; with --dry-run only logged (rc 0, no output)."""
+    log(" ".join([f"{k}={v}" for k, v in (env_set or {}).items()] + [str(c) for c in cmd]))
+    if DRY_RUN:
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    if env_set:
+        kw["env"] = dict(kw.get("env") or os.environ, **env_set)
     return subprocess.run([str(c) for c in cmd], text=True, capture_output=True, **kw)
 
 
@@ -160,8 +175,9 @@ def _kld(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _kld_compare(a, model, settings: list[str], tag: str) -> dict:
-    """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree."""
+def _kld_compare(a, model, settings: list[str], tag: str, post_too: bool = False) -> dict:
+    """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
+    post_too: also the GPU with PYKVQ_K_DOMAIN=post (a pre-RoPE file's post-RoPE cache), reported."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
@@ -177,8 +193,12 @@ def _kld_compare(a, model, settings: list[str], tag: str) -> dict:
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
                      "--kl-divergence"], timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
+        if post_too:
+            r = run([exe, *common, "-ngl", "99", "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
+                     "--kl-divergence"], env_set={"PYKVQ_K_DOMAIN": "post"}, timeout=1800)
+            row["gpu_post"] = _kld(r.stdout + r.stderr)
         out[s] = row
-        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}")
+        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}" + (f" (post-RoPE gpu {row['gpu_post']})" if post_too else ""))
         c, g = row["cpu"], row["gpu"]
         if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
             a.failures.append(f"kld {tag} {s}: cpu {c} vs gpu {g}")
@@ -211,7 +231,7 @@ def step_bench(a) -> dict:
         if r.returncode != 0:
             a.failures.append(f"bench {s}: rc {r.returncode}: {r.stderr[-1000:]}")
             continue
-        for t in json.loads(r.stdout):
+        for t in json.loads(r.stdout or "[]"):
             rows.append({"setting": s, "n_prompt": t["n_prompt"], "n_gen": t["n_gen"], "depth": t.get("n_depth", 0),
                          "tps": t["avg_ts"], "std": t["stddev_ts"]})
     # ratios to f16 in the same run
@@ -244,6 +264,85 @@ def step_bench(a) -> dict:
     return {"rows": rows}
 
 
+def prerope_model(a) -> Path | None:
+    if a.prerope_model:
+        return Path(a.prerope_model)
+    out = Path(a.out) / "prerope.gguf"
+    r = run([sys.executable, "-m", "convert.to_gguf", a.model, "-o", out, "--prerope-k"], cwd=REPO, timeout=1800)
+    if r.returncode != 0:
+        log("prerope step skipped: the converter did not run here (needs pykvq's venv; or pass --prerope-model): "
+            + r.stderr.strip()[-300:])
+        return None
+    return out
+
+
+def step_prerope(a) -> dict:
+    """Issue 20 on CUDA: the pre-RoPE key cache fully offloaded (decode kernel and prefill K conversion)."""
+    model = prerope_model(a)
+    if model is None:
+        return {"skipped": "no pre-RoPE model"}
+    out: dict = {"model": str(model), "run": {}}
+    exe = Path(a.build) / "bin" / "llama-completion"
+    for s in ["f16"] + PREROPE_SETTINGS:
+        k, v = kv(s)
+        r = run([exe, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
+        text = r.stdout + r.stderr
+        m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
+        o = {"rc": r.returncode, "splits": _splits(text), "prerope_layers": m.groups() if m else None,
+             "text": r.stdout[-300:]}
+        out["run"][s] = o
+        log(f"prerope {s}: rc {o['rc']}, graph splits {o['splits']}, pre-RoPE layers {o['prerope_layers']}: "
+            f"{r.stdout.strip()[-120:]!r}")
+    if not DRY_RUN:
+        base = out["run"]["f16"]["splits"]
+        for s in PREROPE_SETTINGS:
+            o = out["run"][s]
+            if o["rc"] != 0 or o["splits"] is None or o["splits"] != base:
+                a.failures.append(f"prerope {s}: {o['splits']} graph splits vs f16 {base} (rc {o['rc']})")
+            if not o["prerope_layers"] or o["prerope_layers"][0] != o["prerope_layers"][1]:
+                a.failures.append(f"prerope {s}: pre-RoPE layers {o['prerope_layers']} (expected all)")
+    out["kld"] = _kld_compare(a, model, PREROPE_SETTINGS, "prerope", post_too=True)
+    out["bench"] = _prerope_bench(a, model)
+    return out
+
+
+def _prerope_bench(a, model: Path) -> list[dict]:
+    """llama-bench on the pre-RoPE file: f16, then each setting pre-RoPE (the file's default) and post-RoPE."""
+    exe = Path(a.build) / "bin" / "llama-bench"
+    depths = a.prerope_depths.split(",")
+    rows = []
+    runs = [("f16", "f16", None)] + [(s, d, {"PYKVQ_K_DOMAIN": "post"} if d == "post" else None)
+                                     for s in PREROPE_SETTINGS for d in ("pre", "post")]
+    for s, dom, env_set in runs:
+        k, v = kv(s)
+        r = run([exe, "-m", model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "512", "-n", "32",
+                 "-d", a.prerope_depths, "-r", str(a.reps), "-o", "json"], env_set=env_set, timeout=3600)
+        if r.returncode != 0:
+            a.failures.append(f"prerope bench {s} {dom}: rc {r.returncode}: {r.stderr[-1000:]}")
+            continue
+        for t in json.loads(r.stdout or "[]"):
+            rows.append({"setting": s, "domain": dom, "kind": "tg" if t["n_gen"] > 0 else "pp",
+                         "depth": t.get("n_depth", 0), "tps": t["avg_ts"], "std": t["stddev_ts"]})
+    tps = {(r["setting"], r["domain"], r["kind"], r["depth"]): r["tps"] for r in rows}
+    lines = ["| cache (pre-RoPE) | " + " | ".join(f"{kind}{'32' if kind == 'tg' else '512'} @{d}: t/s, ×post, ×f16"
+                                                 for kind in ("tg", "pp") for d in depths) + " |",
+             "|---" * (1 + 2*len(depths)) + "|"]
+    for s in PREROPE_SETTINGS:
+        cells = []
+        for kind in ("tg", "pp"):
+            for d in depths:
+                pre, post, f16 = (tps.get((s, "pre", kind, int(d))), tps.get((s, "post", kind, int(d))),
+                                  tps.get(("f16", "f16", kind, int(d))))
+                cells.append(f"{pre:.1f}, {pre/post:.2f}×, {pre/f16:.2f}×" if pre and post and f16 else "–")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if not DRY_RUN:
+        (Path(a.out) / "bench-prerope.md").write_text(table + "\n")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
@@ -256,19 +355,28 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8, help="512-token chunks for KLD")
     ap.add_argument("--depths", default="0,8192,32768", help="llama-bench -d")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prerope-model", help="a --prerope-k conversion of --model (default: converted here into --out)")
+    ap.add_argument("--prerope-depths", default="0,4096,8192", help="llama-bench -d of the prerope step")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results" / "gpu"), help="where results go")
+    ap.add_argument("--list", action="store_true", help="print the steps and exit")
+    ap.add_argument("--dry-run", action="store_true", help="log each step's commands without running any")
     a = ap.parse_args()
     a.failures = []
+    if a.list:
+        print("\n".join(line for line in __doc__.split("Steps", 1)[1].splitlines()[1:] if line.strip()))
+        return
+    global DRY_RUN
+    DRY_RUN = a.dry_run
     Path(a.out).mkdir(parents=True, exist_ok=True)
     steps = [s for s in a.steps.split(",") if s]
     bad = set(steps) - set(STEPS)
     if bad:
         ap.error(f"unknown step(s) {sorted(bad)}; choose from {STEPS}")
-    if {"fallback", "pykvq", "kld", "ksort"} & set(steps):
+    if {"fallback", "pykvq", "kld", "ksort", "prerope"} & set(steps):
         a.model = a.model or default_model("smollm2-135m")
         if not a.model:
             ap.error("--model is needed for fallback / kld")
-    if {"kld", "ksort"} & set(steps):
+    if {"kld", "ksort", "prerope"} & set(steps):
         a.text = a.text or default_text()
         if not a.text:
             ap.error("--text is needed for kld")
@@ -280,10 +388,13 @@ def main() -> None:
         device = run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).stdout.strip()
     except FileNotFoundError:
         device = "no nvidia-smi: no NVIDIA GPU here"
-    log(f"device: {device}")
+    log(f"device: {device}" + (" (dry run: commands are logged, none run)" if DRY_RUN else ""))
     report = {"device": device}
     for s in steps:
         report[s] = globals()[f"step_{s}"](a) or {}
+    if DRY_RUN:
+        log(f"dry run of {','.join(steps)} done (nothing ran, no results written)")
+        return
     report["failures"] = a.failures
     (Path(a.out) / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     log(f"wrote {Path(a.out) / 'gpu_check.json'}")

@@ -94,6 +94,15 @@ def smollm2_converted(smollm2, smollm2_hf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_prerope(smollm2, tmp_path_factory):
+    """SmolLM2 converted with --prerope-k (the default calibration: 4 x 512 tokens, seconds)."""
+    from test_convert import run_convert
+    out = tmp_path_factory.mktemp("prerope") / "smol-prerope.gguf"
+    run_convert(smollm2, "-o", out, "--prerope-k")
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_codebooks(smollm2, tmp_path_factory):
     """SmolLM2 with per-layer cache types and K codebooks from the file (weights untouched): nuq3 K with a codebook
     of its own in every layer but 0, whose K is q8_0; q8_0 V. For the server and RPC tests."""

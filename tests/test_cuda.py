@@ -6,7 +6,9 @@ compiled by nvcc for sm_90 (ggml-cuda's flags), with the cuBLAS headers of the p
 nvidia-cublas wheel. The checks that need a device are scripts/gpu_check.py (`make gpu-check`)."""
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,8 +70,15 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     in double precision over the reference-dequantized K/V. 15 cases: every type as K and V,
     f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 2 / 3 / 4 / 6 / 8 / 12 (two head blocks), 1 to 6
     splits, KV lengths off the tiles, 3 sequences with a per-sequence mask, masked keys, ALiBi,
-    softcap, sinks, random nuq codebooks."""
-    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 15 failures 0")
+    softcap, sinks, random nuq codebooks. A pre-RoPE K cache (kvq-prerope.cuh, 16 cases): the row
+    transform in f32 and the prefill path's K -> f16 conversion (kvq-rows.cuh; f16 rows in place)
+    against the read path in double (pykvq/ref/prerope.py's decode), within 1e-4 of each row's
+    largest key below position ~1300 (measured 5e-5: ggml's float angles pos*w), 2e-3 at positions
+    ~30000 (measured 1e-3), and 1e-4 of the reference at the float angles everywhere (measured 2e-7);
+    the decode kernel's attention within 1e-4 (measured 6e-6; pairs with stock q4_0 and f16 V that
+    only a pre-RoPE K takes included): NORM / NEOX, Hadamard 2 / 16 / 32 / 64 / 128 or none, partial rotary (96 of 128, 40 of 64), per-head frequencies, mscale, positions with
+    a gap, a shifted block and one out of order, 2 streams, head sizes 64 / 128 / 256."""
+    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 31 failures 0")
 
 
 def test_row_kernels_emulated(tmp_path):
@@ -113,3 +122,28 @@ def test_cuda_sources_compile(tmp_path):
                            capture_output=True, text=True) if shutil.which("cuobjdump") else None
     if fattn is not None and fattn.returncode == 0:
         assert fattn.stdout.count("kvq_fattn_vec") >= 22, fattn.stdout[-2000:]
+
+
+def test_gpu_check_plan_without_a_gpu(tmp_path):
+    """scripts/gpu_check.py lists its steps and, with --dry-run, logs the prerope step's commands
+    without running any: the pre-RoPE file fully offloaded (f16 and each setting), KLD on CPU, GPU and
+    the GPU's post-RoPE cache, and llama-bench pre- and post-RoPE."""
+    script = REPO / "scripts" / "gpu_check.py"
+    res = subprocess.run([sys.executable, str(script), "--list"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "prerope" in res.stdout and "bench" in res.stdout, res.stderr
+    model, pre, text = tmp_path / "m.gguf", tmp_path / "pre.gguf", tmp_path / "t.txt"
+    res = subprocess.run([sys.executable, str(script), "--dry-run", "--steps", "prerope", "--model", str(model),
+                          "--prerope-model", str(pre), "--text", str(text), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    cmds = [line.split("] ", 1)[1] for line in res.stdout.splitlines() if "/bin/llama-" in line]
+    settings = re.search(r"^PREROPE_SETTINGS = (\[.*\])$", script.read_text(), re.M).group(1)
+    n = len(ast.literal_eval(settings))
+    completion = [c for c in cmds if "llama-completion" in c]
+    assert len(completion) == 1 + n and all("-ngl 99" in c and str(pre) in c for c in completion)
+    kld = [c for c in cmds if "llama-perplexity" in c]
+    assert len(kld) == 1 + 3*n                                          # base, then CPU, GPU, GPU post-RoPE
+    assert sum("-ngl 0" in c for c in kld) == 1 + n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
+    bench = [c for c in cmds if "llama-bench" in c]
+    assert len(bench) == 1 + 2*n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in bench) == n
+    assert not (tmp_path / "out" / "gpu_check.json").exists()           # a dry run writes no results

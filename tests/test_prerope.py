@@ -140,12 +140,8 @@ def k_domain(value: str):
 
 
 @pytest.fixture(scope="module")
-def smol_pre(smollm2, tmp_path_factory):
-    """SmolLM2 converted with --prerope-k (the default calibration: 4 x 512 tokens, seconds)."""
-    from test_convert import run_convert
-    out = tmp_path_factory.mktemp("prerope") / "smol-prerope.gguf"
-    run_convert(smollm2, "-o", out, "--prerope-k")
-    return out
+def smol_pre(smollm2_prerope):
+    return smollm2_prerope
 
 
 def _kld(a: np.ndarray, b: np.ndarray) -> float:

@@ -52,6 +52,17 @@ def test_rpc_greedy_equals_local(smollm2, smollm2_codebooks, smollm2_converted, 
         assert "keys are K-sorted" in log and "bfp4_32" in log, log[-3000:]
 
 
+def test_prerope_cache_is_refused_over_rpc(smollm2_prerope, workers):
+    """A pre-RoPE key cache has GPU kernels for CUDA only; the client cannot know an RPC worker's backend,
+    so offloading one there is refused before anything runs, naming the ways out."""
+    res = run_tool("llama-completion", "-m", smollm2_prerope, "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv",
+                   "-fa", "on", "-c", "512", "-t", "2", "-ctk", "q4_0", "-ctv", "q4_0", "--rpc", workers, "-ngl", "99",
+                   timeout=300)
+    assert res.returncode != 0
+    assert "GPU kernels for CUDA only, not for RPC" in res.stderr, res.stderr[-3000:]
+    assert "PYKVQ_K_DOMAIN=post" in res.stderr and "-nkvo" in res.stderr
+
+
 def test_rpc_perplexity_kld_is_zero(smollm2, passage, workers, tmp_path):
     text = tmp_path / "passage.txt"
     text.write_text(passage)

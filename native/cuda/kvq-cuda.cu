@@ -7,7 +7,10 @@
 //   FLASH_ATTN_EXT            one query token and a compiled K/V pair: kvq-fattn.cuh's decode
 //                             kernel on the quantized cache; otherwise (prefill, other pairs,
 //                             other head sizes) K and V are decoded to f16 in pool memory and
-//                             upstream's f16 flash attention runs on them
+//                             upstream's f16 flash attention runs on them. A pre-RoPE K cache
+//                             (ggml-kvq.h) is turned into post-RoPE keys on the way: per K row
+//                             in the decode kernel, per converted row in the prefill path
+//                             (kvq-prerope.cuh)
 // Everything else that touches a pykvq type is declined in supports_op, so the scheduler
 // never sees a claim it cannot honour.
 #include "common.cuh"
@@ -143,6 +146,101 @@ static void kvq_fattn_standin(const ggml_tensor * op, ggml_kvq_cuda_standin * s)
     kvq_f16_like(&s->v, op->src[2]);
     s->node.src[1] = &s->k;
     s->node.src[2] = &s->v;
+    // the stand-in's K is post-RoPE already: a plain f16 FLASH_ATTN_EXT for upstream
+    for (int i = 5; i < GGML_MAX_SRC; ++i) {
+        s->node.src[i] = nullptr;
+    }
+    const int32_t none = 0;
+    memcpy(s->node.op_params + GGML_KVQ_PREROPE_TAG, &none, sizeof(none));
+}
+
+// the node's pre-RoPE arguments (ggml-kvq.h); false when the node reads a post-RoPE K
+static bool kvq_fa_prerope_args(const ggml_tensor * op, kvq_prerope_args * p) {
+    int n_dims, mode, n_rot_h;
+    float mscale;
+    if (!ggml_kvq_fa_get_prerope(op, &n_dims, &mode, &mscale, &n_rot_h)) {
+        return false;
+    }
+    const ggml_tensor * pos = op->src[5];
+    *p = {};
+    p->pos        = (const int32_t *) pos->data;
+    p->pos_stride = pos->nb[1] / (int64_t) sizeof(int32_t);
+    p->mean       = (const float *) op->src[6]->data;
+    p->scale      = (const float *) op->src[7]->data;
+    p->freqs      = (const float *) op->src[8]->data;
+    p->n_dims     = n_dims;
+    p->neox       = mode == GGML_ROPE_TYPE_NEOX;
+    p->n_rot_h    = n_rot_h;
+    p->h_norm     = n_rot_h ? (float) (1.0/sqrt((double) n_rot_h)) : 1.0f;
+    p->mscale     = mscale;
+    return true;
+}
+
+// the layouts and tensors the pre-RoPE kernels take (kvq-prerope.cuh)
+static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
+    int n_dims, mode, n_rot_h;
+    if (!ggml_kvq_fa_get_prerope(op, &n_dims, &mode, nullptr, &n_rot_h)) {
+        return true;
+    }
+    const ggml_tensor * K = op->src[1];
+    const ggml_tensor * pos = op->src[5];
+    if (pos->type != GGML_TYPE_I32 || pos->nb[0] != sizeof(int32_t) || pos->ne[0] < K->ne[1] || pos->ne[1] != K->ne[3]) {
+        return false;
+    }
+    for (int i = 6; i <= 8; ++i) {
+        if (op->src[i] == nullptr || op->src[i]->type != GGML_TYPE_F32 || !ggml_is_contiguous(op->src[i])) {
+            return false;
+        }
+    }
+    return (mode == GGML_ROPE_TYPE_NORMAL || mode == GGML_ROPE_TYPE_NEOX) &&
+           kvq_prerope_fits((int) K->ne[0], n_dims, mode == GGML_ROPE_TYPE_NEOX, n_rot_h) &&
+           (ggml_kvq_type_is_kvq(K->type) || K->type == GGML_TYPE_F16 || K->type == GGML_TYPE_Q8_0 ||
+            K->type == GGML_TYPE_Q4_0);
+}
+
+// K of a pre-RoPE cache -> post-RoPE f16 rows at s_t's contiguous layout
+static void kvq_fa_prerope_k_to_f16(const ggml_tensor * t, const kvq_cb & cb, const kvq_prerope_args & p,
+                                    ggml_tensor * s_t, ggml_cuda_pool_alloc<half> & buf, cudaStream_t stream) {
+    buf.alloc(ggml_nelements(t));
+    s_t->data = buf.ptr;
+    const char * src = (const char *) t->data;
+    int64_t nb1 = t->nb[1], nb2 = t->nb[2], nb3 = t->nb[3];
+    ggml_type type = t->type;
+    if (type == GGML_TYPE_Q4_0) {
+        // no codec of ours: upstream's f16 conversion, then the read path in place
+        const size_t ts = ggml_type_size(type);
+        to_fp16_nc_cuda_t to_fp16 = ggml_get_to_fp16_nc_cuda(type);
+        GGML_ASSERT(to_fp16 != nullptr && t->nb[0] == ts);
+        to_fp16(t->data, buf.ptr, t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1]/ts, t->nb[2]/ts, t->nb[3]/ts, stream);
+        src = (const char *) buf.ptr;
+        nb1 = s_t->nb[1]; nb2 = s_t->nb[2]; nb3 = s_t->nb[3];
+        type = GGML_TYPE_F16;
+    }
+    const int64_t n_rows = t->ne[1]*t->ne[2]*t->ne[3];
+    if (n_rows == 0) {
+        return;
+    }
+    const dim3 block(WARP_SIZE, KVQ_CUDA_BLOCK/WARP_SIZE, 1);
+    const int  grid = (int) ((n_rows + block.y - 1)/block.y);
+    const int  n_kv = (int) t->ne[1], n_head_kv = (int) t->ne[2];
+#define KVQ_PRE_D(D, T) kvq_prerope_k_to_f16<D, T><<<grid, block, 0, stream>>>(src, buf.ptr, p, cb, n_kv, n_head_kv, n_rows, nb1, nb2, nb3)
+#define KVQ_PRE(T, ...)                                              \
+    switch (t->ne[0]) {                                              \
+        case 64:  KVQ_PRE_D(64, T);  break;                          \
+        case 128: KVQ_PRE_D(128, T); break;                          \
+        case 256: KVQ_PRE_D(256, T); break;                          \
+        default: GGML_ABORT("pykvq: pre-RoPE K of head size %d", (int) t->ne[0]); \
+    }
+    if (type == GGML_TYPE_F16) {
+        KVQ_PRE(GGML_TYPE_F16, 0)
+    } else if (type == GGML_TYPE_Q8_0) {
+        KVQ_PRE(GGML_TYPE_Q8_0, 0)
+    } else {
+        KVQ_TYPE_CASES(KVQ_PRE, 0)
+    }
+#undef KVQ_PRE
+#undef KVQ_PRE_D
+    CUDA_CHECK(cudaGetLastError());
 }
 
 // the stand-in's K or V (s_t, f16 and contiguous): t itself when it is f16 already (upstream
@@ -171,7 +269,12 @@ static void kvq_fattn_prefill(ggml_backend_cuda_context & ctx, ggml_tensor * dst
     ggml_kvq_cuda_standin s;
     kvq_fattn_standin(dst, &s);
     ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
-    kvq_fa_to_f16(dst->src[1], cb_k, &s.k, k16, ctx.stream());
+    kvq_prerope_args pre;
+    if (kvq_fa_prerope_args(dst, &pre)) {
+        kvq_fa_prerope_k_to_f16(dst->src[1], cb_k, pre, &s.k, k16, ctx.stream());
+    } else {
+        kvq_fa_to_f16(dst->src[1], cb_k, &s.k, k16, ctx.stream());
+    }
     kvq_fa_to_f16(dst->src[2], cb_v, &s.v, v16, ctx.stream());
     ggml_cuda_flash_attn_ext(ctx, &s.node);
 }
@@ -183,14 +286,15 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
     const ggml_tensor * mask  = dst->src[3];
     const ggml_tensor * sinks = dst->src[4];
     const int D = (int) Q->ne[0];
+    kvq_fattn_args a = {};
+    const bool pre = kvq_fa_prerope_args(dst, &a.pre);
     if (Q->ne[1] != 1 || Q->type != GGML_TYPE_F32 || K->ne[0] != D || V->ne[0] != D ||
         !(D == 64 || D == 128 || D == 256) || Q->ne[2] % K->ne[2] != 0 ||
         (mask && mask->type != GGML_TYPE_F16) || (sinks && sinks->type != GGML_TYPE_F32) ||
-        !kvq_fattn_vec_has_pair(K->type, V->type) || !ggml_is_contiguous(dst)) {
+        !kvq_fattn_vec_has_pair(K->type, V->type, pre) || !ggml_is_contiguous(dst)) {
         return false;
     }
 
-    kvq_fattn_args a = {};
     float scale, max_bias, softcap;
     memcpy(&scale,    (const float *) dst->op_params + 0, sizeof(float));
     memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
@@ -246,9 +350,9 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
 
     bool ok = false;
     switch (D) {
-        case 64:  ok = kvq_fattn_vec_d64 (a, K->type, V->type, n_kv_heads, n_seq, stream); break;
-        case 128: ok = kvq_fattn_vec_d128(a, K->type, V->type, n_kv_heads, n_seq, stream); break;
-        case 256: ok = kvq_fattn_vec_d256(a, K->type, V->type, n_kv_heads, n_seq, stream); break;
+        case 64:  ok = kvq_fattn_vec_d64 (a, K->type, V->type, pre, n_kv_heads, n_seq, stream); break;
+        case 128: ok = kvq_fattn_vec_d128(a, K->type, V->type, pre, n_kv_heads, n_seq, stream); break;
+        case 256: ok = kvq_fattn_vec_d256(a, K->type, V->type, pre, n_kv_heads, n_seq, stream); break;
     }
     GGML_ASSERT(ok);
 
@@ -279,6 +383,10 @@ static bool kvq_involved(const ggml_tensor * op) {
     if (ggml_kvq_type_is_kvq(op->type)) {
         return true;
     }
+    // a pre-RoPE K cache of any type: upstream's kernels would read it as rotated keys
+    if (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvq_fa_get_prerope(op, nullptr, nullptr, nullptr, nullptr)) {
+        return true;
+    }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
         if (op->src[i] && ggml_kvq_type_is_kvq(op->src[i]->type)) {
             return true;
@@ -292,10 +400,6 @@ static bool kvq_rows_fit(const ggml_tensor * t) {
 }
 
 int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * standin) {
-    // a pre-RoPE K cache (ggml-kvq.h) has no CUDA kernel yet; upstream's would read it as rotated keys
-    if (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvq_fa_get_prerope(op, nullptr, nullptr, nullptr, nullptr)) {
-        return GGML_KVQ_CUDA_NO;
-    }
     if (!kvq_involved(op)) {
         return GGML_KVQ_CUDA_NOT_OURS;
     }
@@ -328,7 +432,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
         case GGML_OP_FLASH_ATTN_EXT: {
             const ggml_tensor * K = op->src[1];
             const ggml_tensor * V = op->src[2];
-            if (!K || !V || src0->type != GGML_TYPE_F32) {
+            if (!K || !V || src0->type != GGML_TYPE_F32 || !kvq_fa_prerope_supported(op)) {
                 return GGML_KVQ_CUDA_NO;
             }
             for (const ggml_tensor * t : { K, V }) {

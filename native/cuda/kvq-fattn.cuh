@@ -9,10 +9,13 @@
 // with the probabilities read back from shared memory as broadcasts. The warps, then the splits, are
 // merged with the usual (max, sum) rescaling; attention sinks enter at the split merge.
 // Codebooks (nuq K / V) come in the kernel arguments, so CUDA graphs replay them as they are.
+// PRE: a pre-RoPE K cache; each decoded K row is turned into its post-RoPE key (kvq-prerope.cuh)
+// once per warp, i.e. once for the block's whole GQA group, before the K·Q dots.
 #pragma once
 
 #include "common.cuh"
 #include "kvq-codec.cuh"
+#include "kvq-prerope.cuh"
 
 #define KVQ_FA_NWARPS 4
 #define KVQ_FA_G      8      // query heads per block (the K·Q reduction below is written for 8)
@@ -40,6 +43,7 @@ struct kvq_fattn_args {
     int64_t  nb32, nb33;
     int8_t   cb_k[16];
     int8_t   cb_v[16];
+    kvq_prerope_args pre;   // PRE kernels only
 };
 
 // N consecutive values of a row; f16 rows by half2 loads, the rest through the codec
@@ -52,6 +56,18 @@ static __device__ __forceinline__ void kvq_fa_load(const char * row, int i0, con
             const float2 f = __half22float2(p[l]);
             out[2*l + 0] = f.x;
             out[2*l + 1] = f.y;
+        }
+    } else if constexpr (T == GGML_TYPE_Q4_0) {
+        // upstream's block (a pre-RoPE cache of stock q4_0 comes here): f16 d, then value j in the
+        // low nibble of byte j (j < 16) or the high nibble of byte j - 16
+        static_assert(16 % N == 0, "a lane's values lie in one half of a block");
+        const uint8_t * b  = (const uint8_t *) row + (i0/32)*18;
+        const float     d  = kvq_f16_bytes(b);
+        const int       j  = i0 % 32;
+        const int       sh = j < 16 ? 0 : 4;
+#pragma unroll
+        for (int l = 0; l < N; ++l) {
+            out[l] = d*(float) (((b[2 + j%16 + l] >> sh) & 0x0F) - 8);
         }
     } else {
         kvq_dequantize<T, N>((const uint8_t *) row, i0, c, out);
@@ -71,7 +87,7 @@ static __device__ __forceinline__ void kvq_fa_load_rows(const char * base, int64
     }
 }
 
-template <int D, ggml_type TK, ggml_type TV>
+template <int D, ggml_type TK, ggml_type TV, bool PRE>
 __launch_bounds__(WARP_SIZE*KVQ_FA_NWARPS, 2)
 static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     constexpr int G   = KVQ_FA_G;
@@ -120,6 +136,12 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
     __syncthreads();
 
     const char * K = a.K + seq*a.nb13 + kvh*a.nb12;
+    kvq_prerope_lane<EPL> pl;
+    const int32_t * kpos = nullptr;
+    if constexpr (PRE) {
+        kvq_prerope_lane_init<EPL>(pl, a.pre, kvh, D, lane);
+        kpos = a.pre.pos + seq*a.pre.pos_stride;
+    }
     const char * V = a.V + seq*a.nb23 + kvh*a.nb22;
 
     __shared__ float sh_s[NW][G][WARP_SIZE];   // a tile's scores: [head][key]
@@ -146,6 +168,14 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         for (int i0 = 0; i0 < nk; i0 += U) {
           float kf[U][EPL];
           kvq_fa_load_rows<TK, U, EPL>(K, a.nb11, k0 + i0, nk - i0, lane*EPL, cbk, kf);
+          if constexpr (PRE) {
+#pragma unroll
+              for (int u = 0; u < U; ++u) {
+                  if (i0 + u < nk) {   // warp-uniform: the shuffles inside see the whole warp
+                      kvq_prerope_row<EPL>(kf[u], kpos[k0 + i0 + u], pl, a.pre);
+                  }
+              }
+          }
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int i = i0 + u;
@@ -324,19 +354,38 @@ static __global__ void kvq_fattn_combine(const float * part, const float2 * meta
 }
 
 #ifdef __CUDACC__   // launches (the kernels above also build for tests/test_cuda.py's host emulator)
-template <int D, ggml_type TK, ggml_type TV>
+template <int D, ggml_type TK, ggml_type TV, bool PRE>
 static void kvq_fattn_vec_launch(const kvq_fattn_args & a, const int n_kv_heads, const int n_seq, cudaStream_t stream) {
     const dim3 grid(n_kv_heads*((a.gqa + KVQ_FA_G - 1)/KVQ_FA_G), a.n_split, n_seq);
     const dim3 block(WARP_SIZE, KVQ_FA_NWARPS, 1);
-    kvq_fattn_vec<D, TK, TV><<<grid, block, 0, stream>>>(a);
+    kvq_fattn_vec<D, TK, TV, PRE><<<grid, block, 0, stream>>>(a);
     CUDA_CHECK(cudaGetLastError());
 }
 
+// a pre-RoPE K cache has decode kernels for quantized K (an f16 one exists only for equivalence
+// tests, PYKVQ_K_DOMAIN=pre, and takes the prefill path)
+static constexpr bool kvq_fattn_vec_pre_ok(ggml_type tk) {
+    return tk != GGML_TYPE_F16;
+}
+
+template <int D, ggml_type TK, ggml_type TV>
+static bool kvq_fattn_vec_run(const kvq_fattn_args & a, bool pre, int n_kv_heads, int n_seq, cudaStream_t stream) {
+    if (pre) {
+        if constexpr (kvq_fattn_vec_pre_ok(TK)) {
+            kvq_fattn_vec_launch<D, TK, TV, true>(a, n_kv_heads, n_seq, stream);
+            return true;
+        }
+        return false;
+    }
+    kvq_fattn_vec_launch<D, TK, TV, false>(a, n_kv_heads, n_seq, stream);
+    return true;
+}
+
 // The decode kernels compiled for head size D (kvq-fattn-d<D>.cu): runs the combination
-// and returns true, or returns false when (K type, V type) is not compiled.
-bool kvq_fattn_vec_d64 (const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, cudaStream_t stream);
-bool kvq_fattn_vec_d128(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, cudaStream_t stream);
-bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, cudaStream_t stream);
+// and returns true, or returns false when (K type, V type, pre-RoPE K) is not compiled.
+bool kvq_fattn_vec_d64 (const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bool pre, int n_kv_heads, int n_seq, cudaStream_t stream);
+bool kvq_fattn_vec_d128(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bool pre, int n_kv_heads, int n_seq, cudaStream_t stream);
+bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bool pre, int n_kv_heads, int n_seq, cudaStream_t stream);
 
 // The K/V pairs compiled (issue: each type with itself; f16 / q8_0 K with each V of 4 bits or fewer).
 #define KVQ_FA_LOW_BIT_V(X, D, TK)                   \
@@ -360,23 +409,47 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, in
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_F16)                  \
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_Q8_0)
 
-#define KVQ_FA_CASE(D, TK, TV)                                          \
-    if (tk == TK && tv == TV) {                                         \
-        kvq_fattn_vec_launch<D, TK, TV>(a, n_kv_heads, n_seq, stream);  \
-        return true;                                                    \
+// Pairs compiled for a pre-RoPE K only: stock K / V types (upstream's kernels take them post-RoPE)
+// and quantized K with f16 V.
+#define KVQ_FA_PRE_PAIRS(X, D)                             \
+    X(D, GGML_TYPE_Q8_0,    GGML_TYPE_Q8_0)                \
+    X(D, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0)                \
+    X(D, GGML_TYPE_Q8_0,    GGML_TYPE_Q4_0)                \
+    X(D, GGML_TYPE_Q4_0,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_Q8_0,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_NUQ4,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_NUQ3,    GGML_TYPE_F16)                 \
+    X(D, GGML_TYPE_BFP4_32, GGML_TYPE_F16)
+
+#define KVQ_FA_CASE(D, TK, TV)                                                      \
+    if (tk == TK && tv == TV) {                                                     \
+        return kvq_fattn_vec_run<D, TK, TV>(a, pre, n_kv_heads, n_seq, stream);     \
+    }
+
+#define KVQ_FA_PRE_CASE(D, TK, TV)                                                  \
+    if (pre && tk == TK && tv == TV) {                                              \
+        kvq_fattn_vec_launch<D, TK, TV, true>(a, n_kv_heads, n_seq, stream);        \
+        return true;                                                                \
     }
 
 #define KVQ_FA_DEFINE(D)                                                                                      \
-    bool kvq_fattn_vec_d##D(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, int n_kv_heads, int n_seq, \
-                            cudaStream_t stream) {                                                            \
+    bool kvq_fattn_vec_d##D(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bool pre, int n_kv_heads,  \
+                            int n_seq, cudaStream_t stream) {                                                 \
         KVQ_FA_PAIRS(KVQ_FA_CASE, D)                                                                          \
+        KVQ_FA_PRE_PAIRS(KVQ_FA_PRE_CASE, D)                                                                  \
         return false;                                                                                         \
     }
 
 // true when the pair has a decode kernel (for any compiled D)
-static inline bool kvq_fattn_vec_has_pair(ggml_type tk, ggml_type tv) {
+static inline bool kvq_fattn_vec_has_pair(ggml_type tk, ggml_type tv, bool pre) {
+    if (pre && !kvq_fattn_vec_pre_ok(tk)) {
+        return false;
+    }
 #define KVQ_FA_HAS(D, TK, TV) if (tk == TK && tv == TV) { return true; }
     KVQ_FA_PAIRS(KVQ_FA_HAS, 0)
+    if (pre) {
+        KVQ_FA_PRE_PAIRS(KVQ_FA_HAS, 0)
+    }
 #undef KVQ_FA_HAS
     return false;
 }

@@ -4,6 +4,7 @@
 
 #include "common.cuh"
 #include "kvq-codec.cuh"
+#include "kvq-prerope.cuh"
 
 // a nuq codebook by value (kernel argument); zeros for the other types
 struct kvq_cb {
@@ -72,5 +73,50 @@ static __global__ void kvq_dequant(const char * src0, dst_t * dst, const kvq_cb 
 #pragma unroll
     for (int l = 0; l < N; ++l) {
         y[l] = ggml_cuda_cast<dst_t>(v[l]);
+    }
+}
+
+// ---- pre-RoPE K -> post-RoPE f16 (the prefill path's stand-in K) ----------------------------
+
+// K [D, n_kv, n_head_kv, n_stream] of type T (strides nb1..nb3) -> the post-RoPE keys
+// as contiguous f16, one warp per row. src may be dst's memory (f16 rows converted in place:
+// a warp reads its whole row before writing it).
+template <int D, ggml_type T>
+static __global__ void kvq_prerope_k_to_f16(const char * src, half * dst, const kvq_prerope_args p, const kvq_cb cb,
+                                            const int n_kv, const int n_head_kv, const int64_t n_rows,
+                                            const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int EPL = D / WARP_SIZE;
+    const int lane = threadIdx.x;
+    __shared__ float c[16];
+    const int tid = threadIdx.y*WARP_SIZE + lane;
+    if (tid < 16) {
+        c[tid] = (float) cb.c[tid];
+    }
+    __syncthreads();
+    const int64_t row = (int64_t) blockIdx.x*blockDim.y + threadIdx.y;
+    if (row >= n_rows) {
+        return;   // the whole warp: rows are per warp
+    }
+    const int j   = (int) (row % n_kv);
+    const int kvh = (int) ((row / n_kv) % n_head_kv);
+    const int s   = (int) (row / ((int64_t) n_kv*n_head_kv));
+    kvq_prerope_lane<EPL> L;
+    kvq_prerope_lane_init<EPL>(L, p, kvh, D, lane);
+    float x[EPL];
+    const char * r = src + j*nb1 + kvh*nb2 + s*nb3;
+    if constexpr (T == GGML_TYPE_F16) {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            x[e] = __half2float(((const half *) r)[lane*EPL + e]);
+        }
+    } else {
+        kvq_dequantize<T, EPL>((const uint8_t *) r, lane*EPL, c, x);
+    }
+    kvq_prerope_row<EPL>(x, p.pos[s*p.pos_stride + j], L, p);
+    __syncwarp();   // in place: every lane has read its values before any is written
+    half * o = dst + row*D + lane*EPL;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        o[e] = ggml_cuda_cast<half>(x[e]);
     }
 }

@@ -7,6 +7,7 @@
 // type's fallback codebook. The helpers are no-ops for other types.
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "ggml-kvq.h"
 #include "llama-kvq-api.h"
 
@@ -71,6 +72,10 @@ struct llama_kvq_prerope_fa {
 
 // why a layer cannot have a pre-RoPE key cache (nullptr: it can)
 const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla);
+
+// "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/cuda/kvq-prerope.cuh),
+// else the error the context raises, naming the device and the ways out
+std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev);
 
 // the file's statistics of layer il, checked once when the context turns the layer pre-RoPE: F32, finite,
 // scale > 0; throws std::runtime_error naming the tensor and element otherwise

@@ -4,9 +4,14 @@
 // GQA grouping (1, 3 and 12 query heads per KV head: one and two head blocks), KV lengths that
 // are and are not multiples of the tiles, one and several splits, sequences with a broadcast
 // mask, masked keys, ALiBi, softcap and sinks, f16 / q8_0 K with low-bit V, nuq codebooks.
+// A pre-RoPE K cache (kvq-prerope.cuh): the row transform in f32, the prefill path's K -> f16
+// conversion (kvq-rows.cuh) and the decode kernel, against ref_prerope_row (double precision,
+// pykvq/ref/prerope.py's decode): NORM / NEOX, with and without the Hadamard, partial rotary,
+// per-head frequencies, mscale, positions with gaps / out of order / large, 2 streams.
 // Built and run by tests/test_cuda.py.
 #include "common.cuh"           // the emulator: cuda_emu/ comes first in the include path
 #include "kvq-fattn.cuh"
+#include "kvq-rows.cuh"
 
 #include <cstdarg>
 #include <cstring>
@@ -52,6 +57,21 @@ static void encode_row(ggml_type t, const float * x, int n, const int8_t * cb, u
                 }
             }
             return;
+        case GGML_TYPE_Q4_0:    // ggml's layout: d = -max/8 as f16, value j in nibble (j < 16 ? low : high) of byte j % 16
+            for (int b = 0; b < n/32; ++b) {
+                float mx = 0.0f;
+                for (int i = 0; i < 32; ++i) if (fabsf(x[32*b + i]) > fabsf(mx)) mx = x[32*b + i];
+                const uint16_t dh = ggml_kvq_fp32_to_fp16(mx/-8.0f);
+                const float d = ggml_kvq_fp16_to_fp32(dh);
+                memcpy(out + 18*b, &dh, 2);
+                int q[32];
+                for (int i = 0; i < 32; ++i) {
+                    q[i] = d == 0.0f ? 8 : std::max(0, std::min(15, (int) (x[32*b + i]/d + 8.5f)));
+                    deq[32*b + i] = d*(float) (q[i] - 8);
+                }
+                for (int i = 0; i < 16; ++i) out[18*b + 2 + i] = (uint8_t) (q[i] | q[i + 16] << 4);
+            }
+            return;
         case GGML_TYPE_BFP4_32: quantize_row_bfp4_32_ref(x, (block_bfp4_32 *) out, n); dequantize_row_bfp4_32((const block_bfp4_32 *) out, deq, n); return;
         case GGML_TYPE_BFP4_64: quantize_row_bfp4_64_ref(x, (block_bfp4_64 *) out, n); dequantize_row_bfp4_64((const block_bfp4_64 *) out, deq, n); return;
         case GGML_TYPE_BFP8_32: quantize_row_bfp8_32_ref(x, (block_bfp8_32 *) out, n); dequantize_row_bfp8_32((const block_bfp8_32 *) out, deq, n); return;
@@ -68,6 +88,7 @@ static size_t row_bytes(ggml_type t, int n) {
     switch (t) {
         case GGML_TYPE_F16:     return 2*(size_t) n;
         case GGML_TYPE_Q8_0:    return 34*(size_t) (n/32);
+        case GGML_TYPE_Q4_0:    return 18*(size_t) (n/32);
         case GGML_TYPE_BFP4_32: return sizeof(block_bfp4_32)*(size_t) (n/QK_BFP32);
         case GGML_TYPE_BFP4_64: return sizeof(block_bfp4_64)*(size_t) (n/QK_BFP64);
         case GGML_TYPE_BFP8_32: return sizeof(block_bfp8_32)*(size_t) (n/QK_BFP32);
@@ -86,8 +107,97 @@ static void random_codebook(int8_t * cb, int n) {
 static int failures = 0;
 static int cases    = 0;
 
-template <int D, ggml_type TK, ggml_type TV>
-static void run_case(const char * name, const Case & c) {
+// ---- pre-RoPE K: the reference read path ---------------------------------------------------
+
+struct Pre {
+    int   n_dims;       // rotated channels
+    bool  neox;
+    int   n_rot_h;      // 0: no Hadamard
+    float mscale;
+    bool  per_head;     // per-KV-head frequency factors (K-sort)
+    int   pos0;         // first position (large: float angles lose digits)
+};
+
+// the read path's inputs for n_head_kv heads of size D and n_seq streams of n_kv cells
+struct PreData {
+    std::vector<float>   mean, scale, w;   // [kvh][D], [kvh][D], [kvh][n_dims/2]
+    std::vector<int32_t> pos;              // [seq][n_kv]
+    kvq_prerope_args     args;
+};
+
+static PreData make_pre(const Pre & P, int D, int n_head_kv, int n_kv, int n_seq) {
+    PreData d;
+    d.mean.resize((size_t) D*n_head_kv);
+    d.scale.resize((size_t) D*n_head_kv);
+    for (float & m : d.mean)  m = 20.0f*gauss();          // a k_proj bias: large means
+    for (float & s : d.scale) s = expf(0.5f*gauss());
+    const int half = P.n_dims/2;
+    d.w.resize((size_t) half*n_head_kv);
+    for (int h = 0; h < n_head_kv; ++h) {
+        for (int i = 0; i < half; ++i) {
+            const float ff = P.per_head ? expf(0.3f*gauss()) : 1.0f;
+            d.w[(size_t) h*half + i] = powf(10000.0f, -2.0f*i/P.n_dims)/ff;
+        }
+    }
+    // consecutive runs, a gap (removed cells), a block shifted back, one cell out of order; streams apart
+    d.pos.resize((size_t) n_kv*n_seq);
+    for (int s = 0; s < n_seq; ++s) {
+        for (int j = 0; j < n_kv; ++j) {
+            int p = P.pos0 + j + (j >= n_kv/3 ? 50 : 0) - (j >= n_kv/2 && j < n_kv/2 + 30 ? 300 : 0);
+            if (j == 2*n_kv/3) p = 3;
+            d.pos[(size_t) s*n_kv + j] = std::max(0, p) + 1000*s;
+        }
+    }
+    d.args = {};
+    d.args.pos = d.pos.data(); d.args.mean = d.mean.data(); d.args.scale = d.scale.data(); d.args.freqs = d.w.data();
+    d.args.pos_stride = n_kv;
+    d.args.n_dims = P.n_dims; d.args.neox = P.neox; d.args.n_rot_h = P.n_rot_h;
+    d.args.h_norm = P.n_rot_h ? (float) (1.0/sqrt((double) P.n_rot_h)) : 1.0f;
+    d.args.mscale = P.mscale;
+    return d;
+}
+
+// one cached row c (what the cache decodes to) of KV head kvh at position pos -> the post-RoPE key:
+// Hadamard per block (Sylvester order, orthonormal: its own inverse), c*scale + mean, rotation by pos*w.
+// float_angle: the angle rounded as ggml's rope computes it, (float) pos * w in float; else exact.
+static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre & P, const PreData & d, double * out,
+                            bool float_angle = false) {
+    std::vector<double> x(D);
+    for (int i = 0; i < D; ++i) {
+        x[i] = c[i];
+    }
+    if (P.n_rot_h) {
+        const int n = P.n_rot_h;
+        for (int b = 0; b < D; b += n) {
+            for (int i = 0; i < n; ++i) {
+                double acc = 0.0;
+                for (int j = 0; j < n; ++j) {
+                    acc += (__builtin_popcount(i & j) & 1 ? -1.0 : 1.0)*c[b + j];
+                }
+                x[b + i] = acc/sqrt((double) n);
+            }
+        }
+    }
+    for (int i = 0; i < D; ++i) {
+        x[i] = x[i]*d.scale[(size_t) kvh*D + i] + d.mean[(size_t) kvh*D + i];
+        out[i] = x[i];
+    }
+    const int half = P.n_dims/2;
+    for (int i = 0; i < half; ++i) {
+        const int a = P.neox ? i : 2*i, b = P.neox ? i + half : 2*i + 1;
+        const float  w  = d.w[(size_t) kvh*half + i];
+        const double th = float_angle ? (double) ((float) pos*w) : (double) pos*w;
+        const double co = cos(th)*P.mscale, si = sin(th)*P.mscale;
+        out[a] = x[a]*co - x[b]*si;
+        out[b] = x[a]*si + x[b]*co;
+    }
+}
+
+// PRE: a pre-RoPE K cache (P): the cache holds c ~ N(0, 1); the reference attends to the post-RoPE
+// keys ref_prerope_row makes of the dequantized c, at ggml's float angles (run_rows measures what
+// those cost against exact angles); tol: the allowed max error relative to max(1, max |ref|)
+template <int D, ggml_type TK, ggml_type TV, bool PRE = false>
+static void run_case(const char * name, const Case & c, const Pre * P = nullptr, double tol = 2e-5) {
     const int n_heads = c.n_kv_heads*c.gqa;
     int8_t cbk[16] = {0}, cbv[16] = {0};
     if (ggml_kvq_is_nuq(TK)) random_codebook(cbk, ggml_kvq_nuq_n_codes(TK));
@@ -99,9 +209,19 @@ static void run_case(const char * name, const Case & c) {
     const size_t n_rows = (size_t) c.n_kv*c.n_kv_heads*c.n_seq;
     std::vector<uint8_t> K(rbk*n_rows), V(rbv*n_rows);
     std::vector<float> Kd((size_t) D*n_rows), Vd((size_t) D*n_rows), x(D);
+    PreData pd;
+    if (PRE) {
+        pd = make_pre(*P, D, c.n_kv_heads, c.n_kv, c.n_seq);
+    }
+    std::vector<double> kpost(D);
     for (size_t r = 0; r < n_rows; ++r) {
-        for (int i = 0; i < D; ++i) x[i] = gauss()*(i % 7 == 0 ? 4.0f : 1.0f);
+        for (int i = 0; i < D; ++i) x[i] = gauss()*(i % 7 == 0 && !PRE ? 4.0f : 1.0f);
         encode_row(TK, x.data(), D, cbk, &K[r*rbk], &Kd[r*D]);
+        if (PRE) {   // row r is cell k of KV head kvh in stream s
+            const int k = (int) (r % c.n_kv), kvh = (int) ((r / c.n_kv) % c.n_kv_heads), s = (int) (r / c.n_kv / c.n_kv_heads);
+            ref_prerope_row(&Kd[r*D], D, kvh, pd.pos[(size_t) s*c.n_kv + k], *P, pd, kpost.data(), true);
+            for (int i = 0; i < D; ++i) Kd[r*D + i] = (float) kpost[i];
+        }
         for (int i = 0; i < D; ++i) x[i] = gauss();
         encode_row(TV, x.data(), D, cbv, &V[r*rbv], &Vd[r*D]);
     }
@@ -135,13 +255,16 @@ static void run_case(const char * name, const Case & c) {
     a.nb21 = (int64_t) rbv; a.nb22 = a.nb21*c.n_kv; a.nb23 = a.nb22*c.n_kv_heads;
     a.nb32 = (int64_t) c.n_kv*2; a.nb33 = a.nb32;
     memcpy(a.cb_k, cbk, 16); memcpy(a.cb_v, cbv, 16);
+    if (PRE) {
+        a.pre = pd.args;
+    }
     std::vector<float>  part((size_t) c.n_seq*n_heads*a.n_split*D, NAN);
     std::vector<float2> meta((size_t) c.n_seq*n_heads*a.n_split);
     a.part = part.data(); a.meta = meta.data();
 
     const unsigned n_hb = (unsigned) ((c.gqa + KVQ_FA_G - 1)/KVQ_FA_G);
     emu::launch({ (unsigned) c.n_kv_heads*n_hb, (unsigned) a.n_split, (unsigned) c.n_seq }, { WARP_SIZE, KVQ_FA_NWARPS, 1 },
-                [&] { kvq_fattn_vec<D, TK, TV>(a); });
+                [&] { kvq_fattn_vec<D, TK, TV, PRE>(a); });
     std::vector<float> out((size_t) c.n_seq*n_heads*D, NAN);
     emu::launch({ (unsigned) n_heads, (unsigned) c.n_seq, 1 }, { D, 1, 1 },
                 [&] { kvq_fattn_combine<D>(part.data(), meta.data(), c.sinks ? sinks.data() : nullptr, out.data(), n_heads, a.n_split); });
@@ -182,11 +305,107 @@ static void run_case(const char * name, const Case & c) {
         }
     }
     ++cases;
-    const bool ok = max_err <= 2e-5*std::max(1.0, max_ref);
+    const bool ok = max_err <= tol*std::max(1.0, max_ref);
     if (!ok) ++failures;
+    if (PRE) {
+        printf("pre-RoPE %s n_dims=%d rot=%d pos0=%d ", P->neox ? "NEOX" : "NORM", P->n_dims, P->n_rot_h, P->pos0);
+    }
     printf("%s D=%d kv_heads=%d gqa=%d n_kv=%d seq=%d split=%d mask=%d sinks=%d softcap=%g alibi=%g: max err %.2e (max |ref| %.2f) %s\n",
            name, D, c.n_kv_heads, c.gqa, c.n_kv, c.n_seq, a.n_split, c.mask, c.sinks, c.softcap, c.max_bias, max_err, max_ref,
            ok ? "ok" : "FAIL");
+}
+
+// ---- pre-RoPE K rows: the row transform (f32) and the prefill conversion (f16) ----------------
+
+// the decode kernel's use of kvq_prerope_row, one warp per cached row, written out as f32
+template <int D, ggml_type T>
+static void prerope_rows_f32(const char * K, int64_t rb, float * out, const kvq_prerope_args p, const float * cb,
+                             int n_kv, int n_head_kv, int64_t n_rows) {
+    constexpr int EPL = D / WARP_SIZE;
+    const int lane = threadIdx.x;
+    const int64_t row = (int64_t) blockIdx.x*blockDim.y + threadIdx.y;
+    if (row >= n_rows) {
+        return;
+    }
+    const int j = (int) (row % n_kv), kvh = (int) ((row / n_kv) % n_head_kv), s = (int) (row / ((int64_t) n_kv*n_head_kv));
+    kvq_prerope_lane<EPL> L;
+    kvq_prerope_lane_init<EPL>(L, p, kvh, D, lane);
+    float x[EPL];
+    kvq_fa_load<T, EPL>(K + row*rb, lane*EPL, cb, x);
+    kvq_prerope_row<EPL>(x, p.pos[s*p.pos_stride + j], L, p);
+    for (int e = 0; e < EPL; ++e) {
+        out[row*D + lane*EPL + e] = x[e];
+    }
+}
+
+static double max_rel_f32 = 0.0, max_rel_f16 = 0.0;
+
+// rows of n_seq streams x n_head_kv heads x n_kv cells: the f32 transform within tol of the reference
+// with exact angles (relative to the row's largest value) and within 1e-4 of the one with ggml's float
+// angles; the f16 conversion within the same plus f16 rounding (2^-11 relative)
+template <int D, ggml_type T>
+static void run_rows(const char * name, const Pre & P, int n_head_kv, int n_kv, int n_seq, double tol) {
+    int8_t cb[16] = {0};
+    float  cbf[16] = {0};
+    if (ggml_kvq_is_nuq(T)) random_codebook(cb, ggml_kvq_nuq_n_codes(T));
+    for (int i = 0; i < 16; ++i) cbf[i] = cb[i];
+    kvq_cb kcb;
+    memcpy(kcb.c, cb, 16);
+    const PreData pd = make_pre(P, D, n_head_kv, n_kv, n_seq);
+    const int64_t n_rows = (int64_t) n_kv*n_head_kv*n_seq;
+    const size_t rb = row_bytes(T, D);
+    std::vector<uint8_t> K(rb*n_rows);
+    std::vector<float> Cd((size_t) D*n_rows), x(D);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        for (int i = 0; i < D; ++i) x[i] = gauss();
+        encode_row(T, x.data(), D, cb, &K[r*rb], &Cd[r*D]);
+    }
+    std::vector<float> out32((size_t) D*n_rows, NAN);
+    const unsigned nw = 4, nb = (unsigned) ((n_rows + nw - 1)/nw);
+    emu::launch({ nb, 1, 1 }, { WARP_SIZE, nw, 1 }, [&] {
+        prerope_rows_f32<D, T>((const char *) K.data(), (int64_t) rb, out32.data(), pd.args, cbf, n_kv, n_head_kv, n_rows);
+    });
+    // the prefill path's conversion; f16 rows in place (src is dst)
+    std::vector<half> out16((size_t) D*n_rows);
+    const char * src = (const char *) K.data();
+    half * dst = out16.data();
+    if (T == GGML_TYPE_F16) {
+        dst = (half *) K.data();
+    }
+    emu::launch({ nb, 1, 1 }, { WARP_SIZE, nw, 1 }, [&] {
+        kvq_prerope_k_to_f16<D, T>(src, dst, pd.args, kcb, n_kv, n_head_kv, n_rows, (int64_t) rb, (int64_t) rb*n_kv,
+                                   (int64_t) rb*n_kv*n_head_kv);
+    });
+    double e32 = 0.0, e16 = 0.0, ef = 0.0;
+    bool ok = true;
+    std::vector<double> ref(D), reff(D);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const int j = (int) (r % n_kv), kvh = (int) ((r / n_kv) % n_head_kv), s = (int) (r / ((int64_t) n_kv*n_head_kv));
+        ref_prerope_row(&Cd[r*D], D, kvh, pd.pos[(size_t) s*n_kv + j], P, pd, ref.data());
+        ref_prerope_row(&Cd[r*D], D, kvh, pd.pos[(size_t) s*n_kv + j], P, pd, reff.data(), true);
+        double mx = 1.0;
+        for (int i = 0; i < D; ++i) mx = std::max(mx, fabs(ref[i]));
+        for (int i = 0; i < D; ++i) {
+            const double d32 = fabs(out32[r*D + i] - ref[i]);
+            const double g16 = __half2float(dst[r*D + i]);
+            const double d16 = fabs(g16 - ref[i]);
+            e32 = std::max(e32, std::isnan(out32[r*D + i]) ? INFINITY : d32/mx);
+            e16 = std::max(e16, std::isnan(g16) ? INFINITY : std::max(0.0, d16 - fabs(ref[i])/2048.0)/mx);
+            const double df = fabs(out32[r*D + i] - reff[i]);
+            ef  = std::max(ef, df/mx);
+            ok = ok && d32 <= tol*mx && d16 <= tol*mx + fabs(ref[i])/2048.0 && df <= 1e-4*mx;
+        }
+    }
+    ++cases;
+    if (!ok) ++failures;
+    if (P.pos0 < 10000) {
+        max_rel_f32 = std::max(max_rel_f32, e32);
+        max_rel_f16 = std::max(max_rel_f16, e16);
+    }
+    printf("pre-RoPE rows %s D=%d %s n_dims=%d rot=%d mscale=%g per_head=%d pos0=%d kv_heads=%d n_kv=%d streams=%d: "
+           "max err f32 %.2e, f16 beyond rounding %.2e (of the row's max |k|, tol %.0e); f32 vs float angles %.2e %s\n",
+           name, D, P.neox ? "NEOX" : "NORM", P.n_dims, P.n_rot_h, P.mscale, P.per_head, P.pos0, n_head_kv, n_kv, n_seq,
+           e32, e16, tol, ef, ok ? "ok" : "FAIL");
 }
 
 int main() {
@@ -215,6 +434,39 @@ int main() {
     run_case<256, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4   >("nuq4/nuq4",       one_split);
     run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4   >("nuq4/nuq4",       gqa2);
     run_case<128, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32>("bfp4_32/bfp4_32", gqa8);
+
+    // pre-RoPE K.          n_dims neox   rot  mscale per_head pos0
+    const Pre norm128   = { 128, false, 128, 1.0f, false,    7 };
+    const Pre neox64    = {  64, true,   64, 1.0f, false,    7 };
+    const Pre neox_part = {  96, true,   32, 1.2f, true,     7 };   // partial rotary, K-sort factors, YaRN-like mscale
+    const Pre norm_part = {  40, false,   0, 1.0f, true,     7 };
+    const Pre norm_h2   = { 128, false,   2, 1.0f, false,    7 };   // a Hadamard smaller than a lane's values
+    const Pre neox256   = { 256, true,    0, 1.0f, false,    7 };
+    const Pre norm_h16  = {  64, false,  16, 1.0f, true,     7 };
+    const Pre far_norm  = {  64, false,  64, 1.0f, false, 30000 };  // large positions: float angles
+    const Pre far_neox  = { 128, true,  128, 1.0f, true,  30000 };
+    const double tol = 1e-4, tol_far = 2e-3;
+    run_rows<128, GGML_TYPE_NUQ4   >("nuq4",    norm128,   2, 100, 2, tol);
+    run_rows< 64, GGML_TYPE_BFP4_32>("bfp4_32", neox64,    2, 100, 2, tol);
+    run_rows<128, GGML_TYPE_Q8_0   >("q8_0",    neox_part, 2, 100, 2, tol);
+    run_rows< 64, GGML_TYPE_F16    >("f16",     norm_part, 3,  70, 1, tol);
+    run_rows<128, GGML_TYPE_NUQ3O  >("nuq3o",   norm_h2,   1, 100, 2, tol);
+    run_rows<256, GGML_TYPE_BFP8_32>("bfp8_32", neox256,   1,  60, 1, tol);
+    run_rows< 64, GGML_TYPE_NUQ2   >("nuq2",    far_norm,  2,  60, 2, tol_far);
+    run_rows<128, GGML_TYPE_F16    >("f16",     far_neox,  2,  60, 1, tol_far);
+
+    //                          kvh gqa  n_kv seq split  mask   sinks  softcap alibi ne33
+    const Case pre_streams = {  2,  3,  300,  2,  128, true,  false, 0.0f,  0.0f,  2 };
+    const Case pre_gqa8    = {  1,  8,  257,  1,  128, true,  true,  0.0f,  0.0f,  1 };
+    run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4,    true>("nuq4/nuq4",       pre_streams, &norm128,   tol);
+    run_case< 64, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32, true>("bfp4_32/bfp4_32", pre_streams, &neox64,    tol);
+    run_case<128, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ3O,   true>("q8_0/nuq3o",      pre_gqa8,    &neox_part, tol);
+    run_case< 64, GGML_TYPE_NUQ3,    GGML_TYPE_NUQ3,    true>("nuq3/nuq3",       pre_gqa8,    &norm_part, tol);
+    run_case<256, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4,    true>("nuq4/nuq4",       one_split,   &neox256,   tol);
+    run_case< 64, GGML_TYPE_BFP8_32, GGML_TYPE_BFP8_32, true>("bfp8_32/bfp8_32", pre_streams, &far_norm,  tol);
+    run_case<128, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_streams, &neox_part, tol);   // pre-RoPE only pairs
+    run_case< 64, GGML_TYPE_NUQ4,    GGML_TYPE_F16,     true>("nuq4/f16",        pre_gqa8,    &norm_h16, tol);
+    printf("pre-RoPE rows below position 10000: max err f32 %.2e, f16 beyond rounding %.2e\n", max_rel_f32, max_rel_f16);
     printf("cases %d failures %d\n", cases, failures);
     return failures != 0;
 }
