@@ -6,6 +6,7 @@ For arbitrary float32 rows (huge, beyond f16, near FLT_MAX, tiny, f32 subnormals
     (generic, AVX2, AVX-512...) and the CUDA codec header built for the host write the same
     bytes and decode the same bits;
   - nothing decodes to inf or NaN, and the stored f16 fields pass ggml's row validation;
+  - K·Q (vec_dot) of every CPU variant is finite and matches the exact sum where that is finite;
   - a NaN is read as 0 and +-inf as +-FLT_MAX (the bytes are those of that row);
   - blocks are independent (a row's bytes are its blocks' bytes);
   - the round-trip error is within the format's bound where the input is in range.
@@ -26,6 +27,7 @@ from pykvq._lib import ffi, lib
 from pykvq.ref import bfp, nuq
 
 from test_cuda import GGML, NATIVE
+from test_nuq import q8_0_bytes, vec_dot_ref
 
 FAST = settings(max_examples=60, derandomize=True, database=None, deadline=None,
                 suppress_health_check=list(HealthCheck))
@@ -52,11 +54,20 @@ def _scaled(e: int):
 
 
 def _block():
-    """64 values: one magnitude class per block, with specials and arbitrary float32 mixed in."""
+    """64 values: one magnitude class 2^e per block with up to 6 specials or arbitrary float32
+    at drawn positions; or all arbitrary; or all zero."""
+    wild = st.one_of(st.sampled_from(SPECIAL), st.floats(width=32))
+
     def values(e):
-        return st.lists(st.one_of(_scaled(e), _scaled(e), _scaled(e), st.sampled_from(SPECIAL),
-                                  st.floats(width=32)), min_size=64, max_size=64)
-    return st.integers(-155, 130).flatmap(values)
+        def put(args):
+            base, subs = args
+            for i, v in subs:
+                base[i] = v
+            return base
+        return st.tuples(st.lists(_scaled(e), min_size=64, max_size=64),
+                         st.lists(st.tuples(st.integers(0, 63), wild), max_size=6)).map(put)
+    return st.one_of(st.integers(-155, 130).flatmap(values), st.integers(-155, 130).flatmap(values),
+                     st.lists(wild, min_size=64, max_size=64), st.just([0.0] * 64))
 
 
 # rows of 1 to 3 blocks of 64 (every block size divides 64)
@@ -148,6 +159,19 @@ def check_bfp(name: str, x: np.ndarray, codec) -> None:
     nb = x.size // f.block
     assert b"".join(bfp.quantize_row(x[i*f.block:(i+1)*f.block], name) for i in range(nb)) == want
 
+    # K·Q (Q in bfp8_32) of every variant: finite and equal to the exact sum where that is below 1e37
+    # (K near FLT_MAX times Q ~ 1 overflows float in any implementation); tolerance as in test_bfp,
+    # plus the f32 subnormal grid for blocks whose scale product falls below 2^-126
+    q = np.random.default_rng(x.size).standard_normal(x.size).astype(np.float32)
+    qb = bfp.quantize_row(q, "bfp8_32")
+    exact = bfp.vec_dot(want, name, q)
+    mag = float(np.abs(y.astype(np.float64) * bfp.dequantize_row(qb, "bfp8_32")).sum())
+    if mag < 1e37:
+        s = ffi.new("float *")
+        for i, impl in _impls():
+            L.ggml_kvq_cpu_impl_vec_dot(i, t)(x.size, s, 0, want, 0, qb, 0, 1)
+            assert np.isfinite(s[0]) and abs(s[0] - exact) <= 1e-6 * mag + x.size * 2.0 ** -149, (impl, s[0], exact)
+
     # error: half a step 2^(s-1) per value where the block is in range; saturated blocks keep the sign
     e, _ = bfp.unpack(want, name)
     xb, yb = x.reshape(nb, f.block), y.reshape(nb, f.block)
@@ -215,6 +239,18 @@ def check_nuq(name: str, x: np.ndarray, cb, codec) -> None:
     cq, cy = _cuda(codec, name, x, want, c)
     assert cq == want, "CUDA codec quantize"
     np.testing.assert_array_equal(bits(cy), bits(y), err_msg="CUDA codec dequantize")
+
+    # K·Q (Q in q8_0) of every variant: finite, within 1e-5 of the sum of |terms| (as test_nuq)
+    qb = q8_0_bytes(np.random.default_rng(x.size).standard_normal(x.size).astype(np.float32))
+    exact, mag = vec_dot_ref(want, name, qb, cb)
+    s = ffi.new("float *")
+    L.ggml_kvq_cpu_bind_codebooks(*keep)
+    try:
+        for i, impl in _impls():
+            L.ggml_kvq_cpu_impl_vec_dot(i, t)(x.size, s, 0, want, 0, qb, 0, 1)
+            assert np.isfinite(s[0]) and abs(s[0] - exact) <= 1e-5 * (mag or 1.0), (impl, s[0], exact)
+    finally:
+        L.ggml_kvq_cpu_bind_codebooks(ffi.NULL, ffi.NULL)
 
     # defined behaviour
     assert np.isfinite(y).all()
