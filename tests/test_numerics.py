@@ -10,8 +10,9 @@ For arbitrary float32 rows (huge, beyond f16, near FLT_MAX, tiny, f32 subnormals
   - a NaN is read as 0 and +-inf as +-FLT_MAX (the bytes are those of that row);
   - blocks are independent (a row's bytes are its blocks' bytes);
   - the round-trip error is within the format's bound where the input is in range.
-NEON (and the x86 variants this CPU lacks) run the same edge classes in native/tests/*_check.c
-(tests/test_bfp.py, test_nuq.py). The default run draws a bounded, derandomized set of examples;
+NEON runs the drawn rows in batches under qemu (nuq_check.c's dump mode); the x86 variants this
+CPU lacks run fixed rows of the same edge classes in native/tests/*_check.c (tests/test_bfp.py,
+test_nuq.py). The default run draws a bounded, derandomized set of examples;
 PYKVQ_SOAK=1 (make soak) draws many more."""
 from __future__ import annotations
 
@@ -301,6 +302,72 @@ def test_nuq_edge_inputs(name, data, cuda_codec):
 @given(data=st.data())
 def test_nuq_edge_inputs_soak(name, data, cuda_codec):
     check_nuq(name, data.draw(ROWS, "x"), data.draw(CODEBOOKS(name), "cb"), cuda_codec)
+
+
+# ---- the variants this CPU does not run: NEON (aarch64 under qemu) -----------------------------
+
+NEON = {"arm64-neon": ["-march=armv8-a"], "arm64-dotprod": ["-march=armv8.2-a+dotprod"]}
+
+
+@pytest.fixture(scope="module", params=list(NEON))
+def neon_check(request, tmp_path_factory):
+    """native/tests/nuq_check.c cross-compiled for aarch64: its dump mode runs every variant."""
+    import shutil
+    from native_build import REPO, SOURCES
+    if not shutil.which("aarch64-linux-gnu-gcc") or not shutil.which("qemu-aarch64"):
+        pytest.skip("aarch64-linux-gnu-gcc / qemu-aarch64 not installed (apt: gcc-aarch64-linux-gnu qemu-user)")
+    exe = tmp_path_factory.mktemp("neon") / "nuq_check"
+    src = REPO / "native"
+    subprocess.run(["aarch64-linux-gnu-gcc", "-O2", "-std=c11", *NEON[request.param], f"-I{src / 'include'}",
+                    f"-I{GGML / 'include'}", str(src / "tests" / "nuq_check.c"), *(str(src / x) for x in SOURCES),
+                    "-lm", "-o", str(exe)], check=True, capture_output=True)
+    return request.param, exe
+
+
+def _size(name: str) -> tuple[int, int]:
+    f = bfp.FORMATS.get(name) or nuq.FORMATS[name]
+    return f.block, f.type_size
+
+
+@settings(FAST, max_examples=6)
+@given(data=st.data())
+def test_neon_edge_inputs(neon_check, data, tmp_path_factory):
+    """A batch of drawn rows through every variant of the aarch64 build (generic and NEON) under
+    qemu: the bytes and bits of numpy, and nothing decodes to inf or NaN."""
+    build, exe = neon_check
+    recs = []
+    for name in BFP + NUQ:
+        x = data.draw(ROWS, f"x {name}")
+        cb = data.draw(CODEBOOKS(name), f"cb {name}") if name in nuq.FORMATS else None
+        recs.append((name, x, cb))
+    d = tmp_path_factory.mktemp("rows")
+    with open(d / "in", "wb") as fh:
+        for name, x, cb in recs:
+            c = np.zeros(16, np.int8) if cb is None else np.concatenate([cb, np.zeros(16 - len(cb), np.int8)])
+            fh.write(np.array([cache_types.resolve(name), x.size, cb is not None], np.int32).tobytes())
+            fh.write(c.tobytes() + x.tobytes())
+    res = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(exe), str(d / "in"), str(d / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = (d / "out").read_bytes()
+    n_impls, o = int(np.frombuffer(out[:4], np.int32)[0]), 4
+    assert n_impls >= 2, f"{build}: no NEON variant compiled"
+    for name, x, cb in recs:
+        if name in nuq.FORMATS:
+            want, y = nuq.quantize_bytes(x, name, cb), None
+            y = nuq.dequantize_bytes(want, name, cb)
+        else:
+            want = bfp.quantize_row(x, name)
+            y = bfp.dequantize_row(want, name)
+        qk, bs = _size(name)
+        nq = x.size // qk * bs
+        for i in range(n_impls):
+            assert out[o:o + nq] == want, (build, name, i)
+            got = np.frombuffer(out[o + nq:o + nq + 4 * x.size], np.float32)
+            np.testing.assert_array_equal(bits(got), bits(y), err_msg=f"{build} {name} variant {i}")
+            o += nq + 4 * x.size
+        assert np.isfinite(y).all()
+    assert o == len(out)
 
 
 # ---- hand-checked values of the rule (the table in docs/FORMATS.md) ------------------------

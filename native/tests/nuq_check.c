@@ -93,7 +93,60 @@ static void make_row(int r, int n, const int8_t * cb, int nc, float * x) {
     }
 }
 
-int main(void) {
+// bytes per block and values per block of any pykvq type
+static size_t kvq_type_size(enum ggml_type t, int * qk) {
+    switch (t) {
+        case GGML_TYPE_BFP4_32: *qk = QK_BFP32; return sizeof(block_bfp4_32);
+        case GGML_TYPE_BFP4_64: *qk = QK_BFP64; return sizeof(block_bfp4_64);
+        case GGML_TYPE_BFP8_32: *qk = QK_BFP32; return sizeof(block_bfp8_32);
+        default:                *qk = ggml_kvq_nuq_block(t); return ggml_kvq_nuq_type_size(t);
+    }
+}
+
+// `nuq_check IN OUT`: run every compiled variant's from_float and to_float (bfp and nuq types) on
+// the rows in IN and write what they give to OUT, for tests/test_numerics.py to hold to numpy
+// (this is how its property tests reach NEON under qemu). IN: records of int32 type, int32 n,
+// int32 has_cb, int8 cb[16], float x[n]. OUT: int32 n_impls, then per record and variant the
+// quantized bytes and the n dequantized floats.
+static int dump(const char * in_path, const char * out_path) {
+    FILE * in  = fopen(in_path, "rb");
+    FILE * out = fopen(out_path, "wb");
+    if (!in || !out) {
+        return 2;
+    }
+    const int32_t ni = ggml_kvq_cpu_n_impls();
+    fwrite(&ni, 4, 1, out);
+    int32_t hdr[3];
+    int8_t  cb[16];
+    while (fread(hdr, 4, 3, in) == 3 && fread(cb, 1, 16, in) == 16) {
+        const enum ggml_type t = (enum ggml_type) hdr[0];
+        const int n = hdr[1];
+        int qk;
+        const size_t bs = kvq_type_size(t, &qk);
+        float   * x = malloc(sizeof(float) * n);
+        float   * y = malloc(sizeof(float) * n);
+        uint8_t * q = malloc((size_t) (n / qk) * bs);
+        if (fread(x, sizeof(float), (size_t) n, in) != (size_t) n) {
+            return 3;
+        }
+        ggml_kvq_cpu_bind_codebooks(hdr[2] ? cb : NULL, hdr[2] ? cb : NULL);
+        for (int i = 0; i < ni; ++i) {
+            ggml_kvq_cpu_impl_from_float(i, t)(x, q, n);
+            ggml_kvq_cpu_impl_to_float(i, t)(q, y, n);
+            fwrite(q, 1, (size_t) (n / qk) * bs, out);
+            fwrite(y, sizeof(float), (size_t) n, out);
+        }
+        ggml_kvq_cpu_bind_codebooks(NULL, NULL);
+        free(x); free(y); free(q);
+    }
+    fclose(in);
+    return fclose(out) != 0;
+}
+
+int main(int argc, char ** argv) {
+    if (argc == 3) {
+        return dump(argv[1], argv[2]);
+    }
     const enum ggml_type types[5] = { GGML_TYPE_NUQ4, GGML_TYPE_NUQ3, GGML_TYPE_NUQ2, GGML_TYPE_NUQ3O, GGML_TYPE_NUQ2O };
     const char * names[5] = { "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o" };
     const quant_ref_t ref[5] = { quantize_row_nuq4_ref_cb, quantize_row_nuq3_ref_cb, quantize_row_nuq2_ref_cb,
