@@ -334,6 +334,17 @@ def _size(name: str) -> tuple[int, int]:
 def test_neon_edge_inputs(neon_check, data, tmp_path_factory):
     """A batch of drawn rows through every variant of the aarch64 build (generic and NEON) under
     qemu: the bytes and bits of numpy, and nothing decodes to inf or NaN."""
+    check_neon(neon_check, data, tmp_path_factory)
+
+
+@pytest.mark.soak
+@settings(FAST, max_examples=300)
+@given(data=st.data())
+def test_neon_edge_inputs_soak(neon_check, data, tmp_path_factory):
+    check_neon(neon_check, data, tmp_path_factory)
+
+
+def check_neon(neon_check, data, tmp_path_factory) -> None:
     build, exe = neon_check
     recs = []
     for name in BFP + NUQ:

@@ -7,7 +7,8 @@
 //
 // On the device, ggml-cuda builds with -use_fast_math: divisions go through __fdiv_rn /
 // __frcp_rn here so d = amax/127 and 1/d stay correctly rounded; only subnormal inputs
-// (|x| < 2^-126) may flush to zero there, which the reference would keep.
+// (|x| < 2^-126) may flush to zero there, which the reference would keep. A block whose d flushes
+// is one with d <= 2^-25, where the rule takes id = 0 anyway (ggml_kvq_nuq_use_id): same bytes.
 #pragma once
 
 #include "ggml-kvq.h"
