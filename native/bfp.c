@@ -7,7 +7,8 @@
 #include <string.h>
 
 // Shared exponent (biased, E8M0) of a block with mantissas in [-M, M].
-// bits = mantissa bits b; M = 2^(b-1) - 1.
+// bits = mantissa bits b; M = 2^(b-1) - 1. s stops at 129 - b, the largest s with
+// M * 2^s finite: inf and |x| near FLT_MAX saturate instead of decoding to inf.
 static uint8_t bfp_exponent(const float * x, int n, int bits) {
     float amax = 0.0f;
     for (int j = 0; j < n; ++j) {
@@ -19,9 +20,10 @@ static uint8_t bfp_exponent(const float * x, int n, int bits) {
     if (amax == 0.0f) {
         return 0;
     }
+    const int smax = 129 - bits;
     int s;
     if (isinf(amax)) {
-        s = 127;
+        s = smax;
     } else {
         int E;
         const float f = frexpf(amax, &E);
@@ -29,11 +31,11 @@ static uint8_t bfp_exponent(const float * x, int n, int bits) {
         // smallest s with rint(amax / 2^s) <= M: amax / 2^s < M + 0.5
         s = E - (bits - 1) + (f >= (M + 0.5f) / (float) (1 << (bits - 1)));
     }
-    s = s < -127 ? -127 : s > 127 ? 127 : s;
+    s = s < -127 ? -127 : s > smax ? smax : s;
     return (uint8_t) (s + 127);
 }
 
-// 2^-s for the stored exponent; exact (s in [-127, 127]).
+// 2^-s for the stored exponent; exact (s in [-127, 125]).
 static inline float bfp_inv_scale(uint8_t e) {
     return ldexpf(1.0f, 127 - (int) e);
 }

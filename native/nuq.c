@@ -190,13 +190,13 @@ static float nuq_index_block(const float * x, int n, int skip, const int8_t * cb
             amax = a;
         }
     }
-    const float d  = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d  = ggml_kvq_nuq_clamp_d(amax / 127.0f);   // never inf as f16
+    const float id = ggml_kvq_nuq_use_id(d) ? 1.0f / d : 0.0f;
     for (int i = 0; i < n; ++i) {
-        const float v = (i == skip ? 0.0f : x[i]) * id;
+        const float v = (i == skip || isnan(x[i]) ? 0.0f : x[i]) * id;   // NaN is read as 0
         int k = 0;
         for (int j = 0; j + 1 < n_codes; ++j) {
-            k += v > mid[j];   // NaN: every comparison false -> 0
+            k += v > mid[j];
         }
         idx[i] = (uint8_t) k;
     }
@@ -255,14 +255,14 @@ void ggml_kvq_nuq_pack(enum ggml_type type, const uint8_t * idx, float d, float 
         } break;
         case GGML_TYPE_NUQ3O: {
             block_nuq3o * y = blk;
-            nuq_put_f16(y->ov, ov);
+            nuq_put_f16(y->ov, ggml_kvq_nuq_ov(ov));
             y->oi = (uint8_t) oi;
             nuq_pack_low2(idx, QK_NUQO, y->qs);
             nuq_pack_high(idx, QK_NUQO, y->qh);
         } break;
         case GGML_TYPE_NUQ2O: {
             block_nuq2o * y = blk;
-            nuq_put_f16(y->ov, ov);
+            nuq_put_f16(y->ov, ggml_kvq_nuq_ov(ov));
             y->oi = (uint8_t) oi;
             nuq_pack_low2(idx, QK_NUQO, y->qs);
         } break;

@@ -33,7 +33,7 @@ def edge_cases() -> np.ndarray:
     x[64:128] = np.float32(1e-40)                   # subnormal inputs
     x[128:192] = np.linspace(-3e38, 3e38, 64)       # near FLT_MAX
     x[192:256] = 1.0
-    x[200], x[201] = np.inf, -np.inf                # saturate
+    x[200], x[201] = np.inf, -np.inf                # saturate to +-M * 2^SMAX
     x[256:320] = np.arange(64) * 0.25 - 7.5         # ties at every quarter
     x[300] = np.nan                                 # NaN -> 0
     x[320:384] = 7.5                                # amax exactly on the M + 1/2 boundary
@@ -92,6 +92,7 @@ def test_c_dequantizers_match_reference_bit_for_bit(name):
     x = np.concatenate([cache_like(64 * 128, 2), edge_cases()])
     buf = bfp.quantize_row(x, name)
     want = bfp.dequantize_row(buf, name)
+    assert np.isfinite(want).all()          # inf and values near FLT_MAX saturate
     got = call_to_float(getattr(lib(), f"dequantize_row_{name}"), buf, x.size)
     np.testing.assert_array_equal(got, want)
     t = cache_types.resolve(name)

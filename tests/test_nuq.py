@@ -52,15 +52,16 @@ def edge_cases(name: str, cb) -> np.ndarray:
     blocks = []
     add = blocks.append
     add(np.zeros(64))                                            # all zero
-    b = cache_like(64, 1); b[[0, 7, 40]] = np.nan; add(b)        # NaN -> index 0
-    b = np.zeros(64); b[0] = np.nan; add(b)                      # NaN alone: the outlier slot keeps it
+    b = cache_like(64, 1); b[[0, 7, 40]] = np.nan; add(b)        # NaN is read as 0
+    b = np.zeros(64); b[0] = np.nan; add(b)                      # NaN alone: the outlier slot stores 0
     b = cache_like(64, 2); b[5] = np.inf; add(b)                 # inf
     b = cache_like(64, 3); b[9] = -np.inf; b[50] = np.inf; add(b)
     add(np.full(64, 1.5))                                        # all values equal
     add(np.full(64, -2.0 ** -3))
-    b = np.linspace(-3e38, 3e38, 64); add(b)                     # huge: d overflows f16
+    b = np.linspace(-3e38, 3e38, 64); add(b)                     # huge: d saturates at 65504
     b = cache_like(64, 4); b[31] = 1e7; add(b)                   # f16 range edge
-    b = cache_like(64, 5) * 1e-36; add(b)                        # 1/d overflows float32
+    b = cache_like(64, 4); b[2] = 70000.0; b[40] = -1e6; add(b)  # outliers beyond f16: ov saturates
+    b = cache_like(64, 5) * 1e-36; add(b)                        # d an f32 subnormal: id = 0
     b = cache_like(64, 6) * 1e-6; add(b)                         # d an f16 subnormal
     # ties exactly on midpoints: amax 127 -> d = 1, id = 1, so v = x (x[0] is the outlier of
     # the outlier types, x[1] keeps the dense amax at 127)
@@ -153,7 +154,7 @@ def test_reference_rule_hand_checked():
     x = np.array([127, 54.5, 54.6, 0.0, -0.0, -54.5, -54.6, np.nan] + [0] * 24, np.float32)
     b = nuq.quantize_blocks(x, "nuq2")
     assert float(b.d[0]) == 1.0
-    assert list(b.idx[0, :8]) == [3, 2, 3, 1, 1, 0, 0, 0]   # ties go down, NaN -> 0
+    assert list(b.idx[0, :8]) == [3, 2, 3, 1, 1, 0, 0, 1]   # ties go down, NaN is read as 0
     # the outlier variant keeps the largest |x| exactly and scales the rest by the next one
     x = np.zeros(64, np.float32); x[10] = -1000.0; x[20] = 127.0; x[30] = 40.0
     b = nuq.quantize_blocks(x, "nuq2o")
@@ -185,6 +186,7 @@ def test_c_reference_matches_numpy_bit_for_bit(name, kind):
         assert got == want
         np.testing.assert_array_equal(bits(c_dequantize(name, want, x.size, cb)),
                                       bits(nuq.dequantize_bytes(want, name, cb)))
+        assert np.isfinite(nuq.dequantize_bytes(want, name, cb)).all()   # edge inputs saturate
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -391,13 +391,15 @@ static inline float nuq_index_block_avx2(const float * x, int qk, const __m256 *
         acc = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), acc);
     }
     const float amax = nuq_hmax_avx2(acc);
-    const float d    = amax / 127.0f;
-    const float id   = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d    = ggml_kvq_nuq_clamp_d(amax / 127.0f);
+    const float id   = ggml_kvq_nuq_use_id(d) ? 1.0f / d : 0.0f;
     const __m256 vid = _mm256_set1_ps(id);
     for (int j = 0; j < qk; j += 32) {
         __m256i c[4];
         for (int u = 0; u < 4; ++u) {
-            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + j + 8*u), vid);
+            const __m256 xv = _mm256_loadu_ps(x + j + 8*u);
+            // NaN is read as 0 (the ordered compare is all-zero bits there)
+            const __m256 v  = _mm256_mul_ps(_mm256_and_ps(xv, _mm256_cmp_ps(xv, xv, _CMP_ORD_Q)), vid);
             __m256i cnt = _mm256_setzero_si256();
             for (int m = 0; m < nm; ++m) {
                 cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(v, vm[m], _CMP_GT_OQ)));
@@ -509,12 +511,13 @@ static inline float nuq_index_block_avx512(const float * x, int qk, const __m512
         acc = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), acc);   // NaN leaves acc
     }
     const float amax = _mm512_reduce_max_ps(acc);
-    const float d    = amax / 127.0f;
-    const float id   = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d    = ggml_kvq_nuq_clamp_d(amax / 127.0f);
+    const float id   = ggml_kvq_nuq_use_id(d) ? 1.0f / d : 0.0f;
     const __m512 vid = _mm512_set1_ps(id);
     const __m512i one = _mm512_set1_epi32(1);
     for (int j = 0; j < qk; j += 16) {
-        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + j), vid);
+        const __m512 xv = _mm512_loadu_ps(x + j);
+        const __m512 v  = _mm512_mul_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(xv, xv, _CMP_ORD_Q), xv), vid);   // NaN -> 0
         __m512i cnt = _mm512_setzero_si512();
         for (int m = 0; m < nm; ++m) {
             cnt = _mm512_mask_add_epi32(cnt, _mm512_cmp_ps_mask(v, vm[m], _CMP_GT_OQ), cnt, one);
@@ -673,12 +676,15 @@ static inline float nuq_index_block_neon(const float * x, int qk, const float32x
         acc = vmaxq_f32(acc, a);
     }
     const float amax = vmaxvq_f32(acc);
-    const float d    = amax / 127.0f;
-    const float id   = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d    = ggml_kvq_nuq_clamp_d(amax / 127.0f);
+    const float id   = ggml_kvq_nuq_use_id(d) ? 1.0f / d : 0.0f;
     for (int j = 0; j < qk; j += 16) {
         uint16x4_t c16[4];
         for (int u = 0; u < 4; ++u) {
-            const float32x4_t v = vmulq_n_f32(vld1q_f32(x + j + 4*u), id);
+            const float32x4_t xv = vld1q_f32(x + j + 4*u);
+            // NaN is read as 0
+            const float32x4_t x0 = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(xv), vceqq_f32(xv, xv)));
+            const float32x4_t v  = vmulq_n_f32(x0, id);
             uint32x4_t cnt = vdupq_n_u32(0);
             for (int m = 0; m < nm; ++m) {
                 cnt = vsubq_u32(cnt, vcgtq_f32(v, vm[m]));

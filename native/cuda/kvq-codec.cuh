@@ -7,7 +7,8 @@
 //
 // On the device, ggml-cuda builds with -use_fast_math: divisions go through __fdiv_rn /
 // __frcp_rn here so d = amax/127 and 1/d stay correctly rounded; only subnormal inputs
-// (|x| < 2^-126) may flush to zero there, which the reference would keep.
+// (|x| < 2^-126) may flush to zero there, which the reference would keep. A block whose d flushes
+// is one with d <= 2^-25, where the rule takes id = 0 anyway (ggml_kvq_nuq_use_id): same bytes.
 #pragma once
 
 #include "ggml-kvq.h"
@@ -116,9 +117,10 @@ KVQ_HD uint8_t kvq_bfp_exponent(float amax) {
     if (amax == 0.0f) {
         return 0;
     }
+    constexpr int smax = 129 - bits;             // the largest s with M * 2^s finite
     int s;
     if (kvq_isinf(amax)) {
-        s = 127;
+        s = smax;
     } else {
         uint32_t u = kvq_f2u(amax);
         int      E;
@@ -136,7 +138,7 @@ KVQ_HD uint8_t kvq_bfp_exponent(float amax) {
         const float M = (float) ((1 << (bits - 1)) - 1);
         s = E - (bits - 1) + (f >= (M + 0.5f) / (float) (1 << (bits - 1)));
     }
-    s = s < -127 ? -127 : s > 127 ? 127 : s;
+    s = s < -127 ? -127 : s > smax ? smax : s;
     return (uint8_t) (s + 127);
 }
 
@@ -168,10 +170,10 @@ KVQ_UNROLL
             amax = a;
         }
     }
-    const float d  = kvq_div_rn(amax, 127.0f);
-    const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+    const float d  = ggml_kvq_nuq_clamp_d(kvq_div_rn(amax, 127.0f));   // never inf as f16
+    const float id = ggml_kvq_nuq_use_id(d) ? kvq_div_rn(1.0f, d) : 0.0f;
     for (int i = 0; i < n; ++i) {
-        const float v = kvq_mul_rn(i == skip ? 0.0f : x[i], id);
+        const float v = kvq_mul_rn(i == skip || kvq_isnan(x[i]) ? 0.0f : x[i], id);   // NaN is read as 0
         int k = 0;
 KVQ_UNROLL
         for (int j = 0; j + 1 < n_codes; ++j) {
@@ -242,7 +244,7 @@ KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) 
         } else if constexpr (T == GGML_TYPE_NUQ2) {
             kvq_pack_low2(idx, qk, y + 2);
         } else {
-            kvq_put_f16(y + 2, x[oi]);
+            kvq_put_f16(y + 2, ggml_kvq_nuq_ov(x[oi]));   // NaN -> 0, clamped to +-65504
             y[4] = (uint8_t) oi;
             kvq_pack_low2(idx, qk, y + 5);
             if constexpr (T == GGML_TYPE_NUQ3O) {

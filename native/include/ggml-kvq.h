@@ -30,14 +30,16 @@ GGML_API const char * ggml_kvq_version(void);
 // exponent per block. The rule (pykvq/ref/bfp.py is the reference):
 //   amax = max |x| of the block (NaN counts as 0)
 //   amax == 0       -> e = 0, all mantissas 0
-//   amax is inf     -> s = 127 (mantissas saturate)
+//   amax is inf     -> s = SMAX (mantissas saturate)
 //   otherwise       -> frexp(amax) = f * 2^E, f in [0.5, 1)
 //                      s = E - (b-1) + (f >= (M + 0.5) / 2^(b-1))
 //                      i.e. the smallest s with rint(amax / 2^s) <= M
-//   s clamped to [-127, 127], stored as e = s + 127 (E8M0, like MXFP4)
+//   s clamped to [-127, SMAX], stored as e = s + 127 (E8M0, like MXFP4)
 //   m = clamp(rint(x * 2^-s), -M, M)   (round half to even; NaN -> 0)
 //   x' = m * 2^(e - 127)
-// with b the mantissa bits and M = 2^(b-1) - 1 (7 for bfp4, 127 for bfp8).
+// with b the mantissa bits, M = 2^(b-1) - 1 (7 for bfp4, 127 for bfp8) and
+// SMAX = 129 - b (125 / 121): the largest s with M * 2^s finite, so no block decodes
+// to inf; |x| >= (M + 1/2) * 2^SMAX (about 3e38) and +-inf saturate to +-M * 2^SMAX.
 //
 
 #define QK_BFP32 32
@@ -79,15 +81,18 @@ GGML_KVQ_HD float ggml_kvq_e8m0_to_fp32(uint8_t e) {
 // Non-uniform quantization (nuq*): one f16 scale d per block and, per value, an
 // index into a codebook c of 2^bits sorted int8 entries; x ~ d * c[idx].
 // The rule (pykvq/ref/nuq.py is the reference):
-//   amax = max |x| of the block (NaN counts as 0)
-//   d    = amax / 127 (float32);  id = 1/d, or 0 when d == 0
-//   v    = x * id (float32)
+//   amax = max |x| of the block (NaN counts as 0; inf counts)
+//   d    = min(amax / 127, 65504) (float32: the largest finite f16, so fp16(d) is never inf)
+//   id   = 1/d, or 0 when d <= 2^-25 (fp16(d) == 0: the block decodes to 0 anyway)
+//   v    = x * id (float32; a NaN x is read as 0)
 //   idx  = #{ j : v > m_j },  m_j = (c_j + c_{j+1}) / 2
-//          (nearest entry, a tie goes to the lower one, NaN -> 0)
+//          (nearest entry, a tie goes to the lower one)
 //   stored: fp16(d) (round to nearest even), idx;  x' = float(fp16(d)) * c[idx]
 // Outlier variants (nuq3o, nuq2o; blocks of 64) keep the block's largest |x|
-// (first of equals) as f16: position oi and value ov; the dense part is
-// quantized with x[oi] replaced by 0, and x'[oi] = float(ov).
+// (first of equals) as f16: position oi and value ov = fp16(clamp(x[oi], +-65504)),
+// NaN -> 0; the dense part is quantized with x[oi] replaced by 0, and x'[oi] = float(ov).
+// So no block decodes to inf or NaN: |x| beyond 65504 * 127 (dense) or 65504
+// (outlier) and +-inf saturate (docs/FORMATS.md, "Edge inputs").
 //
 // Codebooks: 2^bits int8 entries, strictly ascending, each in [-127, 127]. They
 // reach the kernels through the op_params of the graph node (below); a node
@@ -162,8 +167,6 @@ GGML_API int            ggml_kvq_nuq_n_codes(enum ggml_type type);    // 16 / 8 
 GGML_API const int8_t * ggml_kvq_nuq_fallback(enum ggml_type type);   // NULL for other types
 GGML_API int            ggml_kvq_nuq_block(enum ggml_type type);      // 32 / 64; 0 for other types
 GGML_API size_t         ggml_kvq_nuq_type_size(enum ggml_type type);  // bytes per block; 0 for other types
-// Store one block from its indices (idx[0..block)), d, and (outlier types) ov / oi;
-// shared by the reference and the CPU kernels, so every variant writes the same bytes.
 // position of the block's largest |x| (first of equals; NaN counts as 0, so an all-zero/NaN
 // block gives 0): the kept outlier of nuq3o / nuq2o, shared by the reference and the CPU kernels
 GGML_KVQ_HD int ggml_kvq_nuq_outlier(const float * x, int n) {
@@ -179,6 +182,28 @@ GGML_KVQ_HD int ggml_kvq_nuq_outlier(const float * x, int n) {
     return oi;
 }
 
+// The edge-input pieces of the nuq rule, shared by the reference, the CPU kernels and CUDA.
+#define GGML_KVQ_F16_MAX 65504.0f
+// the block scale amax/127 clamped to the largest finite f16 (+inf -> 65504)
+GGML_KVQ_HD float ggml_kvq_nuq_clamp_d(float d) {
+    return d > GGML_KVQ_F16_MAX ? GGML_KVQ_F16_MAX : d;
+}
+// whether id = 1/d is used: fp16(d) is 0 for d <= 2^-25, and 1/d of an f32 subnormal d may be inf
+GGML_KVQ_HD bool ggml_kvq_nuq_use_id(float d) {
+    return d > 2.98023223876953125e-8f;   // 2^-25, exact
+}
+// the outlier's value as stored: NaN -> 0, clamped to +-65504 (integer NaN test: fast-math safe)
+GGML_KVQ_HD float ggml_kvq_nuq_ov(float x) {
+    union { float f; uint32_t u; } v = { x };
+    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) {
+        return 0.0f;
+    }
+    return x > GGML_KVQ_F16_MAX ? GGML_KVQ_F16_MAX : x < -GGML_KVQ_F16_MAX ? -GGML_KVQ_F16_MAX : x;
+}
+
+// Store one block from its indices (idx[0..block)), d, and (outlier types) ov / oi;
+// shared by the reference and the CPU kernels, so every variant writes the same bytes.
+// ov is the input value x[oi]: the pack applies ggml_kvq_nuq_ov.
 GGML_API void           ggml_kvq_nuq_pack(enum ggml_type type, const uint8_t * idx, float d, float ov, int oi, void * blk);
 
 //

@@ -43,6 +43,16 @@ int main(void) {
             for (int r = 0; r < ROWS; ++r) {
                 const float scale = ldexpf(1.0f, (r % 40) - 20);
                 for (int j = 0; j < N; ++j) { x[j] = scale * frand(); q[j] = frand(); }
+                switch (r % 8) {   // edge inputs (docs/FORMATS.md): the decoded rows stay finite
+                    case 1: x[3] = INFINITY; x[70] = -INFINITY; x[200] = NAN; break;
+                    case 2:   // near FLT_MAX (Q small, so K·Q stays finite)
+                        for (int j = 0; j < N; ++j) { x[j] = 3.4e38f * frand(); q[j] *= 1e-20f; }
+                        x[0] = 3.4028235e38f;
+                        break;
+                    case 3: for (int j = 0; j < N; ++j) { x[j] = 1e-40f * frand(); } break;
+                    case 4: memset(x, 0, sizeof(x)); x[100] = NAN; break;
+                    default: break;
+                }
                 quant[t](x, kx, N);
                 quantize_row_bfp8_32_ref(q, (block_bfp8_32 *) qy, N);
 
@@ -59,6 +69,13 @@ int main(void) {
                 if (err > 1e-5) {
                     printf("FAIL %s %s vec_dot row %d: %g vs %g\n", ggml_kvq_cpu_impl_name(i), names[t], r, s1, s0);
                     bad = 1;
+                }
+                for (int j = 0; j < N; ++j) {
+                    if (!isfinite(y0[j])) {
+                        printf("FAIL %s row %d decodes %g at %d\n", names[t], r, y0[j], j);
+                        bad = 1;
+                        break;
+                    }
                 }
                 if (memcmp(y0, y1, sizeof(y0)) != 0) {
                     printf("FAIL %s %s to_float row %d differs\n", ggml_kvq_cpu_impl_name(i), names[t], r);

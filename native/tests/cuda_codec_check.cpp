@@ -5,7 +5,8 @@
 //
 //   kvq_quantize_block<T>   bytes equal to quantize_row_<type>_ref[_cb]
 //   kvq_dequantize<T, N>    bits equal to dequantize_row_<type>[_cb], N = 2, 4, 8
-// for random cache-like rows, edge cases (zeros, NaN, inf, ties, f16-range extremes)
+// for random cache-like rows, edge cases (zeros, NaN, inf, ties, f16-range extremes, values
+// beyond f16 / near FLT_MAX, subnormals; docs/FORMATS.md "Edge inputs": decoded rows are finite)
 // and, for the nuq types, the fallback and random codebooks.
 #include "../cuda/kvq-codec.cuh"
 
@@ -52,7 +53,7 @@ static std::vector<float> make_rows(int n, int nrows) {
         for (int i = 0; i < n; ++i) {
             y[i] = frand() * scale * ((urand() % 50) == 0 ? 30.0f : 1.0f);
         }
-        switch (r % 12) {
+        switch (r % 16) {
             case 0: memset(y, 0, sizeof(float) * n); break;
             case 1: y[3] = NAN; y[40 % n] = NAN; break;
             case 2: y[5] = INFINITY; break;
@@ -63,6 +64,13 @@ static std::vector<float> make_rows(int n, int nrows) {
             case 7: for (int i = 0; i < n; ++i) y[i] = frand() * 60000.0f; break;      // near f16 max
             case 8: y[0] = -y[0] * 1000.0f; break;                                    // one big outlier
             case 9: for (int i = 0; i < n; ++i) y[i] = (float) ((int) (urand() % 15) - 7); break;
+            // edge inputs (docs/FORMATS.md): beyond f16 range and near FLT_MAX, f32 subnormals,
+            // a scale in f16's subnormal range, all NaN
+            case 10: for (int i = 0; i < n; ++i) y[i] = frand() * 1e9f; y[1] = 3.4028235e38f; y[n - 1] = 70000.0f; break;
+            case 11: y[0] = INFINITY; y[2] = -3.4e38f; y[33 % n] = 65519.0f; break;
+            case 12: for (int i = 0; i < n; ++i) y[i] = frand() * 1e-40f; break;
+            case 13: for (int i = 0; i < n; ++i) y[i] = frand() * 3e-6f; break;
+            case 14: for (int i = 0; i < n; ++i) y[i] = NAN; break;
             default: break;
         }
     }
@@ -98,6 +106,9 @@ static void check_type(const char * name, const int8_t * cb,
             }
         }
         ref_dq(qref.data(), dref.data(), n, cb);
+        for (int i = 0; i < n; ++i) {   // no quantized block decodes to inf / NaN
+            if (!std::isfinite(dref[i])) { fail("finite", name, r, i); break; }
+        }
         for (int N : {2, 4, 8}) {
             for (int i0 = 0; i0 < n; i0 += N) {
                 switch (N) {
@@ -153,6 +164,47 @@ static void check_nuq(const char * name,
     }
 }
 
+#if defined(KVQ_CODEC_LIB)
+// Built with -DKVQ_CODEC_LIB -shared: the codec as a library, so tests/test_numerics.py can hold it
+// to the numpy reference on the rows its property tests draw. cb: the codebook (nuq types).
+template <ggml_type T>
+static void lib_quantize(const float * x, int n, const int8_t * cb, uint8_t * out) {
+    for (int b = 0; b < n / kvq_traits<T>::qk; ++b) {
+        kvq_quantize_block<T>(x + b*kvq_traits<T>::qk, out + b*kvq_traits<T>::bs, cb);
+    }
+}
+
+template <ggml_type T>
+static void lib_dequantize(const uint8_t * q, int n, const int8_t * cb, float * out) {
+    float c[16] = {0};
+    for (int j = 0; j < kvq_traits<T>::ncodes; ++j) {
+        c[j] = (float) cb[j];
+    }
+    for (int i0 = 0; i0 < n; i0 += 8) {
+        kvq_dequantize<T, 8>(q, i0, c, out + i0);
+    }
+}
+
+#define KVQ_LIB_TYPES(X) X(GGML_TYPE_BFP4_32) X(GGML_TYPE_BFP4_64) X(GGML_TYPE_BFP8_32) X(GGML_TYPE_NUQ4) \
+                         X(GGML_TYPE_NUQ3) X(GGML_TYPE_NUQ2) X(GGML_TYPE_NUQ3O) X(GGML_TYPE_NUQ2O)
+
+// 0 on success, -1 for a type the codec does not have
+extern "C" int kvq_codec_quantize(int type, const float * x, int n, const int8_t * cb, uint8_t * out) {
+    switch (type) {
+#define KVQ_LIB_Q(T) case T: lib_quantize<T>(x, n, cb, out); return 0;
+        KVQ_LIB_TYPES(KVQ_LIB_Q)
+        default: return -1;
+    }
+}
+
+extern "C" int kvq_codec_dequantize(int type, const uint8_t * q, int n, const int8_t * cb, float * out) {
+    switch (type) {
+#define KVQ_LIB_DQ(T) case T: lib_dequantize<T>(q, n, cb, out); return 0;
+        KVQ_LIB_TYPES(KVQ_LIB_DQ)
+        default: return -1;
+    }
+}
+#else
 int main() {
     check_type<GGML_TYPE_BFP4_32>("bfp4_32", nullptr, q_bfp4_32, dq_bfp4_32);
     check_type<GGML_TYPE_BFP4_64>("bfp4_64", nullptr, q_bfp4_64, dq_bfp4_64);
@@ -165,3 +217,4 @@ int main() {
     printf("checks %d failures %d\n", checks, failures);
     return failures != 0;
 }
+#endif

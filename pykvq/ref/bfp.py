@@ -5,13 +5,16 @@ an integer mantissa m in [-M, M] with M = 2^(bits-1) - 1, so x ≈ m * 2^s.
 
   amax = max |x| (NaN counts as 0)
   amax == 0     -> e = 0 and every mantissa 0
-  amax is inf   -> s = 127 (mantissas saturate)
+  amax is inf   -> s = SMAX (mantissas saturate)
   otherwise     -> amax = f * 2^E with f in [0.5, 1)   (frexp)
                    s = E - (bits-1) + [f >= (M + 0.5) / 2^(bits-1)]
                    the smallest s with rint(amax / 2^s) <= M, so nothing overflows
-  s is clamped to [-127, 127] and stored as e = s + 127 (one byte, E8M0)
+  s is clamped to [-127, SMAX] and stored as e = s + 127 (one byte, E8M0)
   m = clip(rint(x * 2^-s), -M, M)   round half to even; NaN -> 0
   dequantized: m * 2^(e - 127)      (e = 0 is the subnormal 2^-127)
+
+SMAX = 129 - bits (125 for bfp4, 121 for bfp8) is the largest s with M * 2^s finite:
+no block decodes to inf; +-inf and |x| >= (M + 1/2) * 2^SMAX saturate to +-M * 2^SMAX.
 
 Storage (ggml blocks): e, then mantissas. 4-bit mantissas are nibbles m + 8,
 byte j holding element j (low) and element j + block/2 (high); 8-bit
@@ -33,6 +36,11 @@ class BFPFormat:
     @property
     def mmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
+
+    @property
+    def smax(self) -> int:
+        """Largest shared exponent s: M * 2^s is the largest finite value a block holds."""
+        return 129 - self.bits
 
     @property
     def type_size(self) -> int:
@@ -68,8 +76,8 @@ def exponents(blocks: np.ndarray, fmt: str | BFPFormat) -> np.ndarray:
         frac, E = np.frexp(amax)
     thresh = np.float32((f_.mmax + 0.5) / (1 << (f_.bits - 1)))
     s = E.astype(np.int64) - (f_.bits - 1) + (frac >= thresh)
-    s = np.where(np.isinf(amax), 127, s)
-    s = np.clip(s, -127, 127)
+    s = np.where(np.isinf(amax), f_.smax, s)
+    s = np.clip(s, -127, f_.smax)
     return np.where(amax == 0, 0, s + 127).astype(np.uint8)
 
 
@@ -91,7 +99,7 @@ def quantize_blocks(x: np.ndarray, fmt: str | BFPFormat) -> tuple[np.ndarray, np
 
 
 def dequantize_blocks(e: np.ndarray, m: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):   # a saturated inf block dequantizes to inf, as in C
+    with np.errstate(over="ignore"):   # only foreign bytes (e > 256 - bits) can overflow, as in C
         return (m.astype(np.float32) * e8m0_to_float(e)[:, None]).reshape(-1)
 
 

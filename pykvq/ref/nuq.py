@@ -6,17 +6,23 @@ into a codebook c of 2^bits int8 entries (sorted strictly ascending, each in
 layer, K and V apart, calibrated by the converter) or, when the file has none,
 from FALLBACK below.
 
-  amax = max |x| over the block (NaN counts as 0)
-  d    = amax / 127   (float32);  id = 1/d, or 0 when d == 0
-  v    = x * id       (float32, so v is in [-127, 127])
+  amax = max |x| over the block (NaN counts as 0, inf counts)
+  d    = min(amax / 127, 65504)   (float32; 65504 is the largest finite f16)
+  id   = 1/d, or 0 when d <= 2^-25 (then fp16(d) == 0 and the block decodes to 0)
+  v    = x * id       (float32, so v is in [-127, 127] unless d was clamped; NaN x -> 0)
   idx  = #{ j : v > m_j }  with midpoints m_j = (c_j + c_{j+1}) / 2
-         (nearest entry; a tie goes to the lower one; NaN -> 0)
+         (nearest entry; a tie goes to the lower one)
   stored: fp16(d), idx;  dequantized: float(fp16(d)) * c[idx]
 
 Outlier variants (nuq3o, nuq2o; block 64) keep the block's largest |x| exactly
-(as f16, like an f16 cache): its position oi (first of equals) and value ov
-are stored, the dense part is quantized with x[oi] replaced by 0, and the
-dequantized block gets ov back at oi. One outlier per 64 values is 1.6%.
+(as f16, like an f16 cache): its position oi (first of equals) and value
+ov = fp16(clip(x[oi], -65504, 65504)) (NaN -> 0) are stored, the dense part is
+quantized with x[oi] replaced by 0, and the dequantized block gets ov back at oi.
+One outlier per 64 values is 1.6%.
+
+Edge inputs (docs/FORMATS.md): no block decodes to inf or NaN. A NaN is read as 0,
+|x| beyond 65504 * 127 (dense) or 65504 (outlier) and +-inf saturate, all-zero
+blocks decode to (+-)0.
 
 Storage (ggml blocks, little endian, no padding):
   nuq4  (32): d[2] qs[16]            byte j: idx j (low nibble), idx j+16 (high)       18 B  4.5   bits/value
@@ -115,7 +121,7 @@ def _split(x: np.ndarray, f: NUQFormat):
     if f.outliers:
         oi = np.argmax(ax, axis=1).astype(np.uint8)
         rows = np.arange(xb.shape[0])
-        ov = xb[rows, oi].astype(np.float16)
+        ov = outlier_value(xb[rows, oi])
         xb[rows, oi] = 0
         ax[rows, oi] = 0
     else:
@@ -124,15 +130,37 @@ def _split(x: np.ndarray, f: NUQFormat):
     return xb, ax, oi, ov
 
 
+F16_MAX = np.float32(65504)
+D_MIN = np.float32(2.0 ** -25)   # fp16(d) == 0 for d <= D_MIN
+
+
+def outlier_value(x: np.ndarray) -> np.ndarray:
+    """The stored f16 of the outlier: NaN -> 0, clamped to the largest finite f16."""
+    x = np.where(np.isnan(x), np.float32(0), x).astype(np.float32)
+    return np.clip(x, -F16_MAX, F16_MAX).astype(np.float16)
+
+
+def _scale(ax: np.ndarray):
+    """(d, id) of each block from |x| (NaN already 0): d = min(amax/127, 65504), id = 1/d or 0."""
+    d = np.minimum(ax.max(axis=1) / np.float32(127), F16_MAX).astype(np.float32)
+    use = d > D_MIN
+    with np.errstate(divide="ignore"):
+        id_ = np.where(use, np.float32(1) / np.where(use, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    return d, id_
+
+
+def _values(xb: np.ndarray, id_: np.ndarray) -> np.ndarray:
+    """v = x * id per value, a NaN x read as 0."""
+    return (np.where(np.isnan(xb), np.float32(0), xb) * id_[:, None]).astype(np.float32)
+
+
 def normalize(x: np.ndarray, fmt: str | NUQFormat):
     """(v, d, keep): v = x * id per value as the quantizer sees it ([nb, block] float32),
     the fp16 scales, and a mask of the values the dense codebook encodes (not outliers)."""
     f = fmt_of(fmt)
     xb, ax, oi, _ = _split(x, f)
-    d = (ax.max(axis=1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        id_ = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = (xb * id_[:, None]).astype(np.float32)
+    d, id_ = _scale(ax)
+    v = _values(xb, id_)
     keep = np.ones(v.shape, bool)
     if f.outliers:
         keep[np.arange(v.shape[0]), oi] = False
@@ -142,7 +170,7 @@ def normalize(x: np.ndarray, fmt: str | NUQFormat):
 def assign(v: np.ndarray, cb: np.ndarray) -> np.ndarray:
     """Codebook index of each normalised value (nearest, ties to the lower entry)."""
     m = midpoints(cb)
-    vv = np.where(np.isnan(v), np.float32(-np.inf), v)
+    vv = np.where(np.isnan(v), np.float32(0), v)   # NaN is read as 0 (the quantizer zeroes it first)
     return np.searchsorted(m, vv, side="left").astype(np.uint8)
 
 
@@ -150,10 +178,8 @@ def quantize_blocks(x: np.ndarray, fmt: str | NUQFormat, cb=None) -> Blocks:
     f = fmt_of(fmt)
     c = fallback(f) if cb is None else check_codebook(cb, f)
     xb, ax, oi, ov = _split(x, f)
-    d = (ax.max(axis=1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        id_ = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = (xb * id_[:, None]).astype(np.float32)
+    d, id_ = _scale(ax)
+    v = _values(xb, id_)
     return Blocks(f, d.astype(np.float16), assign(v, c), oi, ov)
 
 
