@@ -344,8 +344,8 @@ void llama_kv_cache_context::set_input_k_pos(ggml_tensor * dst) const {
 // session states: what decodes a layer's bytes, in its type word
 //
 
-int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope) {
-    int32_t word = (int32_t) type | (prerope ? LLAMA_KVQ_STATE_PREROPE : 0);
+int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope, bool rot) {
+    int32_t word = (int32_t) type | (prerope ? LLAMA_KVQ_STATE_PREROPE : 0) | (rot ? LLAMA_KVQ_STATE_ROT : 0);
     if (cb != nullptr && llama_kvq_is_nuq(type)) {
         uint32_t h = 2166136261u; // FNV-1a over the codebook's entries
         for (int i = 0; i < llama_kvq_n_codes(type); ++i) {
@@ -365,6 +365,11 @@ std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which) {
     if ((have & type_mask) != (want & type_mask)) {
         return format("mismatched %s type (the state holds %s, this context's cache is %s)", which == 'K' ? "key" : "value",
                       type_name(have).c_str(), type_name(want).c_str());
+    }
+    if ((have ^ want) & LLAMA_KVQ_STATE_ROT) {
+        return format("the state's %c cache was written with the online Hadamard rotation %s, this context has it %s "
+                      "(-rot%c / attn_rot_%c)", which, (have & LLAMA_KVQ_STATE_ROT) ? "on" : "off",
+                      (want & LLAMA_KVQ_STATE_ROT) ? "on" : "off", which == 'K' ? 'k' : 'v', which == 'K' ? 'k' : 'v');
     }
     if ((have ^ want) & LLAMA_KVQ_STATE_PREROPE) {
         return format("the state holds a %s-RoPE K cache, this context's is %s-RoPE (pykvq key domain)",

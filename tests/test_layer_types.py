@@ -263,24 +263,3 @@ def test_bad_codebook_fails_and_rotation_mismatch_warns(nuq_files):
         assert "calibrated with the online Hadamard rotation off" in log.recent_text(5000)
     with Model(nuq_files["rot_off"], n_ctx=N_CTX, flash_attn=True, attn_rot_k="off") as m:
         assert "calibrated with the online Hadamard rotation" not in log.recent_text(5000)
-
-
-@nuq
-def test_state_records_the_codebooks(nuq_files, tokens):
-    """A state saved with file codebooks restores exactly into a context with the same codebooks and is refused,
-    naming the codebook, by one whose layers have other codebooks (or the fallback) under the same types."""
-    with Model(nuq_files["other"], n_ctx=N_CTX, flash_attn=True) as m:
-        m.eval_logits(tokens[:100])
-        state = m.get_state()
-        want = m.decode(tokens[100:110], 100)
-    with Model(nuq_files["other"], n_ctx=N_CTX, flash_attn=True) as m:
-        m.set_state(state)
-        np.testing.assert_array_equal(m.decode(tokens[100:110], 100), want)
-    for other in ("fallback", "none"):
-        with Model(nuq_files[other], n_ctx=N_CTX, flash_attn=True) as m:
-            assert m.layer_cache_types() == [("nuq3", "q8_0")] * N_LAYER
-            with pytest.raises(DecodeError):
-                m.set_state(state)
-            text = log.recent_text(50)
-            assert "layer 0: the state's K cache (nuq3) was written with a file codebook" in text, text
-            assert ("this context uses a file codebook" if other == "fallback" else "the fallback codebook") in text

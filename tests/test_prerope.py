@@ -200,44 +200,9 @@ def test_k_shift_is_free(smol_pre, passage):
     assert pre < 0.6 * post and pre < 2.5 * f16, (f16, pre, post)
 
 
-def test_state_round_trip_and_domain_refusal(smol_pre, passage):
-    """A state saved from a pre-RoPE cache continues greedily exactly like the uninterrupted run in a
-    fresh context, and a post-RoPE context refuses it with a clear error."""
-    kw = dict(n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True)
-    with k_domain("auto"), Model(smol_pre, **kw) as m:
-        toks = m.tokenize(passage)[:100]
-        m.decode(toks, 0)
-        state = m.get_state()
-        ref = [int(np.argmax(m.decode(toks[-1:], len(toks))))]
-        for i in range(5):
-            ref.append(int(np.argmax(m.decode(ref[-1:], len(toks) + 1 + i))))
-    with k_domain("auto"), Model(smol_pre, **kw) as m:
-        m.set_state(state)
-        got = [int(np.argmax(m.decode(toks[-1:], len(toks))))]
-        for i in range(5):
-            got.append(int(np.argmax(m.decode(got[-1:], len(toks) + 1 + i))))
-    assert got == ref
-    with k_domain("post"), Model(smol_pre, **kw) as m:
-        with pytest.raises(PykvqError):
-            m.set_state(state)
-
-
 def test_flash_attention_off_is_refused(smol_pre):
     with k_domain("auto"), pytest.raises(PykvqError, match="flash attention"):
         Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=False)
-
-
-def test_seq_cp_continues_like_the_source(smol_pre, passage):
-    """A sequence copied from another (its own stream when the cache is not unified) reads the same
-    pre-RoPE cells at the same positions: its next token's logits equal the source's."""
-    with k_domain("auto"), Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True,
-                                 n_seq_max=2) as m:
-        toks = m.tokenize(passage)[:80]
-        m.decode(toks[:-1], 0, seq=0)
-        m.seq_cp(0, 1)
-        a = m.decode(toks[-1:], len(toks) - 1, seq=0)
-        b = m.decode(toks[-1:], len(toks) - 1, seq=1)
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(a).max())
 
 
 @pytest.mark.parametrize("tensor,value,msg", [(Tensors.K_SCALE, 0.0, "finite and > 0"),

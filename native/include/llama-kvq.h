@@ -91,12 +91,14 @@ ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, 
 void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h);
 
 // session states: each layer's K / V type word also says what else decodes the bytes: a pre-RoPE K layer sets
-// LLAMA_KVQ_STATE_PREROPE, a file codebook puts its fingerprint (1..255) in bits 20..27 (type ids stay far below)
+// LLAMA_KVQ_STATE_PREROPE, a cache turned by upstream's online Hadamard (attn_rot_k / attn_rot_v) sets
+// LLAMA_KVQ_STATE_ROT, a file codebook puts its fingerprint (1..255) in bits 20..27 (type ids stay far below)
 #define LLAMA_KVQ_STATE_PREROPE  0x10000
+#define LLAMA_KVQ_STATE_ROT      0x20000
 #define LLAMA_KVQ_STATE_CB_SHIFT 20
 
 // the type word a state records for a layer's cache tensor (native/llama-kvq-memory.cpp)
-int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope);
+int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope, bool rot);
 // "" when a state's word (have) fits this context's (want), else why not, naming K or V
 std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
 
