@@ -3,10 +3,12 @@
 
     python scripts/fattn_results.py [--model smollm2-135m] [--types f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o]
                                     [--depths 0,4096,16384] [--before q8_0,q4_0,bfp4_32,nuq4]
-                                    [--before-depths 0,4096] [--tests pp,tg] [--threads N]
+                                    [--before-depths 0,4096] [--tests pp,tg] [--threads N] [--name fattn]
 
 Each row is one llama-bench invocation (K and V of one type, flash attention on):
   <type>          pykvq's flash attention for quantized caches (the default)
+  <type>@prerope  the same type on the model converted with --prerope-k (a suite setting: any
+                  <type>@<transform> runs on its converted file, made once and cached)
   <type> per-row  the same binary with GGML_KVQ_FA=0: upstream's per-row path (before)
   f16             upstream's f16 path (split-KV decode, tiled prefill): the baseline
   f16 (pykvq)     GGML_KVQ_FA=all: f16 through pykvq's path, for reference
@@ -40,6 +42,15 @@ def run_bench(model: Path, t: str, env: dict, threads: int, depths: list[int], t
     return json.loads(out)
 
 
+def model_for(model: Path, label: str) -> Path:
+    """The file a row runs on: the model, or for <type>@<transform> the model converted that way."""
+    if "@" not in label:
+        return model
+    from pykvq.suite.converted import for_setting
+    from pykvq.suite.settings import parse_setting
+    return for_setting(model, parse_setting(label.split(" ")[0]))[0]
+
+
 def test_name(r: dict) -> str:
     return f"pp512 @ d{r['n_depth']}" if r["n_prompt"] else f"tg32 @ d{r['n_depth']}"
 
@@ -61,6 +72,9 @@ def table(rows: dict, meta: dict, depths: list[int], tests: list[str]) -> str:
                 continue
             rel = [f"{v / f:.2f}× f16"] if f else []
             rel += [f"{v / q:.2f}× q4_0"] if q and label != "q4_0" else []
+            plain = label.partition("@")[0]          # <type>@<transform>: also to the type unconverted
+            if plain != label and plain != "q4_0" and rows.get((plain, c)):
+                rel.append(f"{v / rows[(plain, c)]:.2f}× {plain}")
             cells.append(f"{v:.1f} ({', '.join(rel)})" if rel else f"{v:.1f}")
         md.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
@@ -79,18 +93,19 @@ def main() -> None:
     ap.add_argument("--tests", default="pp,tg")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--table-only", action="store_true", help="rewrite the table from the saved rows, run nothing")
+    ap.add_argument("--name", default="fattn", help="results/<name>_<model>.json|md (rows there are not run again)")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     bdepths = [int(d) for d in args.before_depths.split(",")]
     tests = args.tests.split(",")
     model = fetch(args.model, progress=True)
 
-    runs = [(t, t, {}, depths) for t in args.types.split(",")]
+    runs = [(t, t.partition("@")[0], {}, depths) for t in args.types.split(",")]
     if args.f16_pykvq:
         runs.append(("f16 (pykvq)", "f16", {"GGML_KVQ_FA": "all"}, depths))
     runs += [(f"{t} per-row", t, {"GGML_KVQ_FA": "0"}, bdepths) for t in args.before.split(",") if t]
 
-    out = ROOT / "results" / f"fattn_{args.model}"
+    out = ROOT / "results" / f"{args.name}_{args.model}"
     out.parent.mkdir(exist_ok=True)
     jpath = Path(f"{out}.json")
     saved = json.loads(jpath.read_text()) if jpath.exists() else {"rows": []}
@@ -105,7 +120,7 @@ def main() -> None:
                     continue
                 t0 = time.time()
                 print(f"{label:>16} {col} ...", end=" ", flush=True)
-                for r in run_bench(model, t, env, args.threads, [d], [k]):
+                for r in run_bench(model_for(model, label), t, env, args.threads, [d], [k]):
                     rows[(label, test_name(r))] = r["avg_ts"]
                 print(f"{rows.get((label, col), float('nan')):.2f} t/s ({time.time() - t0:.0f} s)", flush=True)
                 jpath.write_text(json.dumps({"meta": meta, "rows": [
