@@ -17,7 +17,7 @@ VPY     := $(VENV)/bin/python
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: demo test soak results gpu-check setup fetch build clean distclean
+.PHONY: demo test soak results gpu-check setup fetch build build-asan clean distclean
 
 demo: setup build
 	$(VPY) -m pykvq demo
@@ -55,8 +55,14 @@ build: fetch
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The hostile-file fuzz driver with AddressSanitizer + UBSan (libllama, ggml and the driver), for tests/test_hostile_files.py
+ASAN_BUILD ?= build-asan
+build-asan: fetch
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DPYKVQ_SANITIZE=ON $(CMAKE_ARGS)
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvq-gguf-fuzz
+
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD)
 
 distclean: clean
 	rm -rf $(VENV) third_party/llama.cpp third_party/.cache
