@@ -118,6 +118,9 @@ def write_gguf(model: GGUFModel, out: str | os.PathLike, *,
                 progress(t.data.nbytes)
         w.close()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):      # a full disk, a file-size limit, a read-only directory
+            kept = "left as it was" if out.exists() else "not written"
+            raise ConvertError(f"cannot write {out}: {e.strerror or e} ({out.name} {kept}, the input untouched)") from e
         raise
