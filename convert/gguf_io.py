@@ -122,5 +122,6 @@ def write_gguf(model: GGUFModel, out: str | os.PathLike, *,
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):      # a full disk, a file-size limit, a read-only directory
             kept = "left as it was" if out.exists() else "not written"
-            raise ConvertError(f"cannot write {out}: {e.strerror or e} ({out.name} {kept}, the input untouched)") from e
+            why = e.strerror or f"{e}: the disk is full or a file-size limit was reached"   # numpy's short write
+            raise ConvertError(f"cannot write {out}: {why} ({out.name} {kept}, the input untouched)") from e
         raise
