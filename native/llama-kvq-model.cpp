@@ -266,12 +266,7 @@ void llama_kvq_load_codebooks(llama_model & model) {
                         ggml_get_name(t), ggml_type_name(t->type), (long long) ggml_nelements(t)));
             }
             ggml_backend_tensor_get(t, model.kvq.codebook[v][il].data(), 0, 16);
-            model.kvq.has_codebook[v][il] = 1;
-            // checked now against the type it was calibrated for, whatever types a context asks for later
-            const ggml_type ct = model.kvq_calibrated_type(il, v);
-            if (llama_kvq_is_nuq(ct)) {
-                llama_kvq_layer_codebook(model, il, v, ct);
-            }
+            model.kvq.has_codebook[v][il] = 1;   // its entries are checked when a context uses it (llama_kvq_layer_codebook)
         }
         const auto & lt = model.kvq.layer_types[v];
         if (!lt.empty() && lt.size() != (size_t) n_layer) {
