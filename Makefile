@@ -2,7 +2,7 @@
 #
 #   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2; answers with f16 and pykvq's cache, size + KLD table vs stock q4_0
 #   make test   the same set-up, then pytest
-#   make soak   the same set-up, then the long fuzz and soak runs (tests marked soak; PYKVQ_SOAK=1)
+#   make soak   the same set-up (and build-asan/: libllama + the hostile-file driver with ASan + UBSan), then the long fuzz and soak runs (tests marked soak; PYKVQ_SOAK=1)
 #   make gpu-check  on a machine with an NVIDIA GPU: build with CUDA, run every GPU check and benchmark
 #   make results  the same set-up, then the evaluation/benchmark suite -> docs/RESULTS.md (RESULTS_ARGS="--models smollm2-135m,qwen2.5-coder-1.5b")
 #
@@ -17,7 +17,7 @@ VPY     := $(VENV)/bin/python
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: demo test soak results gpu-check setup fetch build clean distclean
+.PHONY: demo test soak results gpu-check setup fetch build build-asan clean distclean
 
 demo: setup build
 	$(VPY) -m pykvq demo
@@ -25,7 +25,7 @@ demo: setup build
 test: setup build
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-soak: setup build
+soak: setup build build-asan
 	PYKVQ_SOAK=1 $(VPY) -m pytest -m soak $(PYTEST_ARGS)
 
 results: setup build
@@ -55,8 +55,14 @@ build: fetch
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The hostile-file fuzz driver with AddressSanitizer + UBSan (libllama, ggml and the driver), for tests/test_hostile_files.py
+ASAN_BUILD ?= build-asan
+build-asan: fetch
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DPYKVQ_SANITIZE=ON $(CMAKE_ARGS)
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvq-gguf-fuzz
+
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD)
 
 distclean: clean
 	rm -rf $(VENV) third_party/llama.cpp third_party/.cache

@@ -118,6 +118,10 @@ def write_gguf(model: GGUFModel, out: str | os.PathLike, *,
                 progress(t.data.nbytes)
         w.close()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):      # a full disk, a file-size limit, a read-only directory
+            kept = "left as it was" if out.exists() else "not written"
+            why = e.strerror or f"{e}: the disk is full or a file-size limit was reached"   # numpy's short write
+            raise ConvertError(f"cannot write {out}: {why} ({out.name} {kept}, the input untouched)") from e
         raise

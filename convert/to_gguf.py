@@ -141,6 +141,26 @@ def _is_hf_dir(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
+def _check_safetensors(src: Path) -> None:
+    """Each *.safetensors file must hold its header and every byte its header points to: a cut download is
+    named here, before upstream's converter runs into it half-way through writing."""
+    import json
+    import struct
+    for f in sorted(src.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                if n > size - 8:
+                    raise ValueError(f"its header claims {n} bytes, the file has {size}")
+                header = json.loads(fh.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ConvertError(f"{f} is not a readable safetensors file: {e}") from None
+        if 8 + n + end > size:
+            raise ConvertError(f"{f} is truncated: its tensors need {8 + n + end} bytes, the file has {size}")
+
+
 def _hf_to_f32_gguf(src: Path, tmpdir: Path) -> Path:
     """Upstream's converter (tokenizer, metadata, tensor names) to an f32 GGUF."""
     out = tmpdir / "upstream-f32.gguf"
@@ -207,6 +227,7 @@ def convert(args) -> dict:
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None, prefix=".pykvq-conv-") as tmp:
         hf = _is_hf_dir(src)
         if hf:
+            _check_safetensors(src)
             gguf_path = _hf_to_f32_gguf(src, Path(tmp))
             opts.requant_type = "f32"
         elif src.is_file():

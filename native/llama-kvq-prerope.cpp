@@ -9,6 +9,7 @@
 #include "ggml-backend.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -52,10 +53,16 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
         }
         std::vector<float> v(ggml_nelements(t));
         ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
+        // the cache holds (k - mean) / scale in f16 or a type with f16 block scales: a mean or scale outside f16's
+        // normal range turns it into inf / 0 (a silent wrong load), so such a file is refused
         for (size_t i = 0; i < v.size(); ++i) {
-            if (!std::isfinite(v[i]) || (t == scale && !(v[i] > 0.0f))) {
-                throw std::runtime_error(kvq_layer(il) + t->name + "[" + std::to_string(i) + "] = " + std::to_string(v[i]) +
-                                         (t == scale ? ": a scale must be finite and > 0" : ": a mean must be finite"));
+            const bool ok = t == scale ? v[i] >= 0x1p-14f && v[i] <= 65504.0f : std::fabs(v[i]) <= 65504.0f;
+            if (!ok) {
+                char val[32];
+                snprintf(val, sizeof(val), "%g", v[i]);
+                throw std::runtime_error(kvq_layer(il) + t->name + "[" + std::to_string(i) + "] = " + val +
+                                         (t == scale ? ": a scale must be finite and > 0, in f16's normal range [6.1e-05, 65504]"
+                                                     : ": a mean must be finite, |mean| <= 65504"));
             }
         }
     }

@@ -278,11 +278,12 @@ def test_kshift_uses_the_per_head_frequencies(smollm2_f32, eval_tokens, tmp_path
 
 def test_a_runtime_that_does_not_know_a_tensor_refuses_the_file(smollm2, tmp_path):
     """Stock llama.cpp does not know blk.N.kvq_rope_freqs and refuses a K-sorted file ("wrong number
-    of tensors"). Shown with the patched loader and a tensor name it does not know either."""
+    of tensors"). Shown with the patched loader and a tensor name it does not know either (an unknown
+    blk.N.kvq_* tensor is named by pykvq's check: tests/test_hostile_files.py)."""
     m = read_gguf(smollm2)
     from convert.gguf_io import Tensor
     from gguf import GGMLQuantizationType as QT
-    m.tensors["blk.0.kvq_unknown"] = Tensor("blk.0.kvq_unknown", QT.F32, np.ones((3, 32), np.float32))
+    m.tensors["blk.0.attn_unknown"] = Tensor("blk.0.attn_unknown", QT.F32, np.ones((3, 32), np.float32))
     bad = tmp_path / "extra.gguf"
     write_gguf(m, bad)
     from pykvq import ModelLoadError
