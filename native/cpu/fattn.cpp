@@ -347,60 +347,25 @@ inline void fa_rope_fill(const fa_prerope & pr, const float * w, int32_t p, floa
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// the three butterfly stages within 8 lanes (h = 1, 2, 4): lane j becomes v[j]*sign + v[j ^ h]
+inline __m256 fa_fwht8(__m256 v) {
+    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_fmadd_ps(v, sg1, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_fmadd_ps(v, sg2, _mm256_permute_ps(v, 0x4E));
+    return _mm256_fmadd_ps(v, sg4, _mm256_permute2f128_ps(v, v, 1));
+}
+#endif
+
 // unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK).
 // The butterfly stages commute, so the three in-register stages (h = 1, 2, 4) run first.
 inline void fa_fwht(float * x, int64_t DK, int n) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (n % 64 == 0) {
-        // the six stages within each 64 values in registers, the rest (h >= 64) through memory
-        const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-        const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-        const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-        for (int64_t d = 0; d < DK; d += 64) {
-            __m256 v[8];
-            for (int i = 0; i < 8; ++i) {
-                v[i] = _mm256_loadu_ps(x + d + 8*i);
-                v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
-                v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
-                v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
-            }
-            for (int h = 1; h < 8; h *= 2) {
-                for (int i = 0; i < 8; i += 2*h) {
-                    for (int j = i; j < i + h; ++j) {
-                        const __m256 a = v[j], c = v[j + h];
-                        v[j]     = _mm256_add_ps(a, c);
-                        v[j + h] = _mm256_sub_ps(a, c);
-                    }
-                }
-            }
-            for (int i = 0; i < 8; ++i) {
-                _mm256_storeu_ps(x + d + 8*i, v[i]);
-            }
-        }
-        for (int64_t b = 0; b < DK; b += n) {
-            float * y = x + b;
-            for (int h = 64; h < n; h *= 2) {
-                for (int i = 0; i < n; i += 2*h) {
-                    for (int j = i; j < i + h; j += 8) {
-                        const __m256 a = _mm256_loadu_ps(y + j), c = _mm256_loadu_ps(y + j + h);
-                        _mm256_storeu_ps(y + j,     _mm256_add_ps(a, c));
-                        _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, c));
-                    }
-                }
-            }
-        }
-        return;
-    }
     if (n % 8 == 0) {
-        const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-        const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-        const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
         for (int64_t d = 0; d < DK; d += 8) {
-            __m256 v = _mm256_loadu_ps(x + d);      // lane j: v[j]*sign + v[j ^ h]
-            v = _mm256_fmadd_ps(v, sg1, _mm256_permute_ps(v, 0xB1));
-            v = _mm256_fmadd_ps(v, sg2, _mm256_permute_ps(v, 0x4E));
-            v = _mm256_fmadd_ps(v, sg4, _mm256_permute2f128_ps(v, v, 1));
-            _mm256_storeu_ps(x + d, v);
+            _mm256_storeu_ps(x + d, fa_fwht8(_mm256_loadu_ps(x + d)));
         }
         for (int64_t b = 0; b < DK; b += n) {
             float * y = x + b;
@@ -593,9 +558,6 @@ template <int NV, int NVH>
 void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, const float * sc, const fa_rope_tab & tab) {
     constexpr int DK = 8*NV;
     const float * mu = pr.mean + ik2*DK;
-    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
     for (int64_t t = 0; t < n; ++t) {
         float * x = Kf + t*DK;
         const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
@@ -607,9 +569,7 @@ void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, 
         if (NVH) {
             #pragma GCC unroll 16
             for (int i = 0; i < NV; ++i) {
-                v[i] = _mm256_fmadd_ps(v[i], sg1, _mm256_permute_ps(v[i], 0xB1));
-                v[i] = _mm256_fmadd_ps(v[i], sg2, _mm256_permute_ps(v[i], 0x4E));
-                v[i] = _mm256_fmadd_ps(v[i], sg4, _mm256_permute2f128_ps(v[i], v[i], 1));
+                v[i] = fa_fwht8(v[i]);
             }
             #pragma GCC unroll 16
             for (int h = 1; h < NVH; h *= 2) {
