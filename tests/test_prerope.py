@@ -93,7 +93,8 @@ def test_decode_matches_reference(kt, vt, mode, rot):
     assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("D,n_dims,rot", [(64, 64, 64), (128, 128, 128), (128, 128, 64), (128, 96, 32), (64, 64, 0)])
+@pytest.mark.parametrize("D,n_dims,rot", [(64, 64, 64), (128, 128, 128), (128, 128, 64), (128, 96, 32), (64, 64, 0),
+                                          (64, 40, 0)])
 @pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
 def test_decode_consecutive_tiles(D, n_dims, rot, mode):
     """Decode (3 tokens x G = 3 rows) over 1500 consecutive cells starting at position 20000: Q turned
@@ -102,6 +103,13 @@ def test_decode_consecutive_tiles(D, n_dims, rot, mode):
     (partial rotary), per-head frequencies and mscale."""
     out, ref = run_prerope_fa("q4_0", "q8_0", mode=mode, n_dims=n_dims, D=D, N=3, n_kv=1500, H=6, Hkv=2,
                               mscale=1.1, per_head=True, rot=rot, start=20000)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
+def test_decode_scalar_rotation(mode):
+    """40 of 64 channels rotary (not a multiple of 16: the scalar rotation), cells with gaps and out of order."""
+    out, ref = run_prerope_fa("q4_0", "q4_0", mode=mode, n_dims=40, rot=0)
     assert rel_err(out, ref) < 1e-4
 
 

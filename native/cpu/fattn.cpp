@@ -396,6 +396,21 @@ inline void fa_fwht(float * x, int64_t DK, int n) {
     }
 }
 
+// scalar: the rotary channels of one row become R·(x*sc + mu), with cos/sin laid out like the row (fa_rope_fill)
+inline void fa_restore_rotate(const fa_prerope & pr, float * x, const float * sc, const float * mu, const float * c,
+                              const float * s) {
+    for (int k = 0; k < pr.n_dims; ++k) {
+        x[k] = x[k]*sc[k] + mu[k];
+    }
+    for (int i = 0; i < pr.n_dims/2; ++i) {
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        const float xa = x[a], xb = x[b];
+        x[a] = xa*c[a] + xb*s[a];
+        x[b] = xb*c[b] + xa*s[b];
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // 8 channels of cos/sin advanced by one step of the rotation (c1, s1 = cos(w), ±sin(w)), stored back
 inline void fa_rope_step8(float * c, float * s, const float * c1, const float * s1, __m256 & cv, __m256 & sv) {
@@ -462,16 +477,7 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
                     s[k] = s[k]*c1[k] + ck*s1[k];
                 }
             }
-            for (int k = 0; k < nd; ++k) {
-                x[k] = x[k]*sc[k] + mu[k];
-            }
-            for (int i = 0; i < hd; ++i) {
-                int a, b;
-                fa_rope_pair(pr, i, &a, &b);
-                const float xa = x[a], xb = x[b];
-                x[a] = xa*c[a] + xb*s[a];
-                x[b] = xb*c[b] + xa*s[b];
-            }
+            fa_restore_rotate(pr, x, sc, mu, c, s);
         }
         for (int64_t d = nd; d < DK; ++d) {      // partial rotary: the rest is not rotated
             x[d] = x[d]*sc[d] + mu[d];
@@ -678,16 +684,7 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
         }
 #endif
         if (j == 0) {
-            for (int k = 0; k < nd; ++k) {
-                x[k] = x[k]*sc[k] + mu[k];
-            }
-            for (int i = 0; i < hd; ++i) {
-                int a, b;
-                fa_rope_pair(pr, i, &a, &b);
-                const float xa = x[a], xb = x[b];
-                x[a] = xa*c[a] + xb*s[a];
-                x[b] = xb*c[b] + xa*s[b];
-            }
+            fa_restore_rotate(pr, x, sc, mu, c, s);
         }
         for (int64_t d = nd; d < DK; ++d) {
             x[d] = x[d]*sc[d] + mu[d];
