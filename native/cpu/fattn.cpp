@@ -423,65 +423,76 @@ inline void fa_rope_step8(float * c, float * s, const float * c1, const float * 
 }
 #endif
 
+// cos/sin per channel (laid out like a row, fa_rope_fill) advanced by one step of the rotation c1, s1
+inline void fa_rope_advance(const fa_prerope & pr, float * c, float * s, const float * c1, const float * s1) {
+    int k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (pr.n_dims % 16 == 0) {
+        for (; k < pr.n_dims; k += 8) {
+            __m256 cv = _mm256_loadu_ps(c + k), sv = _mm256_loadu_ps(s + k);
+            fa_rope_step8(c + k, s + k, c1 + k, s1 + k, cv, sv);
+        }
+    }
+#endif
+    for (; k < pr.n_dims; ++k) {
+        const float ck = c[k];
+        c[k] = ck*c1[k] - s[k]*s1[k];
+        s[k] = s[k]*c1[k] + ck*s1[k];
+    }
+}
+
+// one row: x*sc + mu, its rotary channels turned by the cos/sin arrays c, s (laid out like the row)
+inline void fa_restore_rotate_row(const fa_prerope & pr, float * x, int64_t DK, const float * sc, const float * mu,
+                                  const float * c, const float * s) {
+    const int nd = pr.n_dims, hd = nd/2;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (nd % 16 == 0) {
+        if (pr.neox) {
+            for (; j < hd; j += 8) {
+                const int jb = j + hd;
+                const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j),  _mm256_loadu_ps(sc + j),  _mm256_loadu_ps(mu + j));
+                const __m256 xb = _mm256_fmadd_ps(_mm256_loadu_ps(x + jb), _mm256_loadu_ps(sc + jb), _mm256_loadu_ps(mu + jb));
+                _mm256_storeu_ps(x + j,  _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),  _mm256_mul_ps(xb, _mm256_loadu_ps(s + j))));
+                _mm256_storeu_ps(x + jb, _mm256_fmadd_ps(xb, _mm256_loadu_ps(c + jb), _mm256_mul_ps(xa, _mm256_loadu_ps(s + jb))));
+            }
+        } else {
+            for (; j < nd; j += 8) {
+                const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
+                _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),
+                                                        _mm256_mul_ps(_mm256_permute_ps(xa, 0xB1), _mm256_loadu_ps(s + j))));
+            }
+        }
+        j = nd;
+    }
+#endif
+    if (j == 0) {
+        fa_restore_rotate(pr, x, sc, mu, c, s);
+    }
+    for (int64_t d = nd; d < DK; ++d) {      // partial rotary: the rest is not rotated
+        x[d] = x[d]*sc[d] + mu[d];
+    }
+}
+
 // k rows of the tile: undo the Hadamard, restore scale and mean, rotate at positions pos[0..n).
 // sc: this head's scale, divided by sqrt(n_rot_h) when the unnormalized transform runs.
 void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32_t * pos, int64_t n, float * Kf,
                      float * cs, const float * c1, const float * s1, const float * sc) {
     const float * mu = pr.mean  + ik2*DK;
     const float * w  = pr.freqs + ik2*(pr.n_dims/2);
-    const int nd = pr.n_dims;
-    const int hd = nd/2;
-    float * c = cs;          // [nd] cos(p*w)*mscale per channel
-    float * s = cs + nd;     // [nd] ±sin(p*w)*mscale
+    float * c = cs;              // [n_dims] cos(p*w)*mscale per channel
+    float * s = cs + pr.n_dims;  // [n_dims] ±sin(p*w)*mscale
     for (int64_t t = 0; t < n; ++t) {
-        const bool step = t > 0 && pos[t] == pos[t - 1] + 1;
-        if (!step) {     // exactly: a tile's first key, or after a jump in positions
+        if (t > 0 && pos[t] == pos[t - 1] + 1) {
+            fa_rope_advance(pr, c, s, c1, s1);
+        } else {     // exactly: a tile's first key, or after a jump in positions
             fa_rope_fill(pr, w, pos[t], pr.mscale, c, s);
         }
         float * x = Kf + t*DK;
         if (pr.n_rot_h) {
             fa_fwht(x, DK, pr.n_rot_h);
         }
-        int j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        // one pass: advance cos/sin by one step, x*scale + mean, rotate
-        if (nd % 16 == 0) {
-            const int je = pr.neox ? hd : nd;
-            for (; j < je; j += 8) {
-                const int jb = pr.neox ? j + hd : j;     // NEOX: the partner vector; NORM: the same vector
-                __m256 ca = _mm256_loadu_ps(c + j), sa = _mm256_loadu_ps(s + j);
-                __m256 cb = _mm256_loadu_ps(c + jb), sb = _mm256_loadu_ps(s + jb);
-                if (step) {
-                    fa_rope_step8(c + j, s + j, c1 + j, s1 + j, ca, sa);
-                    if (pr.neox) {
-                        fa_rope_step8(c + jb, s + jb, c1 + jb, s1 + jb, cb, sb);
-                    }
-                }
-                const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
-                if (pr.neox) {
-                    const __m256 xb = _mm256_fmadd_ps(_mm256_loadu_ps(x + jb), _mm256_loadu_ps(sc + jb), _mm256_loadu_ps(mu + jb));
-                    _mm256_storeu_ps(x + j,  _mm256_fmadd_ps(xa, ca, _mm256_mul_ps(xb, sa)));
-                    _mm256_storeu_ps(x + jb, _mm256_fmadd_ps(xb, cb, _mm256_mul_ps(xa, sb)));
-                } else {
-                    _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xa, ca, _mm256_mul_ps(_mm256_permute_ps(xa, 0xB1), sa)));
-                }
-            }
-            j = nd;
-        }
-#endif
-        if (j == 0) {
-            if (step) {
-                for (int k = 0; k < nd; ++k) {
-                    const float ck = c[k];
-                    c[k] = ck*c1[k] - s[k]*s1[k];
-                    s[k] = s[k]*c1[k] + ck*s1[k];
-                }
-            }
-            fa_restore_rotate(pr, x, sc, mu, c, s);
-        }
-        for (int64_t d = nd; d < DK; ++d) {      // partial rotary: the rest is not rotated
-            x[d] = x[d]*sc[d] + mu[d];
-        }
+        fa_restore_rotate_row(pr, x, DK, sc, mu, c, s);
     }
 }
 
@@ -490,7 +501,11 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
 // offset t only, read from a table of R(t)·mscale for t < FA_TILE_KV that depends on the head's
 // frequencies alone, so it is built once per thread and head, not per tile (no cos/sin per key).
 struct fa_rope_tab {
-    std::vector<float> w;            // the frequencies it was built from, then mscale, n_dims, mode, DK
+    std::vector<float> w;            // what it was built from: the frequencies, mscale, n_dims, mode, DK
+    float mscale = 0.0f;
+    int n_dims = -1;
+    bool neox = false;
+    int64_t DK = -1;
     std::vector<float> c, s;         // [FA_TILE_KV][DK] laid out like fa_rope_fill's arrays
     std::vector<double> c64, s64;    // [n_dims/2] the turn of one whole tile, R(FA_TILE_KV)
 };
@@ -498,15 +513,15 @@ struct fa_rope_tab {
 const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int64_t DK) {
     thread_local fa_rope_tab tab;
     const int hd = pr.n_dims/2;
-    std::vector<float> key(w, w + hd);
-    key.push_back(pr.mscale);
-    key.push_back((float) pr.n_dims);
-    key.push_back(pr.neox ? 1.0f : 0.0f);
-    key.push_back((float) DK);
-    if (key == tab.w) {
+    if (tab.n_dims == pr.n_dims && tab.neox == pr.neox && tab.mscale == pr.mscale && tab.DK == DK &&
+        std::equal(w, w + hd, tab.w.begin())) {
         return tab;
     }
-    tab.w = key;
+    tab.w.assign(w, w + hd);
+    tab.mscale = pr.mscale;
+    tab.n_dims = pr.n_dims;
+    tab.neox = pr.neox;
+    tab.DK = DK;
     tab.c.assign(FA_TILE_KV*DK, 1.0f);      // channels past n_dims: not rotated
     tab.s.assign(FA_TILE_KV*DK, 0.0f);
     tab.c64.resize(hd);
@@ -623,20 +638,19 @@ bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float *
     if (pr.n_dims == DK) {
         using fn = void (*)(const fa_prerope &, int64_t, float *, int64_t, const float *, const fa_rope_tab &);
         fn f = nullptr;
-        // by head size, then Hadamard block: none, 8, 16, 32, 64 (, 128)
-        if (DK == 64) {
-            const fn t[] = { fa_prerope_rows<8, 0>, fa_prerope_rows<8, 1>, fa_prerope_rows<8, 2>,
-                             fa_prerope_rows<8, 4>, fa_prerope_rows<8, 8> };
-            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
-                          pr.n_rot_h == 64 ? 4 : -1;
-            f = i < 0 ? nullptr : t[i];
-        } else if (DK == 128) {
-            const fn t[] = { fa_prerope_rows<16, 0>, fa_prerope_rows<16, 1>, fa_prerope_rows<16, 2>,
-                             fa_prerope_rows<16, 4>, fa_prerope_rows<16, 8>, fa_prerope_rows<16, 16> };
-            const int i = pr.n_rot_h == 0 ? 0 : pr.n_rot_h == 8 ? 1 : pr.n_rot_h == 16 ? 2 : pr.n_rot_h == 32 ? 3 :
-                          pr.n_rot_h == 64 ? 4 : pr.n_rot_h == 128 ? 5 : -1;
-            f = i < 0 ? nullptr : t[i];
+        // by head size, then Hadamard block: none, 8, 16, 32, 64, 128 (a block no larger than the head)
+        static const fn t64[]  = { fa_prerope_rows<8, 0>,  fa_prerope_rows<8, 1>,  fa_prerope_rows<8, 2>,
+                                   fa_prerope_rows<8, 4>,  fa_prerope_rows<8, 8> };
+        static const fn t128[] = { fa_prerope_rows<16, 0>, fa_prerope_rows<16, 1>, fa_prerope_rows<16, 2>,
+                                   fa_prerope_rows<16, 4>, fa_prerope_rows<16, 8>, fa_prerope_rows<16, 16> };
+        int i = -1;
+        for (int b = 0, n = 0; n <= DK; n = n ? 2*n : 8, ++b) {
+            if (pr.n_rot_h == n) {
+                i = b;
+                break;
+            }
         }
+        f = i < 0 ? nullptr : DK == 64 ? t64[i] : DK == 128 ? t128[i] : nullptr;
         if (f) {
             f(pr, ik2, Kf, n, sc, tab);
             return true;
@@ -655,40 +669,12 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
         return;
     }
     const float * mu = pr.mean + ik2*DK;
-    const int nd = pr.n_dims, hd = nd/2;
     for (int64_t t = 0; t < n; ++t) {
         float * x = Kf + t*DK;
-        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
         if (pr.n_rot_h) {
             fa_fwht(x, DK, pr.n_rot_h);
         }
-        int j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        if (nd % 16 == 0) {
-            if (pr.neox) {
-                for (; j < hd; j += 8) {
-                    const int jb = j + hd;
-                    const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j),  _mm256_loadu_ps(sc + j),  _mm256_loadu_ps(mu + j));
-                    const __m256 xb = _mm256_fmadd_ps(_mm256_loadu_ps(x + jb), _mm256_loadu_ps(sc + jb), _mm256_loadu_ps(mu + jb));
-                    _mm256_storeu_ps(x + j,  _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),  _mm256_mul_ps(xb, _mm256_loadu_ps(s + j))));
-                    _mm256_storeu_ps(x + jb, _mm256_fmadd_ps(xb, _mm256_loadu_ps(c + jb), _mm256_mul_ps(xa, _mm256_loadu_ps(s + jb))));
-                }
-            } else {
-                for (; j < nd; j += 8) {
-                    const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
-                    _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),
-                                                            _mm256_mul_ps(_mm256_permute_ps(xa, 0xB1), _mm256_loadu_ps(s + j))));
-                }
-            }
-            j = nd;
-        }
-#endif
-        if (j == 0) {
-            fa_restore_rotate(pr, x, sc, mu, c, s);
-        }
-        for (int64_t d = nd; d < DK; ++d) {
-            x[d] = x[d]*sc[d] + mu[d];
-        }
+        fa_restore_rotate_row(pr, x, DK, sc, mu, tab.c.data() + t*DK, tab.s.data() + t*DK);
     }
 }
 
