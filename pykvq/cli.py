@@ -204,10 +204,10 @@ def cmd_eval(args) -> int:
 
 def cmd_bench(args) -> int:
     from .suite import report, speed
-    from .suite.run import type_pairs
+    from .suite.settings import parse_settings
     name, src = _suite_model(args)
     out, _ = _suite_dirs(args)
-    store = speed.run(src, type_pairs(args.types), out / f"bench_{name}.json",
+    store = speed.run(src, parse_settings(args.types), out / f"bench_{name}.json",
                       depths=[int(d) for d in args.depths.split(",")], pp=args.pp, tg=args.tg,
                       threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     print("\n".join(report.speed_md({"meta": store.meta, "rows": store.rows}, name, None)))
@@ -216,11 +216,12 @@ def cmd_bench(args) -> int:
 
 def cmd_passkey(args) -> int:
     from .suite import passkey, report
-    from .suite.run import default_lengths, type_pairs
+    from .suite.run import default_lengths
+    from .suite.settings import parse_settings
     name, src = _suite_model(args)
     out, _ = _suite_dirs(args)
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else default_lengths(src)
-    store = passkey.run(src, type_pairs(args.types), out / f"passkey_{name}.json", lengths=lengths,
+    store = passkey.run(src, parse_settings(args.types), out / f"passkey_{name}.json", lengths=lengths,
                         trials=args.trials)
     print("\n".join(report.passkey_md({"meta": store.meta, "rows": store.rows})))
     return 0

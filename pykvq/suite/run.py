@@ -33,12 +33,6 @@ MODEL_OVERRIDES = {
 }
 
 
-def type_pairs(spec: str) -> list:
-    """'f16,q8_0/q4_0,q4_0@prerope' -> suite Settings (cache types, and a converted file where a
-    transform is named), checked against the known types and transforms."""
-    return parse_settings(spec)
-
-
 def default_lengths(src: Path) -> list[int]:
     """1024, 2048, ... up to the model's training context."""
     from ..model import Model
@@ -73,9 +67,9 @@ def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, te
             quality.run(src, matrix(p["settings"]), out / f"eval_{name}.json", text=text, text_name=text_name,
                         n_ctx=p["n_ctx"], chunks=p["chunks"], progress=progress)
         if "bench" in parts:
-            speed.run(src, type_pairs(p["bench_types"]), out / f"bench_{name}.json", depths=p["depths"],
+            speed.run(src, parse_settings(p["bench_types"]), out / f"bench_{name}.json", depths=p["depths"],
                       pp=p["pp"], tg=p["tg"], threads=threads, n_gpu_layers=n_gpu_layers)
         if "passkey" in parts:
-            passkey.run(src, type_pairs(p["passkey_types"]), out / f"passkey_{name}.json",
+            passkey.run(src, parse_settings(p["passkey_types"]), out / f"passkey_{name}.json",
                         lengths=p["lengths"] or default_lengths(src), trials=p["trials"])
     return report.write(out, docs, readme=readme)

@@ -95,7 +95,7 @@ def parse_setting(spec: str) -> Setting:
         rotation, s = m.group(1), s[:m.start()]
     s, _, transform = s.partition("@")
     transform = transform or "none"
-    k, _, v = s.partition("/")
+    k, _, v = s.lower().partition("/")      # type names as cache_types.resolve takes them
     v = v or k
     if transform not in TRANSFORMS and not _KVBITS.match(transform):
         raise PykvqError(f"setting {spec!r}: unknown transform {transform!r} "

@@ -42,8 +42,8 @@ def peak_rss() -> int | None:
     return None
 
 
-def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, threads: int | None,
-            n_gpu_layers: int, rss_only: bool = False, rotation: str = "auto") -> dict:
+def measure(path: str, model_kwargs: dict, depths: list[int], pp: int, tg: int, threads: int | None,
+            n_gpu_layers: int, rss_only: bool = False) -> dict:
     """Tokens/s of pp@d and tg@d for every depth d (in this process); with rss_only, only the
     peak RSS of a context of the same size after a warm-up batch (the KV buffer is cleared at
     creation and the compute buffers reserved, so that is already the peak)."""
@@ -52,9 +52,7 @@ def measure(path: str, k: str, v: str, depths: list[int], pp: int, tg: int, thre
     from ..data import eval_text
     from ..model import Model
     n_ctx = max(depths) + pp + tg + 8
-    # "auto": the converted file's own (per-layer) types
-    m = Model(path, n_ctx=n_ctx, cache_type_k=None if k == "auto" else k, cache_type_v=None if v == "auto" else v,
-              flash_attn=True, n_threads=threads, n_gpu_layers=n_gpu_layers, attn_rot_k=rotation, attn_rot_v=rotation)
+    m = Model(path, n_ctx=n_ctx, flash_attn=True, n_threads=threads, n_gpu_layers=n_gpu_layers, **model_kwargs)
     text, _ = eval_text()
     toks = m.tokenize(text[:400_000], add_special=False)
     need = max(depths) + pp + tg
@@ -99,7 +97,7 @@ def run_child(args: dict, env: dict | None = None) -> dict:
     _, status, ru = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmark process for {args['k']}/{args['v']} failed (exit {proc.returncode})")
+        raise RuntimeError(f"benchmark process for {args['label']} failed (exit {proc.returncode})")
     res = json.loads(stdout.strip().splitlines()[-1])
     if res.get("peak_rss_bytes") is None:      # no /proc: ru_maxrss (may include the parent's at spawn)
         res["peak_rss_bytes"] = ru.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
@@ -127,7 +125,7 @@ def run(src: Path, settings: list, out: Path, *, depths: list[int], pp: int = 51
         path, _ = for_setting(src, s)
         _say(f"{label}: depths {','.join(map(str, config['depths']))}, pp{pp} / tg{tg} ...")
         t0 = time.time()
-        res = run_child({"path": str(path), "k": s.k, "v": s.v, "rotation": s.rotation, "depths": config["depths"],
+        res = run_child({"label": label, "path": str(path), "model_kwargs": s.model_kwargs(), "depths": config["depths"],
                          "pp": pp, "tg": tg, "threads": threads, "n_gpu_layers": n_gpu_layers}, env)
         res.update(label=label, k=s.k, v=s.v, transform=s.transform, seconds=round(time.time() - t0, 1))
         store.put(label, res)
@@ -149,5 +147,5 @@ def cpu_name() -> str:
 
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
-    print(json.dumps(measure(a["path"], a["k"], a["v"], a["depths"], a["pp"], a["tg"], a["threads"],
-                             a["n_gpu_layers"], a.get("rss_only", False), a.get("rotation", "auto"))))
+    print(json.dumps(measure(a["path"], a["model_kwargs"], a["depths"], a["pp"], a["tg"], a["threads"],
+                             a["n_gpu_layers"], a.get("rss_only", False))))
