@@ -279,8 +279,7 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);
             continue;
         }
-        llama_kvq_prerope_check_stats(ml.kvq_k_mean, ml.kvq_k_scale, il);
-        layer.k_mean  = ml.kvq_k_mean;
+        layer.k_mean  = ml.kvq_k_mean;     // their values were checked when the model loaded (llama_kvq_load_codebooks)
         layer.k_scale = ml.kvq_k_scale;
         ++n_prerope;
     }
