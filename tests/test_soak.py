@@ -19,7 +19,7 @@ import pytest
 from pykvq import Model
 from pykvq._lib import ffi
 from pykvq.errors import DecodeError
-from test_state import kld_rows, prerope_gguf
+from test_state import kld_rows
 
 N_SEQ = 4
 N_CTX = 1024          # non-unified: 256 cells per sequence
@@ -230,8 +230,8 @@ def run_soak(setting, unified, n_ops, seed, files, text):
 
 
 @pytest.fixture(scope="module")
-def files(smollm2, tmp_path_factory):
-    return {"smollm2": smollm2, "prerope": prerope_gguf(smollm2, tmp_path_factory)}
+def files(smollm2, smollm2_prerope):
+    return {"smollm2": smollm2, "prerope": smollm2_prerope}
 
 
 @pytest.fixture(scope="module")

@@ -49,22 +49,10 @@ def kld_rows(a: np.ndarray, b: np.ndarray) -> float:
     return float((np.exp(pa) * (pa - pb)).sum(axis=1).mean())
 
 
-def prerope_gguf(smollm2, tmp_path_factory) -> Path:
-    """SmolLM2 converted with --prerope-k, once per test session (this module and test_soak share it)."""
-    from test_convert import run_convert
-    out = tmp_path_factory.getbasetemp() / "shared-prerope" / "smol-prerope.gguf"
-    if not out.exists():
-        out.parent.mkdir(exist_ok=True)
-        tmp = out.with_suffix(".tmp.gguf")
-        run_convert(smollm2, "-o", tmp, "--prerope-k")
-        tmp.rename(out)
-    return out
-
-
 @pytest.fixture(scope="module")
-def files(smollm2, smollm2_codebooks, tmp_path_factory):
+def files(smollm2, smollm2_codebooks, smollm2_prerope, tmp_path_factory):
     d = tmp_path_factory.mktemp("state")
-    return {"smollm2": smollm2, "codebooks": smollm2_codebooks, "prerope": prerope_gguf(smollm2, tmp_path_factory),
+    return {"smollm2": smollm2, "codebooks": smollm2_codebooks, "prerope": smollm2_prerope,
             # the codebooks file's per-layer types without its codebooks: every nuq3 layer on the fallback
             "no_codebooks": variant(smollm2, d / "no-codebooks.gguf", layer_types_k=["q8_0"] + ["nuq3"] * 29,
                                     layer_types_v=["q8_0"] * 30, type_k="nuq3", type_v="q8_0", rot_k=True)}
