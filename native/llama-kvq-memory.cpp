@@ -3,6 +3,7 @@
 // setting, the pre-RoPE key domain, and the log line that says what a context's caches hold.
 // The methods are declared in src/llama-kv-cache.h (patches 0003, 0006, 0009); their bodies live here.
 #include "llama-kvq.h"
+#include "llama-kvq-keys.h"
 
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
@@ -248,12 +249,15 @@ void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem) 
 
 uint32_t llama_kv_cache::kvq_set_k_domain() {
     n_prerope = 0;
+    n_centred = 0;
     const char * env = getenv("PYKVQ_K_DOMAIN");
-    // auto: quantized K layers; post: none; pre: every layer, an f16 K cache too (for equivalence tests)
+    // auto: quantized K layers; post: none; pre: every layer, an f16 K cache too (for equivalence tests);
+    // centred: quantized K layers cached after RoPE, minus the file's mean rotated with them
     const bool force_post = env != nullptr && strcmp(env, "post") == 0;
     const bool force_pre  = env != nullptr && strcmp(env, "pre")  == 0;
-    if (env != nullptr && !force_post && !force_pre && strcmp(env, "auto") != 0) {
-        throw std::runtime_error(format("PYKVQ_K_DOMAIN = '%s': expected auto, post or pre", env));
+    const bool centred    = env != nullptr && strcmp(env, "centred") == 0;
+    if (env != nullptr && !force_post && !force_pre && !centred && strcmp(env, "auto") != 0) {
+        throw std::runtime_error(format("PYKVQ_K_DOMAIN = '%s': expected auto, post, pre or centred", env));
     }
     if (!model.kvq.k_prerope || other) {
         return 0;
@@ -261,6 +265,9 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
     if (force_post) {
         LLAMA_LOG_INFO("%s: pre-RoPE key cache off (PYKVQ_K_DOMAIN=post): keys are cached after RoPE\n", __func__);
         return 0;
+    }
+    if (centred) {
+        return kvq_set_centred();
     }
     const char * why_not = nullptr;
     for (auto & layer : layers) {
@@ -289,13 +296,64 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
     return n_prerope;
 }
 
+uint32_t llama_kv_cache::kvq_set_centred() {
+    const bool neox = llama_model_rope_type(&model) == LLAMA_ROPE_TYPE_NEOX;
+    // the file's scales are per-channel standard deviations with the default method (convert/prerope.py)
+    char method[32] = "";
+    llama_model_meta_val_str(&model, LLAMA_KVQ_KEY_CACHE_K_SCALE_METHOD, method, sizeof(method));
+    const bool std_scale = strcmp(method, "std") == 0;
+    int kept = 0, all = 0;
+    for (auto & layer : layers) {
+        const uint32_t il = layer.il;
+        const auto & ml = model.layers[il];
+        if (!ggml_is_quantized(layer.k->type)) {
+            continue;
+        }
+        const char * why = llama_kvq_prerope_unsupported(llama_model_rope_type(&model), hparams.has_rope(il), hparams.n_lora_kv > 0);
+        if (why == nullptr && ml.kvq_k_mean == nullptr) {
+            why = "the file lacks blk.N.kvq_k_mean";
+        }
+        if (why != nullptr) {
+            LLAMA_LOG_WARN("%s: layer %u keeps a plain post-RoPE K cache: %s\n", __func__, il, why);
+            continue;
+        }
+        const int64_t DK = ml.kvq_k_mean->ne[0], n_head_kv = ml.kvq_k_mean->ne[1];
+        layer.k_centre.resize(DK*n_head_kv);
+        ggml_backend_tensor_get(ml.kvq_k_mean, layer.k_centre.data(), 0, ggml_nbytes(ml.kvq_k_mean));
+        std::vector<float> var;
+        if (std_scale && ml.kvq_k_scale != nullptr) {
+            var.resize(DK*n_head_kv);
+            ggml_backend_tensor_get(ml.kvq_k_scale, var.data(), 0, ggml_nbytes(ml.kvq_k_scale));
+            for (float & x : var) {
+                x *= x;
+            }
+        }
+        kept += llama_kvq_centre_pairs(layer.k_centre, var, DK, n_head_kv, (int) hparams.n_rot(il), neox);
+        all  += (int) (n_head_kv*hparams.n_rot(il)/2);
+        ++n_centred;
+    }
+    LLAMA_LOG_INFO("%s: centred post-RoPE key cache in %u of %zu layers (PYKVQ_K_DOMAIN=centred: keys minus the file's "
+                   "kvq_k_mean rotated with them, %d of %d mean pairs kept%s; online Hadamard %s)\n", __func__, n_centred,
+                   layers.size(), kept, all, std_scale ? "" : " (no std scales in the file: every pair)", attn_rot_k ? "on" : "off");
+    return n_centred;
+}
+
+const std::vector<float> * llama_kv_cache::kvq_centred(int32_t il) const {
+    const auto & layer = layers[map_layer_ids.at(il)];
+    return layer.k_centre.empty() ? nullptr : &layer.k_centre;
+}
+
+const std::vector<float> * llama_kv_cache_context::kvq_centred(int32_t il) const {
+    return kv->kvq_centred(il);
+}
+
 std::pair<ggml_tensor *, ggml_tensor *> llama_kv_cache::kvq_prerope(int32_t il) const {
     const auto & layer = layers[map_layer_ids.at(il)];
     return { layer.k_mean, layer.k_scale };
 }
 
 ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_kv, const slot_info & sinfo) const {
-    if (n_prerope == 0) {
+    if (n_prerope == 0 && n_centred == 0) {
         return nullptr;
     }
     ggml_tensor * pos = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1);
@@ -343,8 +401,9 @@ void llama_kv_cache_context::set_input_k_pos(ggml_tensor * dst) const {
 // session states: what decodes a layer's bytes, in its type word
 //
 
-int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope, bool rot) {
-    int32_t word = (int32_t) type | (prerope ? LLAMA_KVQ_STATE_PREROPE : 0) | (rot ? LLAMA_KVQ_STATE_ROT : 0);
+int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain, bool rot) {
+    int32_t word = (int32_t) type | (k_domain == 1 ? LLAMA_KVQ_STATE_PREROPE : 0) | (k_domain == 2 ? LLAMA_KVQ_STATE_CENTRED : 0) |
+                   (rot ? LLAMA_KVQ_STATE_ROT : 0);
     if (cb != nullptr && llama_kvq_is_nuq(type)) {
         uint32_t h = 2166136261u; // FNV-1a over the codebook's entries
         for (int i = 0; i < llama_kvq_n_codes(type); ++i) {
@@ -370,9 +429,11 @@ std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which) {
                       "(-rot%c / attn_rot_%c)", which, (have & LLAMA_KVQ_STATE_ROT) ? "on" : "off",
                       (want & LLAMA_KVQ_STATE_ROT) ? "on" : "off", which == 'K' ? 'k' : 'v', which == 'K' ? 'k' : 'v');
     }
-    if ((have ^ want) & LLAMA_KVQ_STATE_PREROPE) {
-        return format("the state holds a %s-RoPE K cache, this context's is %s-RoPE (pykvq key domain)",
-                      (have & LLAMA_KVQ_STATE_PREROPE) ? "pre" : "post", (want & LLAMA_KVQ_STATE_PREROPE) ? "pre" : "post");
+    if ((have ^ want) & (LLAMA_KVQ_STATE_PREROPE | LLAMA_KVQ_STATE_CENTRED)) {
+        const auto domain = [](int32_t w) {
+            return (w & LLAMA_KVQ_STATE_PREROPE) ? "pre-RoPE" : (w & LLAMA_KVQ_STATE_CENTRED) ? "centred post-RoPE" : "post-RoPE";
+        };
+        return format("the state holds a %s K cache, this context's is %s (pykvq key domain)", domain(have), domain(want));
     }
     const int cb_have = (have >> LLAMA_KVQ_STATE_CB_SHIFT) & 0xff, cb_want = (want >> LLAMA_KVQ_STATE_CB_SHIFT) & 0xff;
     const auto cb_name = [](int f) { return f ? format("a file codebook (fingerprint %d)", f) : std::string("the fallback codebook"); };

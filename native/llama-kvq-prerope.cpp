@@ -8,7 +8,9 @@
 
 #include "ggml-backend.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -34,6 +36,11 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
 std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     const char * backend = reg ? ggml_backend_reg_name(reg) : "?";
+    const char * env = getenv("PYKVQ_K_DOMAIN");
+    if (env != nullptr && strcmp(env, "centred") == 0) {
+        return std::string("the centred key cache (PYKVQ_K_DOMAIN=centred) has CPU kernels only, not ") + backend + " (device " +
+               ggml_backend_dev_name(dev) + "): keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use PYKVQ_K_DOMAIN=pre";
+    }
     if (strcmp(backend, "CUDA") == 0) {
         return "";
     }
@@ -68,8 +75,8 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
     }
 }
 
-ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
-                                      llama_kvq_prerope_fa & fa, int il) {
+// fa's rotation (frequencies, n_dims, mode, mscale) from the model graph's K ROPE node; checks what a kernel needs
+static void kvq_rope_of(ggml_context * ctx, const ggml_tensor * k_rope, llama_kvq_prerope_fa & fa, int il) {
     if (k_rope->op != GGML_OP_ROPE) {
         throw std::runtime_error(kvq_layer(il) + "the model graph's K is not the output of a ROPE op (" +
                                  ggml_op_name(k_rope->op) + "); this architecture needs the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
@@ -86,13 +93,8 @@ ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, 
     if (mode != GGML_ROPE_TYPE_NORMAL && mode != GGML_ROPE_TYPE_NEOX) {
         throw std::runtime_error(kvq_layer(il) + "RoPE mode " + std::to_string(mode) + " is not supported (NORM and NEOX are)");
     }
-    ggml_tensor * k_pre = k_rope->src[0];                      // [DK, n_head_kv, n_tokens]
+    const ggml_tensor * k_pre = k_rope->src[0];                // [DK, n_head_kv, n_tokens]
     const int64_t DK = k_pre->ne[0], n_head_kv = k_pre->ne[1];
-    if (mean->ne[0] != DK || mean->ne[1] != n_head_kv || !ggml_are_same_shape(mean, scale) ||
-        mean->type != GGML_TYPE_F32 || scale->type != GGML_TYPE_F32) {
-        throw std::runtime_error(kvq_layer(il) + "blk." + std::to_string(il) + ".kvq_k_mean / kvq_k_scale must be F32 [" +
-                                 std::to_string(DK) + ", " + std::to_string(n_head_kv) + "]");
-    }
     if (n_dims <= 0 || n_dims > DK || n_dims % 2 != 0) {
         throw std::runtime_error(kvq_layer(il) + "RoPE over " + std::to_string(n_dims) + " of " + std::to_string(DK) + " channels");
     }
@@ -117,11 +119,23 @@ ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, 
                                     ff ? ffh.data() : nullptr, ff_cols, (int) n_head_kv, fa.freqs_host.data());
     fa.n_dims = n_dims;
     fa.mode   = mode;
-    fa.mean   = mean;
-    fa.scale  = scale;
     fa.freqs  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_dims/2, n_head_kv);
     ggml_format_name(fa.freqs, "kvq_rope_freqs-%d", il);
     ggml_set_input(fa.freqs);
+}
+
+ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
+                                      llama_kvq_prerope_fa & fa, int il) {
+    kvq_rope_of(ctx, k_rope, fa, il);
+    ggml_tensor * k_pre = k_rope->src[0];
+    const int64_t DK = k_pre->ne[0], n_head_kv = k_pre->ne[1];
+    if (mean->ne[0] != DK || mean->ne[1] != n_head_kv || !ggml_are_same_shape(mean, scale) ||
+        mean->type != GGML_TYPE_F32 || scale->type != GGML_TYPE_F32) {
+        throw std::runtime_error(kvq_layer(il) + "blk." + std::to_string(il) + ".kvq_k_mean / kvq_k_scale must be F32 [" +
+                                 std::to_string(DK) + ", " + std::to_string(n_head_kv) + "]");
+    }
+    fa.mean  = mean;
+    fa.scale = scale;
 
     // what the cache stores: (k - mean) / scale, before RoPE
     ggml_tensor * c = ggml_div(ctx, ggml_sub(ctx, k_pre, mean), scale);
@@ -129,9 +143,78 @@ ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, 
     return c;
 }
 
+ggml_tensor * llama_kvq_centred_store(ggml_context * ctx, ggml_tensor * k_rope, const std::vector<float> & centre,
+                                      llama_kvq_prerope_fa & fa, int il) {
+    kvq_rope_of(ctx, k_rope, fa, il);
+    ggml_tensor * k_pre = k_rope->src[0];
+    const int64_t DK = k_pre->ne[0], n_head_kv = k_pre->ne[1];
+    if ((int64_t) centre.size() != DK*n_head_kv) {
+        throw std::runtime_error(kvq_layer(il) + "the centred cache's mean has " + std::to_string(centre.size()) +
+                                 " values for K [" + std::to_string(DK) + ", " + std::to_string(n_head_kv) + "]");
+    }
+    fa.centred = true;
+    fa.mean = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, DK, n_head_kv);
+    ggml_format_name(fa.mean, "kvq_k_centre-%d", il);
+    ggml_set_input(fa.mean);
+
+    // what the cache stores: the model's own RoPE of k - centre (RoPE is linear: R(p)k - R(p)centre)
+    const int32_t * p = k_rope->op_params;
+    float fp[6];
+    memcpy(fp, p + 5, sizeof(fp));
+    ggml_tensor * c = ggml_rope_ext(ctx, ggml_sub(ctx, k_pre, fa.mean), k_rope->src[1], k_rope->src[2], p[1], p[2], p[4],
+                                    fp[0], fp[1], fp[2], fp[3], fp[4], fp[5]);
+    ggml_format_name(c, "k_centred-%d", il);
+    return c;
+}
+
+int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> & var, int64_t DK, int64_t n_head_kv,
+                           int n_dims, bool neox) {
+    // PYKVQ_K_CENTRE_RESIDUAL (>= 0) trades the mean's scores (2 FMAs per kept pair, row and key) for quality
+    const char * env = getenv("PYKVQ_K_CENTRE_RESIDUAL");
+    const double tau = env ? atof(env) : LLAMA_KVQ_CENTRE_RESIDUAL;
+    if (!(tau >= 0.0 && tau < 1e30)) {
+        throw std::runtime_error(std::string("PYKVQ_K_CENTRE_RESIDUAL = '") + env + "': expected a number >= 0");
+    }
+    int kept = 0;
+    for (int64_t h = 0; h < n_head_kv; ++h) {
+        float * m = mean.data() + h*DK;
+        const auto pair = [&](int i) { return neox ? std::pair<int, int>{i, i + n_dims/2} : std::pair<int, int>{2*i, 2*i + 1}; };
+        std::vector<std::pair<double, int>> e(n_dims/2);
+        double left = 0.0, v = 0.0;
+        for (int i = 0; i < n_dims/2; ++i) {
+            const auto [a, b] = pair(i);
+            e[i] = { (double) m[a]*m[a] + (double) m[b]*m[b], i };
+            left += e[i].first;
+        }
+        for (int64_t d = 0; d < DK && !var.empty(); ++d) {
+            v += var[h*DK + d];
+        }
+        // without variances (a scale method other than std) every pair with a mean is kept
+        const double allowed = var.empty() ? 0.0 : tau*v;
+        std::sort(e.begin(), e.end(), [](const auto & x, const auto & y) { return x.first > y.first; });
+        for (const auto & [en, i] : e) {
+            if (left <= allowed || en == 0.0) {
+                const auto [a, b] = pair(i);
+                m[a] = m[b] = 0.0f;
+                continue;
+            }
+            left -= en;
+            ++kept;
+        }
+        for (int64_t d = n_dims; d < DK; ++d) {   // channels past the rotary ones: no rotation, no mean kept
+            m[d] = 0.0f;
+        }
+    }
+    return kept;
+}
+
 void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h) {
     if (fa_node == nullptr || fa_node->op != GGML_OP_FLASH_ATTN_EXT) {
         throw std::runtime_error("a pre-RoPE key cache needs flash attention (-fa on), or the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
     }
-    ggml_kvq_fa_set_prerope(fa_node, pos, fa.mean, fa.scale, fa.freqs, fa.n_dims, fa.mode, fa.mscale, n_rot_h);
+    if (fa.centred) {
+        ggml_kvq_fa_set_centred(fa_node, pos, fa.mean, fa.freqs, fa.n_dims, fa.mode, fa.mscale, n_rot_h);
+    } else {
+        ggml_kvq_fa_set_prerope(fa_node, pos, fa.mean, fa.scale, fa.freqs, fa.n_dims, fa.mode, fa.mscale, n_rot_h);
+    }
 }

@@ -34,6 +34,24 @@ void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, 
     memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG + 1, &mscale, sizeof(mscale));
 }
 
+void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
+                             struct ggml_tensor * freqs, int n_dims, int mode, float mscale, int n_rot_h) {
+    ggml_kvq_fa_set_prerope(fa, pos, mean, mean, freqs, n_dims, mode, mscale, n_rot_h);
+    int32_t tag;
+    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    tag |= GGML_KVQ_PREROPE_CENTRED;
+    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG, &tag, sizeof(tag));
+}
+
+bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa) {
+    if (!ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, NULL)) {
+        return false;
+    }
+    int32_t tag;
+    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    return (tag & GGML_KVQ_PREROPE_CENTRED) != 0;
+}
+
 bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h) {
     if (fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[5] == NULL) {
         return false;
@@ -44,7 +62,7 @@ bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * 
         return false;
     }
     const int lg = (tag >> 20) & 0xF;
-    if (n_dims)  { *n_dims  = tag & 0xFFFF; }
+    if (n_dims)  { *n_dims  = tag & 0x7FFF; }
     if (mode)    { *mode    = (tag >> 16) & 0xF; }
     if (n_rot_h) { *n_rot_h = lg ? 1 << lg : 0; }
     if (mscale) { memcpy(mscale, fa->op_params + GGML_KVQ_PREROPE_TAG + 1, sizeof(float)); }

@@ -7,6 +7,8 @@ sequences and state. Generation (pykvq/generation.py) and quality against a base
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,28 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
+# k_domain= of Model: what PYKVQ_K_DOMAIN says for that one context (None: the environment's)
+K_DOMAINS = (None, "auto", "post", "pre", "centred")
+_K_DOMAIN_LOCK = threading.Lock()
+
+
+@contextmanager
+def _k_domain_env(value: str | None):
+    if value is None:
+        yield
+        return
+    with _K_DOMAIN_LOCK:
+        old = os.environ.get("PYKVQ_K_DOMAIN")
+        os.environ["PYKVQ_K_DOMAIN"] = value
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("PYKVQ_K_DOMAIN", None)
+            else:
+                os.environ["PYKVQ_K_DOMAIN"] = old
+
+
 class Model(Generation, Evaluation):
     """A GGUF model with a llama.cpp context.
 
@@ -55,6 +79,9 @@ class Model(Generation, Evaluation):
     n_seq_max: number of sequences the cache holds (seq_cp needs 2 or more).
     kv_unified: one cache buffer shared by all sequences (llama.cpp's kv_unified); False gives each
     sequence a stream of its own, n_ctx / n_seq_max cells.
+    k_domain: where a file converted with --prerope-k has its quantized keys cached (PYKVQ_K_DOMAIN for
+    this context): None/"auto" as the file asks (pre-RoPE), "post" plain post-RoPE, "centred" post-RoPE
+    minus the file's mean rotated with them (CPU only; docs/prerope.md), "pre" every layer pre-RoPE.
 
     Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
     save_logits / kl_divergence (pykvq/evaluation.py).
@@ -65,7 +92,10 @@ class Model(Generation, Evaluation):
                  flash_attn: bool | str | None = None, n_gpu_layers: int = 0, seed: int = 0,
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
-                 n_seq_max: int = 1, kv_unified: bool = False):
+                 n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None):
+        if k_domain not in K_DOMAINS:
+            raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
+        self._k_domain_env = k_domain
         if path is None:
             from .registry import default_model_path
             path = default_model_path()
@@ -143,7 +173,8 @@ class Model(Generation, Evaluation):
         cp.type_v = type_v if cache_type_v else KV_CACHE_TYPE_MODEL
         cp.no_perf = True
         log.clear()
-        self._ctx = L.llama_kvq_init_from_model(self._model, cp, rot_k, rot_v)
+        with _k_domain_env(k_domain):     # the runtime reads PYKVQ_K_DOMAIN when it makes the context
+            self._ctx = L.llama_kvq_init_from_model(self._model, cp, rot_k, rot_v)
         if self._ctx == ffi.NULL:
             self.close()
             raise CacheTypeError(
@@ -234,10 +265,12 @@ class Model(Generation, Evaluation):
     @property
     def k_domain(self) -> str:
         """'pre-RoPE' when the file asks for a pre-RoPE key cache and PYKVQ_K_DOMAIN does not say post
-        (the runtime applies it to quantized K layers of plain KV caches), else 'post-RoPE'."""
-        if self.meta(Keys.Cache.K_DOMAIN) != Values.K_DOMAIN_PREROPE or os.environ.get("PYKVQ_K_DOMAIN") == "post":
+        (the runtime applies it to quantized K layers of plain KV caches), 'centred post-RoPE' with
+        PYKVQ_K_DOMAIN=centred (the same file's mean taken off post-RoPE keys), else 'post-RoPE'."""
+        env = self._k_domain_env or os.environ.get("PYKVQ_K_DOMAIN")
+        if self.meta(Keys.Cache.K_DOMAIN) != Values.K_DOMAIN_PREROPE or env == "post":
             return "post-RoPE"
-        return "pre-RoPE"
+        return "centred post-RoPE" if env == "centred" else "pre-RoPE"
 
     def transforms(self) -> str:
         """The transforms active on the KV cache, in words (for logs)."""

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Flash attention alone (one FLASH_ATTN_EXT node on the CPU backend): decode time per call for a
-post-RoPE and a pre-RoPE K cache of the same type, and f16, at one depth. An op-level companion to
+post-RoPE, a pre-RoPE and a centred post-RoPE K cache of the same type, and f16, at one depth. An op-level companion to
 llama-bench (scripts/fattn_results.py) for kernel work: no model, so runs in seconds.
 
-    python scripts/fa_op_bench.py [--n-kv 8192] [--shape smollm2|qwen] [--types q4_0,nuq4] [--reps 50]
+    python scripts/fa_op_bench.py [--n-kv 8192] [--shape smollm2|qwen] [--types q4_0,nuq4] [--reps 50] [--centre-pairs 12]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from test_fattn import cache_like, fa_node, quantize  # noqa: E402
 SHAPES = {"smollm2": dict(D=64, H=9, Hkv=3), "qwen": dict(D=128, H=12, Hkv=2)}
 
 
-def time_fa(kt, vt, *, pre, D, H, Hkv, n_kv, reps, threads, rot):
+def time_fa(kt, vt, *, pre, D, H, Hkv, n_kv, reps, threads, rot, centred=0):
     rng = np.random.default_rng(0)
     Q = rng.standard_normal((1, H, 1, D)).astype(np.float32)
     kb, _ = quantize(kt, cache_like(rng, 1, Hkv, n_kv, D))
@@ -33,12 +33,20 @@ def time_fa(kt, vt, *, pre, D, H, Hkv, n_kv, reps, threads, rot):
     g = Graph(64 << 20)
     try:
         fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, np.zeros((1, 1, n_kv), np.float32), 1.0 / np.sqrt(D))
-        if pre:
-            w, _ = prerope.rope_freqs(D, 10000.0, n_cols=Hkv)
-            g.L.ggml_kvq_fa_set_prerope(fa, g.tensor("i32", n_kv, 1, data=np.arange(n_kv, dtype=np.int32)),
-                                        g.tensor("f32", D, Hkv, data=np.zeros((Hkv, D), np.float32)),
-                                        g.tensor("f32", D, Hkv, data=np.ones((Hkv, D), np.float32)),
-                                        g.tensor("f32", D // 2, Hkv, data=w.astype(np.float32)), D, 2, 1.0, rot)
+        # the same tensors in every mode, attached or not: the work buffer then lies at the same address
+        # (a different layout alone moved the post-RoPE time by 10%)
+        w, _ = prerope.rope_freqs(D, 10000.0, n_cols=Hkv)
+        mean = np.zeros((Hkv, D), np.float32)
+        if centred:     # the first `centred` pairs of each head carry a mean (the runtime keeps about a third)
+            mean[:, :2 * centred] = 1.0
+        pos = g.tensor("i32", n_kv, 1, data=np.arange(n_kv, dtype=np.int32))
+        mt = g.tensor("f32", D, Hkv, data=mean)
+        st = g.tensor("f32", D, Hkv, data=np.ones((Hkv, D), np.float32))
+        wt = g.tensor("f32", D // 2, Hkv, data=w.astype(np.float32))
+        if centred:
+            g.L.ggml_kvq_fa_set_centred(fa, pos, mt, wt, D, 0, 1.0, rot)
+        elif pre:
+            g.L.ggml_kvq_fa_set_prerope(fa, pos, mt, st, wt, D, 2, 1.0, rot)
         g.L.ggml_build_forward_expand(g.gf, fa)
         # one thread: CPU time of this thread (robust when other jobs share the cores); else wall time
         clock = time.thread_time if threads == 1 else time.perf_counter
@@ -60,17 +68,20 @@ def main() -> None:
     ap.add_argument("--types", default="q4_0,nuq4")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1, help="1 (default): timed by thread CPU time")
+    ap.add_argument("--centre-pairs", type=int, default=12, help="pairs per head with a mean, centred cache")
     args = ap.parse_args()
     sh = SHAPES[args.shape]
     kw = dict(n_kv=args.n_kv, reps=args.reps, threads=args.threads, **sh)
     f16 = time_fa("f16", "f16", pre=False, rot=0, **kw)
     print(f"shape {args.shape} {sh}, n_kv {args.n_kv}, {args.threads} thread(s); us per FA call")
-    print(f"{'f16':>8} {'post':>10} {'pre':>10} {'pre+H':>10}  pre+H/post  pre+H/f16")
+    print(f"{'':>8} {'post':>10} {'pre':>10} {'pre+H':>10} {'centred+H':>10}  pre+H/post  centred+H/post  centred+H/f16")
     for t in args.types.split(","):
         post = time_fa(t, t, pre=False, rot=0, **kw)
         pre = time_fa(t, t, pre=True, rot=0, **kw)
         preh = time_fa(t, t, pre=True, rot=64, **kw)
-        print(f"{t:>8} {post*1e6:10.1f} {pre*1e6:10.1f} {preh*1e6:10.1f}  {post/preh:9.2f}x {f16/preh:9.2f}x")
+        cen = time_fa(t, t, pre=True, rot=64, centred=args.centre_pairs, **kw)
+        print(f"{t:>8} {post*1e6:10.1f} {pre*1e6:10.1f} {preh*1e6:10.1f} {cen*1e6:10.1f}  {post/preh:9.2f}x "
+              f"{post/cen:14.2f}x {f16/cen:14.2f}x")
     print(f"(f16: {f16*1e6:.1f} us)")
 
 

@@ -212,6 +212,38 @@ def main(argv=None) -> int:
             return y + m
         return fn
 
+    # centred post-RoPE (PYKVQ_K_DOMAIN=centred): quantize H R(p)(k - m_S), m_S = the mean's top-k pairs per head
+    # by energy (NORM pairs 2j, 2j+1); the windows start at position 0
+    theta = g.freq_base ** (-2.0 * np.arange(hd // 2) / g.n_rot)
+    if g.rope_freqs is not None:
+        theta = theta / g.rope_freqs
+
+    def rope_mean(m, n_tok):
+        ang = np.arange(n_tok)[:, None] * theta[None]
+        c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
+        out = np.empty((n_tok,) + m.shape)
+        out[..., 0::2] = m[None, :, 0::2] * c - m[None, :, 1::2] * s
+        out[..., 1::2] = m[None, :, 0::2] * s + m[None, :, 1::2] * c
+        return out.astype(np.float32)
+
+    def top_pairs(m, k):
+        if k is None:
+            return m
+        e = m[:, 0::2] ** 2 + m[:, 1::2] ** 2
+        keep = np.zeros_like(e, bool)
+        np.put_along_axis(keep, np.argsort(-e, axis=1)[:, :k], True, 1)
+        out = np.zeros_like(m)
+        out[:, 0::2], out[:, 1::2] = np.where(keep, m[:, 0::2], 0), np.where(keep, m[:, 1::2], 0)
+        return out
+
+    def centred(qtype, k_pairs=None):
+        ms = [top_pairs(stats["one"][i][0].astype(np.float64), k_pairs) for i in range(n_layer)]
+
+        def fn(i, x):
+            r = rope_mean(ms[i], x.shape[0])
+            return rot(fq(rot(x - r, 64), qtype), 64) + r
+        return fn
+
     # NUQ codebooks fitted as the converter fits them (Fisher + Q-Norm) in each domain
     def fit_cbs(dom, qtype="nuq4"):
         out = []
@@ -249,6 +281,16 @@ def main(argv=None) -> int:
          dict(k_pre=pre("q4_0", "std", 64))),
         ("K", "pre-RoPE q4_0, (x - mean) / max |x - mean|, 64-wide Hadamard (not in the contract)", 4.5,
          dict(k_pre=pre("q4_0", "absmax", 64))),
+        ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, every pair", 4.5,
+         dict(k_post=centred("q4_0"))),
+        ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top 8 pairs per head", 4.5,
+         dict(k_post=centred("q4_0", 8))),
+        ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top 4 pairs per head", 4.5,
+         dict(k_post=centred("q4_0", 4))),
+        ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top 2 pairs per head", 4.5,
+         dict(k_post=centred("q4_0", 2))),
+        ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top pair per head", 4.5,
+         dict(k_post=centred("q4_0", 1))),
         ("K", "post-RoPE nuq4 + online Hadamard, fallback codebook", 4.5, dict(k_post=post("nuq4", 64))),
         ("K", "post-RoPE nuq4 + online Hadamard, Fisher codebook (converter today)", 4.5,
          dict(k_post=post("nuq4", 64, cb_post))),

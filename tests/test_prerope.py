@@ -124,12 +124,83 @@ def test_prefill_partial_rotary_per_head_freqs(mode):
     assert rel_err(out, ref) < 3e-4
 
 
+def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
+                   rot=0, seed=0, start=None):
+    """FA over a centred post-RoPE cache (ggml_kvq_fa_set_centred) against attention over H R(p)k rebuilt in
+    float64 (prerope.centred): the stored rows plus the mean's kept pairs rotated at each cell's position."""
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
+    mean = (rng.standard_normal((Hkv, D)) * 20).astype(np.float32)
+    a, b = prerope.pair_index(n_dims, mode)
+    drop = rng.random((Hkv, n_dims // 2)) < 0.6          # the pairs the runtime would not keep
+    for h in range(Hkv):
+        mean[h, a[drop[h]]] = mean[h, b[drop[h]]] = 0.0
+    mean[:, n_dims:] = 0.0
+    C = cache_like(rng, S, Hkv, n_kv, D)
+    kb, Cd = quantize(kt, C, None)
+    vb, Vd = quantize(vt, cache_like(rng, S, Hkv, n_kv, D), None)
+    pos = np.arange(n_kv, dtype=np.int32) + 7
+    if start is None:
+        pos[100:] += 50
+        pos[200:230] -= 300
+        pos[250] = 3
+    else:
+        pos += start - 7
+    pos = np.stack([pos + 1000 * s for s in range(S)])
+    ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
+    w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
+    w = w.astype(np.float32)
+    mask = np.zeros((S, N, n_kv), np.float32)
+    mask[:, :, 5] = -np.inf
+    g = Graph(256 << 20)
+    try:
+        fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, 1.0 / np.sqrt(D))
+        g.L.ggml_kvq_fa_set_centred(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
+                                    g.tensor("f32", n_dims // 2, Hkv, data=w), n_dims, mode, mscale, rot)
+        assert g.L.ggml_kvq_fa_is_centred(fa)
+        g.compute(fa, n_threads=2)
+        out = g.f32(fa).reshape(S, N, H, D)
+    finally:
+        g.close()
+    K = np.stack([prerope.centred(Cd[s].transpose(1, 0, 2), mean, pos[s], w.astype(np.float64), mode, n_dims,
+                                  mscale, rot).transpose(1, 0, 2) for s in range(S)])
+    return out, attention_ref(Q.transpose(0, 2, 1, 3), K, Vd, mask, 1.0 / np.sqrt(D))
+
+
+@pytest.mark.parametrize("kt,vt", [("q4_0", "q4_0"), ("nuq4", "q8_0"), ("f16", "f16")])
+@pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
+@pytest.mark.parametrize("rot", [0, 64])
+def test_centred_decode_matches_reference(kt, vt, mode, rot):
+    """Centred post-RoPE K, one query over cells with gaps, a shifted block and an out-of-order cell
+    (exact cos/sin per key in such tiles)."""
+    out, ref = run_centred_fa(kt, vt, mode=mode, n_dims=64, rot=rot)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("D,n_dims,rot,mode", [(64, 64, 64, prerope.NORM), (128, 128, 128, prerope.NEOX),
+                                               (128, 96, 32, prerope.NORM), (64, 40, 0, prerope.NEOX)])
+def test_centred_consecutive_tiles(D, n_dims, rot, mode):
+    """Decode over 1500 consecutive cells from position 20000: the coefficients turned by each tile's
+    position (advanced tile to tile, re-anchored every 16 tiles), cos/sin of the offsets from a table;
+    per-head frequencies, mscale, partial rotary."""
+    out, ref = run_centred_fa("q4_0", "q8_0", mode=mode, n_dims=n_dims, D=D, N=3, n_kv=1500, mscale=1.1,
+                              per_head=True, rot=rot, start=20000)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_centred_prefill():
+    """40 query tokens (the GEMM path), 2 streams, head size 128, 96 rotary channels, per-head frequencies."""
+    out, ref = run_centred_fa("q8_0", "q4_0", mode=prerope.NEOX, n_dims=96, D=128, N=40, n_kv=260, H=8, Hkv=2, S=2,
+                              mscale=1.2, per_head=True, rot=32)
+    assert rel_err(out, ref) < 3e-4
+
+
 # ---- the runtime on the real model -------------------------------------------------------------
 import os  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
 from pykvq import Model  # noqa: E402
-from pykvq.errors import PykvqError  # noqa: E402
+from pykvq.errors import DecodeError, PykvqError  # noqa: E402
 from pykvq.eval import log_softmax  # noqa: E402
 from pykvq.keys import Tensors  # noqa: E402
 
@@ -161,10 +232,12 @@ def test_runtime_quality_beats_post_rope(smol_pre, f16_model, wikitext):
     """4-bit keys (V f16) on WikiText-2: the converted file's pre-RoPE centred cache against the same
     type after RoPE with upstream's Hadamard, KLD vs an f16 cache. Measured 0.025 vs 0.040 (16 chunks)."""
     kld = {}
-    for dom in ("post", "auto"):
+    for dom in ("post", "auto", "centred"):
         with k_domain(dom), Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True) as m:
             kld[dom] = m.kl_divergence(wikitext, baseline=f16_model, n_chunks=4, progress=False).mean_kld
     assert kld["auto"] < 0.8 * kld["post"], kld
+    # the same file's mean taken off post-RoPE keys (PYKVQ_K_DOMAIN=centred): measured 0.025 (16 chunks)
+    assert kld["centred"] < 0.8 * kld["post"], kld
 
 
 def test_f32_cache_equals_post_rope(smol_pre, passage):
@@ -206,6 +279,35 @@ def test_k_shift_is_free(smol_pre, passage):
     pre = _shift_moves(smol_pre, "auto", "q4_0", passage)
     post = _shift_moves(smol_pre, "post", "q4_0", passage)
     assert pre < 0.6 * post and pre < 2.5 * f16, (f16, pre, post)
+
+
+def test_centred_k_shift(smol_pre, passage):
+    """A centred post-RoPE cache is shifted by upstream's K-shift (dequantize, rotate, requantize R(p)(k - mean)),
+    the mean's scores then taken at the new positions. With q8_0 keys (requantization nearly exact) a shift moves
+    the next token as little as an f16 cache's does: the rotation and the positions agree. Measured (KLD summed
+    over shifts of 1 and 300): f16 0.0047, post-RoPE q8_0 0.0062, centred q8_0 0.0046; at 4 bits the requantization
+    shows, as in any post-RoPE cache: post-RoPE q4_0 0.028, centred q4_0 0.051 (pre-RoPE q4_0: 0.002, no
+    requantization). A wrong rotation or stale positions give KLD > 1."""
+    f16 = _shift_moves(smol_pre, "post", "f16", passage)
+    q8 = _shift_moves(smol_pre, "centred", "q8_0", passage)
+    q4 = _shift_moves(smol_pre, "centred", "q4_0", passage)
+    assert q8 < 2 * f16 + 0.005, (q8, f16)
+    assert q4 < 0.2, q4
+
+
+def test_centred_state_is_refused_by_other_domains(smol_pre, passage):
+    """A state saved by a centred context (Model(k_domain="centred"): PYKVQ_K_DOMAIN for that context only) is
+    refused by pre-RoPE and post-RoPE contexts, naming both domains."""
+    with Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain="centred") as m:
+        assert m.k_domain == "centred post-RoPE" and "PYKVQ_K_DOMAIN" not in os.environ
+        m.decode(m.tokenize(passage)[:20], 0)
+        state = m.get_state()
+    with pytest.raises(ValueError, match="k_domain must be one of"):
+        Model(smol_pre, k_domain="sideways")
+    for dom, name in (("auto", "pre-RoPE"), ("post", "post-RoPE")):
+        with k_domain(dom), Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True) as m:
+            with pytest.raises(DecodeError, match=f"the state holds a centred post-RoPE K cache, this context's is {name}"):
+                m.set_state(state)
 
 
 def test_flash_attention_off_is_refused(smol_pre):

@@ -242,11 +242,18 @@ def text(smollm2, wikitext):
 
 def assert_within(stats, setting):
     plain = np.array(stats["plain"])
-    # unshifted: the same tokens as an isolated run, their K/V computed in other batch shapes. Measured (q4_0,
-    # split streams, seed 0): KLD mean 0.014, max 0.048, top-1 the same in 94% of checks, against the type's own
-    # 0.055 from f16; more than float reordering alone gives a single sequence (seq_rm_tail in test_state: < 1e-4)
-    assert plain[:, 0].mean() < 0.03 and plain[:, 0].max() < 0.1, (plain[:, 0].mean(), plain[:, 0].max())
-    assert plain[:, 3].mean() > 0.85
+    # Unshifted: the same tokens as an isolated run, their K/V computed in other batch shapes. Float rounding then
+    # flips some 4-bit quantization steps, so the soak is another quantization of the same history: its distance
+    # from the isolated run is bounded by the type's own error vs f16 on the same histories, not by float noise
+    # (a single sequence re-decoded in the same shapes: < 1e-4, test_state). Long soaks (400 ops, seeds 1-2,
+    # 4 settings x unified/split, 217-324 checks each) measured the mean at 0.39-0.64x the type's own mean and
+    # the 95th percentile at 0.03-0.18 against own 99th percentiles of 0.18-1.2; single checks reach the type's
+    # own worst (nuq4: 2.5 vs 2.6), so no bound is put on the maximum. Reading another sequence's cells or a
+    # stale cell gives KLD ~1-10 on most checks: far outside both bounds.
+    assert plain[:, 0].mean() < plain[:, 1].mean(), (plain[:, 0].mean(), plain[:, 1].mean())
+    assert np.percentile(plain[:, 0], 95) < np.percentile(plain[:, 1], 99), \
+        (np.percentile(plain[:, 0], 95), np.percentile(plain[:, 1], 99))
+    assert plain[:, 3].mean() > 0.8
     # against f16: as far as the type itself is on the same histories
     assert plain[:, 2].mean() < 1.2 * plain[:, 1].mean() + 0.002, (plain[:, 2].mean(), plain[:, 1].mean())
     if stats["shifted"]:

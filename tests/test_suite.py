@@ -26,6 +26,8 @@ from pykvq.suite.store import ResultStore
     ("q4_0:rot-off", "q4_0:rot-off", None, None),
     ("q4_0@prerope", "q4_0@prerope", "prerope+cb-q4_0", ["--prerope-k", "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"]),
     ("auto@prerope+kvbits-4.5", "auto@prerope+kvbits-4.5", "prerope-mixed-4.5", ["--prerope-k", "--kv-bits", "4.5"]),
+    ("q4_0@prerope:rot-off:centred", "q4_0@prerope:rot-off:centred", "prerope+cb-q4_0",
+     ["--prerope-k", "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"]),
 ])
 def test_setting_syntax_round_trips(spec, label, variant, flags):
     s = parse_setting(spec)
@@ -41,6 +43,8 @@ def test_setting_model_kwargs_and_stock_flag():
     assert parse_setting("auto@kvbits-2.75").model_kwargs()["cache_type_k"] is None
     assert parse_setting("q8_0/q4_0").stock and not parse_setting("nuq4").stock
     assert not parse_setting("q4_0@smooth+vrot").stock
+    assert parse_setting("q4_0@prerope:centred").model_kwargs()["k_domain"] == "centred"
+    assert "k_domain" not in parse_setting("q4_0@prerope").model_kwargs()
 
 
 @pytest.mark.parametrize("spec,msg", [
@@ -49,6 +53,7 @@ def test_setting_model_kwargs_and_stock_flag():
     ("auto", "'auto' types need a per-layer conversion"),
     ("q4_0@fisher", "Fisher codebooks need a nuq type"),
     ("f16:rot-on", "rotation applies to quantized caches only"),
+    ("q4_0:centred", "':centred' needs a file with pre-RoPE statistics"),
 ])
 def test_bad_settings_are_clear_errors(spec, msg):
     with pytest.raises(PykvqError, match=msg):

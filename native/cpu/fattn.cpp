@@ -82,7 +82,8 @@ fa_plan fa_make_plan(const ggml_tensor * dst, int nth) {
     // Q, K tile, K tile transposed, V tile, S/P, O, max, sum and ALiBi slope per row, mask rows per token,
     // pre-RoPE K: cos, sin, cos(w), sin(w) and the effective scale per channel, Q turned back by a tile's position
     p.scratch = p.R*p.DK + FA_TILE_KV*p.DK*2 + FA_TILE_KV*p.DV + p.R*FA_TILE_KV + p.R*p.DV + 3*p.R
-              + p.TQ*FA_TILE_KV + 5*p.DK + p.R*p.DK + FA_PAD;
+              + p.TQ*FA_TILE_KV + 5*p.DK + p.R*p.DK + FA_PAD
+              + FA_TILE_KV*p.DK + p.R*p.DK;     // centred K: exact cos/sin of a tile's keys, coefficients per row
     p.partials = p.n_chunks > 1 ? (size_t) (p.n_units*p.n_chunks*p.R*(2 + p.DV)) : 0;
     return p;
 }
@@ -304,6 +305,7 @@ inline float fa_max(const float * x, int64_t n) {
 // consecutive (the common case), recomputed exactly at a tile's start and after any jump.
 struct fa_prerope {
     bool on = false;
+    bool centred = false;            // K is H R(p)(k - mean): post-RoPE, plus q·R(p)mean per score (fa_centred)
     int  n_dims = 0;
     bool neox = false;
     float mscale = 1.0f;
@@ -320,6 +322,7 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
         return pr;
     }
     pr.on    = true;
+    pr.centred = ggml_kvq_fa_is_centred(dst);
     pr.neox  = mode == 2;
     pr.pos   = (const int32_t *) dst->src[5]->data;
     pr.pos_stride = dst->src[5]->nb[1] / sizeof(int32_t);
@@ -678,6 +681,176 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
     }
 }
 
+// Centred post-RoPE K: the score of row r and a key at position p gains
+//   q_r·R(p)m = sum over pairs j with a mean of  al_rj cos(p w_j) + be_rj sin(p w_j),
+//   al = q_a m_a + q_b m_b, be = q_b m_a - q_a m_b (q unrotated: H q turned back; m times mscale).
+// For a tile of consecutive positions p0 + t the coefficients turn by p0 once per tile and the
+// cos/sin of t come from a table built once per item; other tiles take exact cos/sin per key.
+struct fa_centred {
+    int np = 0;                      // pairs with a non-zero mean in this head
+    std::vector<int> pair;
+    std::vector<double> c0, s0;      // cos/sin(p0 w) of the current tile, advanced tile by tile
+    std::vector<double> c64, s64;    // cos/sin(FA_TILE_KV w): the turn of one tile
+    std::vector<float> cc, ss;       // c0, s0 in float
+    std::vector<float> tab, tab_w;   // the relative table [2 np][FA_TILE_KV], the frequencies it was built for
+    std::vector<int> tab_pair;       // and its pairs: the KV chunks of one head reuse it
+    int32_t p0 = INT32_MIN;
+    int steps = 0;
+};
+
+// coefficients of every row (coef: [R][2 np]) and the relative table (c.tab: [2 np][FA_TILE_KV])
+void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const float * Q, int64_t R, float * qtmp,
+                      float * coef, fa_centred & c) {
+    const float * mu = pr.mean + ik2*DK;
+    const float * w  = pr.freqs + ik2*(pr.n_dims/2);
+    c.np = 0;
+    c.p0 = INT32_MIN;
+    for (auto * v : { &c.c0, &c.s0 }) {
+        v->resize(pr.n_dims/2);
+    }
+    if (c.c64.size() < (size_t) pr.n_dims/2) {      // kept with the table they belong to
+        c.c64.resize(pr.n_dims/2);
+        c.s64.resize(pr.n_dims/2);
+        c.tab_pair.clear();
+    }
+    c.pair.resize(pr.n_dims/2);
+    c.cc.resize(pr.n_dims/2);
+    c.ss.resize(pr.n_dims/2);
+    for (int i = 0; i < pr.n_dims/2; ++i) {
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        if (mu[a] != 0.0f || mu[b] != 0.0f) {
+            c.pair[c.np++] = i;
+        }
+    }
+    const int np = c.np;
+    const float hs = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
+    for (int64_t r = 0; r < R; ++r) {
+        const float * q = Q + r*DK;
+        if (pr.n_rot_h) {
+            for (int64_t d = 0; d < DK; ++d) {
+                qtmp[d] = q[d]*hs;
+            }
+            fa_fwht(qtmp, DK, pr.n_rot_h);
+            q = qtmp;
+        }
+        float * al = coef + r*2*np, * be = al + np;
+        for (int j = 0; j < np; ++j) {
+            int a, b;
+            fa_rope_pair(pr, c.pair[j], &a, &b);
+            const float ma = mu[a]*pr.mscale, mb = mu[b]*pr.mscale;
+            al[j] = q[a]*ma + q[b]*mb;
+            be[j] = q[b]*ma - q[a]*mb;
+        }
+    }
+    bool same = (int) c.tab_pair.size() == np;
+    for (int j = 0; j < np && same; ++j) {
+        same = c.tab_pair[j] == c.pair[j] && c.tab_w[j] == w[c.pair[j]];
+    }
+    if (same) {
+        return;
+    }
+    c.tab.resize(2*np*FA_TILE_KV);
+    c.tab_pair.assign(c.pair.begin(), c.pair.begin() + np);
+    c.tab_w.resize(np);
+    for (int j = 0; j < np; ++j) {
+        c.tab_w[j] = w[c.pair[j]];
+        const double c1 = cos((double) w[c.pair[j]]), s1 = sin((double) w[c.pair[j]]);
+        double ct = 1.0, st = 0.0;
+        for (int t = 0; t < FA_TILE_KV; ++t) {
+            c.tab[j*FA_TILE_KV + t]        = (float) ct;
+            c.tab[(np + j)*FA_TILE_KV + t] = (float) st;
+            const double cn = ct*c1 - st*s1;
+            st = st*c1 + ct*s1;
+            ct = cn;
+        }
+        c.c64[j] = ct;
+        c.s64[j] = st;
+    }
+}
+
+// S (R x n) += each row's mean scores for the tile's keys at positions pos[0..n)
+void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const int32_t * pos, int64_t R, int64_t n,
+                     const float * coef, const float * tab, float * exact, float * S) {
+    const int np = c.np;
+    if (np == 0) {
+        return;
+    }
+    const float * w = pr.freqs + ik2*(pr.n_dims/2);
+    const float * T = tab;
+    float * cc = c.cc.data(), * ss = c.ss.data();
+    const bool rel = fa_consecutive(pos, n);
+    if (rel) {
+        // cos/sin(p0 w): exactly, or advanced by one tile from the previous tile (re-anchored every 16)
+        if (c.p0 != INT32_MIN && pos[0] == c.p0 + FA_TILE_KV && c.steps < 16) {
+            for (int j = 0; j < np; ++j) {
+                const double cn = c.c0[j]*c.c64[j] - c.s0[j]*c.s64[j];
+                c.s0[j] = c.s0[j]*c.c64[j] + c.c0[j]*c.s64[j];
+                c.c0[j] = cn;
+            }
+            ++c.steps;
+        } else {
+            for (int j = 0; j < np; ++j) {
+                const double th = (double) pos[0]*w[c.pair[j]];
+                c.c0[j] = cos(th);
+                c.s0[j] = sin(th);
+            }
+            c.steps = 0;
+        }
+        c.p0 = pos[0];
+        for (int j = 0; j < np; ++j) {
+            cc[j] = (float) c.c0[j];
+            ss[j] = (float) c.s0[j];
+        }
+    } else {
+        for (int j = 0; j < np; ++j) {
+            for (int64_t t = 0; t < n; ++t) {
+                const double th = (double) pos[t]*w[c.pair[j]];
+                exact[j*FA_TILE_KV + t]        = (float) cos(th);
+                exact[(np + j)*FA_TILE_KV + t] = (float) sin(th);
+            }
+        }
+        T = exact;
+        c.p0 = INT32_MIN;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const float * al = coef + r*2*np, * be = al + np;
+        float * GGML_RESTRICT sr = S + r*n;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (n == FA_TILE_KV) {      // a whole tile: the row's 64 scores stay in registers through every pair
+            __m256 acc[FA_TILE_KV/8];
+            #pragma GCC unroll 8
+            for (int i = 0; i < FA_TILE_KV/8; ++i) {
+                acc[i] = _mm256_loadu_ps(sr + 8*i);
+            }
+            for (int j = 0; j < np; ++j) {
+                const __m256 a = _mm256_set1_ps(rel ? al[j]*cc[j] + be[j]*ss[j] : al[j]);
+                const __m256 b = _mm256_set1_ps(rel ? be[j]*cc[j] - al[j]*ss[j] : be[j]);
+                const float * ct = T + j*FA_TILE_KV, * st = T + (np + j)*FA_TILE_KV;
+                #pragma GCC unroll 8
+                for (int i = 0; i < FA_TILE_KV/8; ++i) {
+                    acc[i] = _mm256_fmadd_ps(a, _mm256_loadu_ps(ct + 8*i), _mm256_fmadd_ps(b, _mm256_loadu_ps(st + 8*i), acc[i]));
+                }
+            }
+            #pragma GCC unroll 8
+            for (int i = 0; i < FA_TILE_KV/8; ++i) {
+                _mm256_storeu_ps(sr + 8*i, acc[i]);
+            }
+            continue;
+        }
+#endif
+        for (int j = 0; j < np; ++j) {
+            // al cos(p0 w + t w) + be sin(p0 w + t w) = (al c0 + be s0) cos(t w) + (be c0 - al s0) sin(t w)
+            const float a = rel ? al[j]*cc[j] + be[j]*ss[j] : al[j];
+            const float b = rel ? be[j]*cc[j] - al[j]*ss[j] : be[j];
+            const float * GGML_RESTRICT ct = T + j*FA_TILE_KV, * GGML_RESTRICT st = T + (np + j)*FA_TILE_KV;
+            for (int64_t t = 0; t < n; ++t) {
+                sr[t] += a*ct[t] + b*st[t];
+            }
+        }
+    }
+}
+
 // a unit: KV head ik2 of sequence iq3 with its G query heads, tokens j0 .. j0+nt
 struct fa_unit {
     int64_t iq3, ik2, j0, nt, R;
@@ -695,7 +868,7 @@ fa_unit fa_unit_at(const fa_plan & p, const ggml_tensor * q, int64_t u) {
 }
 
 struct fa_scratch {
-    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask, * rope, * Qr;
+    float * Q, * Kf, * Kt, * Vf, * S, * O, * M, * L, * slope, * mask, * rope, * Qr, * cexact, * ccoef;
 };
 
 fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
@@ -712,6 +885,8 @@ fa_scratch fa_scratch_at(const fa_plan & p, float * base) {
     s.mask = s.slope + p.R;
     s.rope = s.mask + p.TQ*FA_TILE_KV;
     s.Qr   = s.rope + 5*p.DK;
+    s.cexact = s.Qr + p.R*p.DK + FA_PAD;
+    s.ccoef  = s.cexact + FA_TILE_KV*p.DK;
     return s;
 }
 
@@ -765,7 +940,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     // pre-RoPE K: this head's one-step rotations (after the cos/sin of the current key)
     float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK, * rope_sc = s.rope + 4*DK;
     const int32_t * kpos = nullptr;
-    if (pr.on) {
+    if (pr.on && !pr.centred) {
         fa_rope_fill(pr, pr.freqs + w.ik2*(pr.n_dims/2), 1, 1.0f, rope_c1, rope_s1);
         kpos = pr.pos + ik3*pr.pos_stride;
         const float f = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
@@ -776,7 +951,13 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     // decode: tiles of consecutive cells turn Q back by the tile's position instead (fa_rope_tab)
     const int hd = pr.n_dims/2;
     constexpr int FA_MAX_PAIRS = 256;
-    const fa_rope_tab * tab = pr.on && R < FA_GEMM_ROWS && hd <= FA_MAX_PAIRS ? &fa_rope_tab_for(pr, pr.freqs + w.ik2*hd, DK) : nullptr;
+    const fa_rope_tab * tab = pr.on && !pr.centred && R < FA_GEMM_ROWS && hd <= FA_MAX_PAIRS ? &fa_rope_tab_for(pr, pr.freqs + w.ik2*hd, DK) : nullptr;
+    // centred K: the mean's scores (the K tiles are not in use yet: one serves as a row of Q turned back)
+    thread_local fa_centred cen;
+    if (pr.centred) {
+        kpos = pr.pos + ik3*pr.pos_stride;
+        fa_centred_setup(pr, w.ik2, DK, s.Q, R, s.Kt, s.ccoef, cen);
+    }
     double q_c[FA_MAX_PAIRS], q_s[FA_MAX_PAIRS];
     int32_t q_p0 = INT32_MIN;
     int q_steps = 0;
@@ -814,7 +995,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
         }
         const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
-        if (pr.on) {
+        if (pr.on && !pr.centred) {
             const int32_t * tp = kpos + ic;
             if (tab && fa_consecutive(tp, n)) {
                 // R(p0) per pair: exactly, or advanced by one tile from the previous tile (re-anchored every 16)
@@ -852,6 +1033,9 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             simd_gemm(s.S, s.Q, s.Kt, (int) R, (int) DK, (int) n);
         } else {
             fa_dots(Qd, R, DK, s.Kf, n, s.S);
+        }
+        if (pr.centred) {
+            fa_centred_bias(pr, w.ik2, cen, kpos + ic, R, n, s.ccoef, cen.tab.data(), s.cexact, s.S);
         }
 
         // softcap, mask, online softmax; P overwrites S

@@ -265,16 +265,29 @@ GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 //   float op_params[15] = mscale (multiplies cos and sin, as ggml_rope_ext's attn_factor / YaRN)
 // Channels from n_dims on are not rotated (partial rotary).
 //
+// Centred post-RoPE K (bit GGML_KVQ_PREROPE_CENTRED of the tag): K holds H R(p)(k - mean), the
+// key rotated at its position as upstream's cache does, minus the mean rotated with it, and Q is
+// H q (the online rotation of both, n_rot_h as above; 0: none). Attention reads K as a post-RoPE
+// cache and adds q·R(p)mean to each score, from the pairs whose mean is non-zero: a K-shift is
+// upstream's (the rotation of R(p)(k - mean) by the shift is R(p + shift)(k - mean)). src[7] is
+// not read (ggml_kvq_fa_set_centred puts the mean there too).
+//
 #define GGML_KVQ_PREROPE_TAG    14
 #define GGML_KVQ_PREROPE_MAGIC  0x52000000   // "R" in the top byte
+#define GGML_KVQ_PREROPE_CENTRED 0x8000      // in the tag's n_dims field (n_dims < 4096)
 GGML_KVQ_STATIC_ASSERT(GGML_KVQ_PREROPE_TAG > GGML_KVQ_CB_TAG, "pre-RoPE words overlap the codebooks");
 GGML_KVQ_STATIC_ASSERT((GGML_KVQ_PREROPE_TAG + 2) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
 
 GGML_API void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                                       struct ggml_tensor * scale, struct ggml_tensor * freqs,
                                       int n_dims, int mode, float mscale, int n_rot_h);
-// true when fa reads a pre-RoPE K cache; n_dims / mode / mscale / n_rot_h may be NULL
+// the same contract for a centred post-RoPE K cache (src[7] = mean)
+GGML_API void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
+                                      struct ggml_tensor * freqs, int n_dims, int mode, float mscale, int n_rot_h);
+// true when fa reads a pre-RoPE or a centred K cache; n_dims / mode / mscale / n_rot_h may be NULL
 GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h);
+// true when fa reads a centred post-RoPE K cache
+GGML_API bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
 
 // The angular frequencies ggml_rope_ext uses (CPU and CUDA kernels): for pair i < n_dims/2,
 // theta(p) = p * w[i], with w[i] = base^(-2i/n_dims) / ff[i] * (freq_scale*(1 - r) + r),

@@ -68,6 +68,7 @@ struct llama_kvq_prerope_fa {
     int   n_dims = 0;
     int   mode   = 0;
     float mscale = 1.0f;
+    bool  centred = false;              // a centred post-RoPE layer: mean is a graph input (the kept pairs)
 };
 
 // why a layer cannot have a pre-RoPE key cache (nullptr: it can)
@@ -86,19 +87,32 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
 ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
                                       llama_kvq_prerope_fa & fa, int il);
 
+// the centred post-RoPE cache (PYKVQ_K_DOMAIN=centred): the same ROPE node applied to k_pre - centre, centre being
+// the layer's kept mean pairs (F32 [DK, n_head_kv] host values, a graph input fa.mean filled from them)
+ggml_tensor * llama_kvq_centred_store(ggml_context * ctx, ggml_tensor * k_rope, const std::vector<float> & centre,
+                                      llama_kvq_prerope_fa & fa, int il);
+
+// the pairs of a head's mean a centred cache keeps: by energy m_a^2 + m_b^2, the fewest that leave a residual
+// mean energy of at most LLAMA_KVQ_CENTRE_RESIDUAL x the head's summed variance var (the per-token spread a
+// quantizer covers anyway; empty var: every pair with a mean); the others are zeroed. mean, var: [n_head_kv][DK]
+#define LLAMA_KVQ_CENTRE_RESIDUAL 0.5
+int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> & var, int64_t DK, int64_t n_head_kv,
+                           int n_dims, bool neox);
+
 // put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node (n_rot_h: the Walsh-Hadamard
 // block the stored K was turned by, 0 for none); throws when fa_node is not one
 void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h);
 
 // session states: each layer's K / V type word also says what else decodes the bytes: a pre-RoPE K layer sets
-// LLAMA_KVQ_STATE_PREROPE, a cache turned by upstream's online Hadamard (attn_rot_k / attn_rot_v) sets
+// LLAMA_KVQ_STATE_PREROPE, a centred one LLAMA_KVQ_STATE_CENTRED, a cache turned by upstream's online Hadamard (attn_rot_k / attn_rot_v) sets
 // LLAMA_KVQ_STATE_ROT, a file codebook puts its fingerprint (1..255) in bits 20..27 (type ids stay far below)
 #define LLAMA_KVQ_STATE_PREROPE  0x10000
 #define LLAMA_KVQ_STATE_ROT      0x20000
+#define LLAMA_KVQ_STATE_CENTRED  0x40000
 #define LLAMA_KVQ_STATE_CB_SHIFT 20
 
 // the type word a state records for a layer's cache tensor (native/llama-kvq-memory.cpp)
-int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, bool prerope, bool rot);
+int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain /* 0 post, 1 pre, 2 centred */, bool rot);
 // "" when a state's word (have) fits this context's (want), else why not, naming K or V
 std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
 

@@ -74,3 +74,11 @@ def decode(c: np.ndarray, mean: np.ndarray, scale: np.ndarray, pos: np.ndarray, 
            n_dims: int, mscale: float = 1.0, n_rot_h: int = 0) -> np.ndarray:
     """Dequantized cache rows [n_kv, n_head_kv, D] -> the post-RoPE keys attention uses (float64)."""
     return rope(block_rotate(c.astype(np.float64), n_rot_h) * scale + mean, pos, w, mode, n_dims, mscale)
+
+
+def centred(kd: np.ndarray, mean: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int, n_dims: int,
+            mscale: float = 1.0, n_rot_h: int = 0) -> np.ndarray:
+    """A centred post-RoPE cache: dequantized rows kd [n_kv, n_head_kv, D] hold H R(p)(k - mean) -> the keys
+    attention uses, H R(p)k (float64). mean [n_head_kv, D]: the kept pairs, zero elsewhere."""
+    m = np.broadcast_to(mean.astype(np.float64), (len(pos),) + mean.shape)
+    return kd.astype(np.float64) + block_rotate(rope(m, pos, w, mode, n_dims, mscale), n_rot_h)

@@ -1,6 +1,6 @@
 """Settings of the quality matrix: (K type, V type, converter transform, online rotation).
 
-On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off]
+On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off][:centred]
 
     q4_0              K and V q4_0, unconverted model, rotation at upstream's auto
     q8_0/q4_0         q8_0 keys, q4_0 values
@@ -13,6 +13,7 @@ On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off]
     q4_0@prerope-mean the same with the mean only (no per-channel scale): an ablation
     auto@prerope+kvbits-4.5  per-layer types for 4.5 bits/value, fitted in the pre-RoPE key domain
     q4_0:rot-off      upstream's online Hadamard rotation switched off (of the centred keys with @prerope)
+    q4_0@prerope:centred  the same file, keys cached after RoPE minus the mean rotated with them (PYKVQ_K_DOMAIN=centred)
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Setting:
     v: str
     transform: str = "none"
     rotation: str = "auto"       # upstream's online Hadamard rotation: auto | on | off
+    k_domain: str = "auto"       # auto | centred (a @prerope file's keys post-RoPE minus the rotated mean)
 
     @property
     def label(self) -> str:
@@ -54,6 +56,8 @@ class Setting:
             s += f"@{self.transform}"
         if self.rotation != "auto":
             s += f":rot-{self.rotation}"
+        if self.k_domain != "auto":
+            s += f":{self.k_domain}"
         return s
 
     @property
@@ -82,14 +86,19 @@ class Setting:
 
     def model_kwargs(self) -> dict:
         """Model(...) keyword arguments: cache types (None = the file's) and rotation."""
-        return dict(cache_type_k=None if self.k == "auto" else self.k,
-                    cache_type_v=None if self.v == "auto" else self.v,
-                    attn_rot_k=self.rotation, attn_rot_v=self.rotation)
+        kw = dict(cache_type_k=None if self.k == "auto" else self.k,
+                  cache_type_v=None if self.v == "auto" else self.v,
+                  attn_rot_k=self.rotation, attn_rot_v=self.rotation)
+        if self.k_domain != "auto":
+            kw["k_domain"] = self.k_domain
+        return kw
 
 
 def parse_setting(spec: str) -> Setting:
-    """Parse K[/V][@TRANSFORM][:rot-on|:rot-off] (see the module doc)."""
-    s, rotation = spec.strip(), "auto"
+    """Parse K[/V][@TRANSFORM][:rot-on|:rot-off][:centred] (see the module doc)."""
+    s, rotation, k_domain = spec.strip(), "auto", "auto"
+    if s.endswith(":centred"):
+        k_domain, s = "centred", s[:-len(":centred")]
     m = re.search(r":rot-(on|off|auto)$", s)
     if m:
         rotation, s = m.group(1), s[:m.start()]
@@ -110,7 +119,9 @@ def parse_setting(spec: str) -> Setting:
         raise PykvqError(f"setting {spec!r}: Fisher codebooks need a nuq type for K or V")
     if k in UNQUANTIZED and v in UNQUANTIZED and transform == "none" and rotation != "auto":
         raise PykvqError(f"setting {spec!r}: rotation applies to quantized caches only")
-    return Setting(k, v, transform, rotation)
+    if k_domain == "centred" and not transform.startswith("prerope"):
+        raise PykvqError(f"setting {spec!r}: ':centred' needs a file with pre-RoPE statistics (@prerope...)")
+    return Setting(k, v, transform, rotation, k_domain)
 
 
 def parse_settings(specs: str | list[str]) -> list[Setting]:
