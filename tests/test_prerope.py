@@ -42,6 +42,19 @@ def test_rope_freqs_match_reference(kw):
         g.close()
 
 
+def cell_positions(n_kv, S, start=None):
+    """[S, n_kv] cell positions: consecutive runs, a gap (removed cells), a shifted block and one out of order;
+    or (start given) one consecutive run from start."""
+    pos = np.arange(n_kv, dtype=np.int32) + 7
+    if start is None:
+        pos[100:] += 50
+        pos[200:230] -= 300
+        pos[250] = 3
+    else:
+        pos += start - 7
+    return np.stack([pos + 1000 * s for s in range(S)])
+
+
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
                    rot=0, seed=0, n_threads=2, start=None):
     rng = np.random.default_rng(seed)
@@ -53,15 +66,7 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     kb, Cd = quantize(kt, C, None)
     Vx = cache_like(rng, S, Hkv, n_kv, D)
     vb, Vd = quantize(vt, Vx, None)
-    # cell positions: consecutive runs, a gap (removed cells), a shifted block and one out of order
-    pos = np.arange(n_kv, dtype=np.int32) + 7
-    if start is None:
-        pos[100:] += 50
-        pos[200:230] -= 300
-        pos[250] = 3
-    else:                                                                # one consecutive run from `start`
-        pos += start - 7
-    pos = np.stack([pos + 1000 * s for s in range(S)])                   # [S, n_kv]
+    pos = cell_positions(n_kv, S, start)
     ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
     w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
     w = w.astype(np.float32)
@@ -139,14 +144,7 @@ def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     C = cache_like(rng, S, Hkv, n_kv, D)
     kb, Cd = quantize(kt, C, None)
     vb, Vd = quantize(vt, cache_like(rng, S, Hkv, n_kv, D), None)
-    pos = np.arange(n_kv, dtype=np.int32) + 7
-    if start is None:
-        pos[100:] += 50
-        pos[200:230] -= 300
-        pos[250] = 3
-    else:
-        pos += start - 7
-    pos = np.stack([pos + 1000 * s for s in range(S)])
+    pos = cell_positions(n_kv, S, start)
     ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
     w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
     w = w.astype(np.float32)
