@@ -318,10 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .suite.settings import TRANSFORMS
     p = sub.add_parser("eval", help="quality matrix: KLD / p99 / same top-1 / PPL vs an f16 cache, "
                        "per setting (cache types, converter transforms, rotation)",
-                       description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off] against the same "
-                       f"model with an f16 cache. Transforms: {', '.join(TRANSFORMS)}, kvbits-B (per-layer "
-                       "types; K/V 'auto'); what each bakes in: pykvq/suite/settings.py. Converted files are "
-                       "cached.")
+                       description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off][:centred] against the "
+                       f"same model with an f16 cache. Transforms: {', '.join(TRANSFORMS)}, kvbits-B (per-layer "
+                       "types; K/V 'auto'); what each bakes in: pykvq/suite/settings.py. ':centred' caches a "
+                       "@prerope file's keys after RoPE minus the rotated mean (PYKVQ_K_DOMAIN=centred). "
+                       "Converted files are cached.")
     _model_arg(p)
     p.add_argument("-s", "--settings", default="full",
                    help="comma-separated settings, or a matrix name: full, core, quick (default full)")
