@@ -247,6 +247,18 @@ void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem) 
 // the pre-RoPE key cache (the graph side: native/llama-kvq-prerope.cpp)
 //
 
+// why layer il cannot cache its keys centred by the file's statistics (pre-RoPE, or centred post-RoPE without
+// the scale), nullptr when it can
+static const char * kvq_centring_unsupported(const llama_model & model, uint32_t il, bool need_scale) {
+    const auto & hp = model.hparams;
+    const auto & ml = model.layers[il];
+    const char * why = llama_kvq_prerope_unsupported(llama_model_rope_type(&model), hp.has_rope(il), hp.n_lora_kv > 0);
+    if (why == nullptr && (ml.kvq_k_mean == nullptr || (need_scale && ml.kvq_k_scale == nullptr))) {
+        why = need_scale ? "the file lacks blk.N.kvq_k_mean / kvq_k_scale" : "the file lacks blk.N.kvq_k_mean";
+    }
+    return why;
+}
+
 uint32_t llama_kv_cache::kvq_set_k_domain() {
     n_prerope = 0;
     n_centred = 0;
@@ -277,10 +289,7 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
         if (!ggml_is_quantized(layer.k->type) && !force_pre) {
             continue;
         }
-        const char * why = llama_kvq_prerope_unsupported(llama_model_rope_type(&model), hparams.has_rope(il), hparams.n_lora_kv > 0);
-        if (why == nullptr && (ml.kvq_k_mean == nullptr || ml.kvq_k_scale == nullptr)) {
-            why = "the file lacks blk.N.kvq_k_mean / kvq_k_scale";
-        }
+        const char * why = kvq_centring_unsupported(model, il, true);
         if (why != nullptr) {
             why_not = why;
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);
@@ -309,10 +318,7 @@ uint32_t llama_kv_cache::kvq_set_centred() {
         if (!ggml_is_quantized(layer.k->type)) {
             continue;
         }
-        const char * why = llama_kvq_prerope_unsupported(llama_model_rope_type(&model), hparams.has_rope(il), hparams.n_lora_kv > 0);
-        if (why == nullptr && ml.kvq_k_mean == nullptr) {
-            why = "the file lacks blk.N.kvq_k_mean";
-        }
+        const char * why = kvq_centring_unsupported(model, il, false);
         if (why != nullptr) {
             LLAMA_LOG_WARN("%s: layer %u keeps a plain post-RoPE K cache: %s\n", __func__, il, why);
             continue;

@@ -55,6 +55,17 @@ def cell_positions(n_kv, S, start=None):
     return np.stack([pos + 1000 * s for s in range(S)])
 
 
+def rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start):
+    """Cell positions (cell_positions), each KV head's rotary frequencies (per-head factors, as K-sort's, when
+    per_head) and a mask hiding cell 5."""
+    pos = cell_positions(n_kv, S, start)
+    ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
+    w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
+    mask = np.zeros((S, N, n_kv), np.float32)
+    mask[:, :, 5] = -np.inf
+    return pos, w.astype(np.float32), mask
+
+
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
                    rot=0, seed=0, n_threads=2, start=None):
     rng = np.random.default_rng(seed)
@@ -66,12 +77,7 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     kb, Cd = quantize(kt, C, None)
     Vx = cache_like(rng, S, Hkv, n_kv, D)
     vb, Vd = quantize(vt, Vx, None)
-    pos = cell_positions(n_kv, S, start)
-    ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
-    w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
-    w = w.astype(np.float32)
-    mask = np.zeros((S, N, n_kv), np.float32)
-    mask[:, :, 5] = -np.inf
+    pos, w, mask = rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start)
     g = Graph(256 << 20)
     try:
         fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, 1.0 / np.sqrt(D))
@@ -144,12 +150,7 @@ def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     C = cache_like(rng, S, Hkv, n_kv, D)
     kb, Cd = quantize(kt, C, None)
     vb, Vd = quantize(vt, cache_like(rng, S, Hkv, n_kv, D), None)
-    pos = cell_positions(n_kv, S, start)
-    ff = np.exp(rng.standard_normal((Hkv, n_dims // 2)) * 0.3) if per_head else None
-    w, _ = prerope.rope_freqs(n_dims, 10000.0, ff=ff, n_cols=Hkv)
-    w = w.astype(np.float32)
-    mask = np.zeros((S, N, n_kv), np.float32)
-    mask[:, :, 5] = -np.inf
+    pos, w, mask = rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start)
     g = Graph(256 << 20)
     try:
         fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, 1.0 / np.sqrt(D))
@@ -195,25 +196,11 @@ def test_centred_prefill():
 
 # ---- the runtime on the real model -------------------------------------------------------------
 import os  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 
 from pykvq import Model  # noqa: E402
 from pykvq.errors import DecodeError, PykvqError  # noqa: E402
 from pykvq.eval import log_softmax  # noqa: E402
 from pykvq.keys import Tensors  # noqa: E402
-
-
-@contextmanager
-def k_domain(value: str):
-    old = os.environ.get("PYKVQ_K_DOMAIN")
-    os.environ["PYKVQ_K_DOMAIN"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PYKVQ_K_DOMAIN")
-        else:
-            os.environ["PYKVQ_K_DOMAIN"] = old
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +218,7 @@ def test_runtime_quality_beats_post_rope(smol_pre, f16_model, wikitext):
     type after RoPE with upstream's Hadamard, KLD vs an f16 cache. Measured 0.025 vs 0.040 (16 chunks)."""
     kld = {}
     for dom in ("post", "auto", "centred"):
-        with k_domain(dom), Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True) as m:
+        with Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain=dom) as m:
             kld[dom] = m.kl_divergence(wikitext, baseline=f16_model, n_chunks=4, progress=False).mean_kld
     assert kld["auto"] < 0.8 * kld["post"], kld
     # the same file's mean taken off post-RoPE keys (PYKVQ_K_DOMAIN=centred): measured 0.025 (16 chunks)
@@ -245,7 +232,7 @@ def test_f32_cache_equals_post_rope(smol_pre, passage):
     wrong rotation does (KLD > 1)."""
     logits = {}
     for dom in ("post", "pre"):
-        with k_domain(dom), Model(smol_pre, n_ctx=512, cache_type_k="f32", cache_type_v="f32", flash_attn=True) as m:
+        with Model(smol_pre, n_ctx=512, cache_type_k="f32", cache_type_v="f32", flash_attn=True, k_domain=dom) as m:
             toks = m.tokenize(passage)[:300]
             logits[dom] = m.eval_logits(toks)
     assert _kld(logits["post"], logits["pre"]) < 0.01
@@ -254,7 +241,7 @@ def test_f32_cache_equals_post_rope(smol_pre, passage):
 
 def _shift_moves(path, dom, kt, prompt, deltas=(1, 300)):
     """KLD of the next token's distribution after moving every cell by each delta, against no move."""
-    with k_domain(dom), Model(path, n_ctx=1024, cache_type_k=kt, cache_type_v="f16", flash_attn=True) as m:
+    with Model(path, n_ctx=1024, cache_type_k=kt, cache_type_v="f16", flash_attn=True, k_domain=dom) as m:
         toks = m.tokenize(prompt)[:200]
         m.decode(toks[:-1], 0)
         state = m.get_state()
@@ -303,14 +290,14 @@ def test_centred_state_is_refused_by_other_domains(smol_pre, passage):
     with pytest.raises(ValueError, match="k_domain must be one of"):
         Model(smol_pre, k_domain="sideways")
     for dom, name in (("auto", "pre-RoPE"), ("post", "post-RoPE")):
-        with k_domain(dom), Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True) as m:
+        with Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain=dom) as m:
             with pytest.raises(DecodeError, match=f"the state holds a centred post-RoPE K cache, this context's is {name}"):
                 m.set_state(state)
 
 
 def test_flash_attention_off_is_refused(smol_pre):
-    with k_domain("auto"), pytest.raises(PykvqError, match="flash attention"):
-        Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=False)
+    with pytest.raises(PykvqError, match="flash attention"):
+        Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=False, k_domain="auto")
 
 
 @pytest.mark.parametrize("tensor,value,msg", [(Tensors.K_SCALE, 0.0, "finite and > 0"),
@@ -327,8 +314,8 @@ def test_bad_statistics_are_refused(smol_pre, tmp_path, tensor, value, msg):
     m.tensors[name] = Tensor(name, m.tensors[name].qtype, data)
     bad = tmp_path / "bad.gguf"
     write_gguf(m, bad)
-    with k_domain("auto"), pytest.raises(PykvqError, match=rf"{name}\[\d+\].*{msg}"):
-        Model(bad, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)
+    with pytest.raises(PykvqError, match=rf"{name}\[\d+\].*{msg}"):
+        Model(bad, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain="auto")
 
 
 def test_tools_run_a_prerope_file(smol_pre):

@@ -558,6 +558,34 @@ inline bool fa_consecutive(const int32_t * pos, int64_t n) {
     return true;
 }
 
+// cos/sin(p0 w) per pair of a tile starting at position p0: exactly, or the previous tile's turned by one
+// tile (c64, s64: cos/sin(FA_TILE_KV w)) when p0 follows it, re-anchored exactly every 16 tiles.
+// idx: the pairs' indices into w (nullptr: pairs 0..n-1).
+struct fa_tile_anchor {
+    int32_t p0 = INT32_MIN;
+    int steps = 0;
+
+    void at(int32_t p, int n, const float * w, const int * idx, const double * c64, const double * s64,
+            double * c, double * s) {
+        if (p0 != INT32_MIN && p == p0 + FA_TILE_KV && steps < 16) {
+            for (int j = 0; j < n; ++j) {
+                const double cn = c[j]*c64[j] - s[j]*s64[j];
+                s[j] = s[j]*c64[j] + c[j]*s64[j];
+                c[j] = cn;
+            }
+            ++steps;
+        } else {
+            for (int j = 0; j < n; ++j) {
+                const double th = (double) p*w[idx ? idx[j] : j];
+                c[j] = cos(th);
+                s[j] = sin(th);
+            }
+            steps = 0;
+        }
+        p0 = p;
+    }
+};
+
 // rows Qr = R(p0)ᵀ Q for the R query rows, given cos/sin of p0*w per pair
 void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp, const float * Q, int64_t R, int64_t DK, float * Qr) {
     memcpy(Qr, Q, R*DK*sizeof(float));
@@ -685,17 +713,17 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
 //   q_r·R(p)m = sum over pairs j with a mean of  al_rj cos(p w_j) + be_rj sin(p w_j),
 //   al = q_a m_a + q_b m_b, be = q_b m_a - q_a m_b (q unrotated: H q turned back; m times mscale).
 // For a tile of consecutive positions p0 + t the coefficients turn by p0 once per tile and the
-// cos/sin of t come from a table built once per item; other tiles take exact cos/sin per key.
+// cos/sin of t come from a per-head table (rebuilt only when the pairs or their frequencies change);
+// other tiles take exact cos/sin per key.
 struct fa_centred {
     int np = 0;                      // pairs with a non-zero mean in this head
     std::vector<int> pair;
-    std::vector<double> c0, s0;      // cos/sin(p0 w) of the current tile, advanced tile by tile
-    std::vector<double> c64, s64;    // cos/sin(FA_TILE_KV w): the turn of one tile
+    std::vector<double> c0, s0;      // cos/sin(p0 w) of the current tile (anchor)
+    fa_tile_anchor anchor;
     std::vector<float> cc, ss;       // c0, s0 in float
     std::vector<float> tab, tab_w;   // the relative table [2 np][FA_TILE_KV], the frequencies it was built for
     std::vector<int> tab_pair;       // and its pairs: the KV chunks of one head reuse it
-    int32_t p0 = INT32_MIN;
-    int steps = 0;
+    std::vector<double> c64, s64;    // [np] cos/sin(FA_TILE_KV w): the turn of one tile, built with the table
 };
 
 // coefficients of every row (coef: [R][2 np]) and the relative table (c.tab: [2 np][FA_TILE_KV])
@@ -704,15 +732,9 @@ void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const floa
     const float * mu = pr.mean + ik2*DK;
     const float * w  = pr.freqs + ik2*(pr.n_dims/2);
     c.np = 0;
-    c.p0 = INT32_MIN;
-    for (auto * v : { &c.c0, &c.s0 }) {
-        v->resize(pr.n_dims/2);
-    }
-    if (c.c64.size() < (size_t) pr.n_dims/2) {      // kept with the table they belong to
-        c.c64.resize(pr.n_dims/2);
-        c.s64.resize(pr.n_dims/2);
-        c.tab_pair.clear();
-    }
+    c.anchor = fa_tile_anchor();
+    c.c0.resize(pr.n_dims/2);
+    c.s0.resize(pr.n_dims/2);
     c.pair.resize(pr.n_dims/2);
     c.cc.resize(pr.n_dims/2);
     c.ss.resize(pr.n_dims/2);
@@ -753,6 +775,8 @@ void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const floa
     c.tab.resize(2*np*FA_TILE_KV);
     c.tab_pair.assign(c.pair.begin(), c.pair.begin() + np);
     c.tab_w.resize(np);
+    c.c64.resize(np);
+    c.s64.resize(np);
     for (int j = 0; j < np; ++j) {
         c.tab_w[j] = w[c.pair[j]];
         const double c1 = cos((double) w[c.pair[j]]), s1 = sin((double) w[c.pair[j]]);
@@ -771,33 +795,17 @@ void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const floa
 
 // S (R x n) += each row's mean scores for the tile's keys at positions pos[0..n)
 void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const int32_t * pos, int64_t R, int64_t n,
-                     const float * coef, const float * tab, float * exact, float * S) {
+                     const float * coef, float * exact, float * S) {
     const int np = c.np;
     if (np == 0) {
         return;
     }
     const float * w = pr.freqs + ik2*(pr.n_dims/2);
-    const float * T = tab;
+    const float * T = c.tab.data();
     float * cc = c.cc.data(), * ss = c.ss.data();
     const bool rel = fa_consecutive(pos, n);
     if (rel) {
-        // cos/sin(p0 w): exactly, or advanced by one tile from the previous tile (re-anchored every 16)
-        if (c.p0 != INT32_MIN && pos[0] == c.p0 + FA_TILE_KV && c.steps < 16) {
-            for (int j = 0; j < np; ++j) {
-                const double cn = c.c0[j]*c.c64[j] - c.s0[j]*c.s64[j];
-                c.s0[j] = c.s0[j]*c.c64[j] + c.c0[j]*c.s64[j];
-                c.c0[j] = cn;
-            }
-            ++c.steps;
-        } else {
-            for (int j = 0; j < np; ++j) {
-                const double th = (double) pos[0]*w[c.pair[j]];
-                c.c0[j] = cos(th);
-                c.s0[j] = sin(th);
-            }
-            c.steps = 0;
-        }
-        c.p0 = pos[0];
+        c.anchor.at(pos[0], np, w, c.pair.data(), c.c64.data(), c.s64.data(), c.c0.data(), c.s0.data());
         for (int j = 0; j < np; ++j) {
             cc[j] = (float) c.c0[j];
             ss[j] = (float) c.s0[j];
@@ -811,7 +819,7 @@ void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const i
             }
         }
         T = exact;
-        c.p0 = INT32_MIN;
+        c.anchor.p0 = INT32_MIN;
     }
     for (int64_t r = 0; r < R; ++r) {
         const float * al = coef + r*2*np, * be = al + np;
@@ -939,10 +947,9 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
 
     // pre-RoPE K: this head's one-step rotations (after the cos/sin of the current key)
     float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK, * rope_sc = s.rope + 4*DK;
-    const int32_t * kpos = nullptr;
+    const int32_t * kpos = pr.on ? pr.pos + ik3*pr.pos_stride : nullptr;   // the cells' positions
     if (pr.on && !pr.centred) {
         fa_rope_fill(pr, pr.freqs + w.ik2*(pr.n_dims/2), 1, 1.0f, rope_c1, rope_s1);
-        kpos = pr.pos + ik3*pr.pos_stride;
         const float f = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
         for (int64_t d = 0; d < DK; ++d) {
             rope_sc[d] = pr.scale[w.ik2*DK + d]*f;
@@ -955,12 +962,10 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     // centred K: the mean's scores (the K tiles are not in use yet: one serves as a row of Q turned back)
     thread_local fa_centred cen;
     if (pr.centred) {
-        kpos = pr.pos + ik3*pr.pos_stride;
         fa_centred_setup(pr, w.ik2, DK, s.Q, R, s.Kt, s.ccoef, cen);
     }
     double q_c[FA_MAX_PAIRS], q_s[FA_MAX_PAIRS];
-    int32_t q_p0 = INT32_MIN;
-    int q_steps = 0;
+    fa_tile_anchor q_at;
 
     // one mask row per token serves every head of the group unless the mask has a head dimension
     const bool mask_per_head = mask && mask->ne[2] > 1;
@@ -998,24 +1003,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         if (pr.on && !pr.centred) {
             const int32_t * tp = kpos + ic;
             if (tab && fa_consecutive(tp, n)) {
-                // R(p0) per pair: exactly, or advanced by one tile from the previous tile (re-anchored every 16)
-                if (q_p0 != INT32_MIN && tp[0] == q_p0 + FA_TILE_KV && q_steps < 16) {
-                    for (int i = 0; i < hd; ++i) {
-                        const double cn = q_c[i]*tab->c64[i] - q_s[i]*tab->s64[i];
-                        q_s[i] = q_s[i]*tab->c64[i] + q_c[i]*tab->s64[i];
-                        q_c[i] = cn;
-                    }
-                    ++q_steps;
-                } else {
-                    const float * wh = pr.freqs + w.ik2*hd;
-                    for (int i = 0; i < hd; ++i) {
-                        const double th = (double) tp[0]*wh[i];
-                        q_c[i] = cos(th);
-                        q_s[i] = sin(th);
-                    }
-                    q_steps = 0;
-                }
-                q_p0 = tp[0];
+                q_at.at(tp[0], hd, pr.freqs + w.ik2*hd, nullptr, tab->c64.data(), tab->s64.data(), q_c, q_s);
                 fa_rope_q_back(pr, q_c, q_s, s.Q, R, DK, s.Qr);
                 fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
                 Qd = s.Qr;
@@ -1035,7 +1023,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             fa_dots(Qd, R, DK, s.Kf, n, s.S);
         }
         if (pr.centred) {
-            fa_centred_bias(pr, w.ik2, cen, kpos + ic, R, n, s.ccoef, cen.tab.data(), s.cexact, s.S);
+            fa_centred_bias(pr, w.ik2, cen, kpos + ic, R, n, s.ccoef, s.cexact, s.S);
         }
 
         // softcap, mask, online softmax; P overwrites S
