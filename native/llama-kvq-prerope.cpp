@@ -171,8 +171,9 @@ int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> &
                            int n_dims, bool neox) {
     // PYKVQ_K_CENTRE_RESIDUAL (>= 0) trades the mean's scores (2 FMAs per kept pair, row and key) for quality
     const char * env = getenv("PYKVQ_K_CENTRE_RESIDUAL");
-    const double tau = env ? atof(env) : LLAMA_KVQ_CENTRE_RESIDUAL;
-    if (!(tau >= 0.0 && tau < 1e30)) {
+    char * end = nullptr;
+    const double tau = env ? strtod(env, &end) : LLAMA_KVQ_CENTRE_RESIDUAL;
+    if (!(tau >= 0.0 && tau < 1e30) || (env && (end == env || *end != '\0'))) {
         throw std::runtime_error(std::string("PYKVQ_K_CENTRE_RESIDUAL = '") + env + "': expected a number >= 0");
     }
     int kept = 0;

@@ -200,7 +200,7 @@ import os  # noqa: E402
 from pykvq import Model  # noqa: E402
 from pykvq.errors import DecodeError, PykvqError  # noqa: E402
 from pykvq.eval import log_softmax  # noqa: E402
-from pykvq.keys import Tensors  # noqa: E402
+from pykvq.keys import Keys, Tensors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +325,51 @@ def test_tools_run_a_prerope_file(smol_pre):
                    "-no-cnv", "-c", "256", "-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on", timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Paris" in res.stdout, res.stdout[-1000:]
+
+
+def _kept_logged() -> tuple[int, int]:
+    import re
+    from pykvq import log
+    found = re.findall(r"(\d+) of (\d+) mean pairs kept", "".join(log.recent()))
+    assert found, log.recent_text(40)
+    return tuple(map(int, found[-1]))
+
+
+@pytest.mark.parametrize("residual", [None, "0", "0.25", "1.5e0"])
+def test_centre_pairs_match_reference(smol_pre, monkeypatch, residual):
+    """The pairs of the mean a centred cache keeps (llama_kvq_centre_pairs, logged as "N of M mean pairs kept")
+    are the numpy reference's (pykvq.ref.prerope.centre_pairs) on the file's kvq_k_mean and std scales, for the
+    default residual (0.5x the head's variance) and PYKVQ_K_CENTRE_RESIDUAL. Measured: 813 of 2880 at 0.5."""
+    from convert.gguf_io import read_gguf
+    from pykvq import log
+    if residual is not None:
+        monkeypatch.setenv("PYKVQ_K_CENTRE_RESIDUAL", residual)
+    f = read_gguf(smol_pre)
+    assert f.meta(Keys.Cache.K_SCALE_METHOD) == "std"
+    n_layer = sum(1 for name in f.tensors if name.endswith(".kvq_k_mean"))
+    want = 0
+    for il in range(n_layer):
+        mean = np.asarray(f.tensors[Tensors.K_MEAN.format(bid=il)].data, np.float32)
+        scale = np.asarray(f.tensors[Tensors.K_SCALE.format(bid=il)].data, np.float32)
+        kept = prerope.centre_pairs(mean, scale.astype(np.float64) ** 2, mean.shape[1], prerope.NORM,
+                                    0.5 if residual is None else float(residual))
+        want += int(kept.sum())
+    log.clear()
+    with Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain="centred"):
+        got, total = _kept_logged()
+    assert total == n_layer * mean.shape[0] * mean.shape[1] // 2
+    assert got == want, (got, want, total)
+    if residual == "0":
+        assert got == total
+
+
+@pytest.mark.parametrize("env,value,msg", [("PYKVQ_K_DOMAIN", "sideways", "expected auto, post, pre or centred"),
+                                           ("PYKVQ_K_CENTRE_RESIDUAL", "half", "expected a number >= 0"),
+                                           ("PYKVQ_K_CENTRE_RESIDUAL", "0.5x", "expected a number >= 0"),
+                                           ("PYKVQ_K_CENTRE_RESIDUAL", "-1", "expected a number >= 0")])
+def test_bad_domain_settings_are_refused(smol_pre, monkeypatch, env, value, msg):
+    """A misspelt key-domain setting is an error naming the variable and what it takes, not a silent default."""
+    monkeypatch.setenv(env, value)
+    dom = "centred" if env == "PYKVQ_K_CENTRE_RESIDUAL" else None
+    with pytest.raises(PykvqError, match=rf"{env} = '{value}': {msg}"):
+        Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain=dom)

@@ -82,3 +82,22 @@ def centred(kd: np.ndarray, mean: np.ndarray, pos: np.ndarray, w: np.ndarray, mo
     attention uses, H R(p)k (float64). mean [n_head_kv, D]: the kept pairs, zero elsewhere."""
     m = np.broadcast_to(mean.astype(np.float64), (len(pos),) + mean.shape)
     return kd.astype(np.float64) + block_rotate(rope(m, pos, w, mode, n_dims, mscale), n_rot_h)
+
+
+def centre_pairs(mean: np.ndarray, var: np.ndarray | None, n_dims: int, mode: int, residual: float = 0.5) -> np.ndarray:
+    """Which pairs of the mean a centred cache keeps (llama_kvq_centre_pairs): per KV head the largest by energy
+    m_a² + m_b² until the energy left is at most residual × the head's summed variance (var: the squared std
+    scales, [n_head_kv, D]; None: every pair with a mean). mean [n_head_kv, D] -> kept [n_head_kv, n_dims/2]."""
+    a, b = pair_index(n_dims, mode)
+    m = mean.astype(np.float64)
+    e = m[:, a] ** 2 + m[:, b] ** 2
+    allowed = np.zeros(len(m)) if var is None else residual * var.astype(np.float64).sum(axis=1)
+    kept = np.zeros(e.shape, bool)
+    for h in range(len(m)):
+        left = e[h].sum()
+        for i in np.argsort(-e[h], kind="stable"):
+            if left <= allowed[h] or e[h, i] == 0.0:
+                break
+            kept[h, i] = True
+            left -= e[h, i]
+    return kept
