@@ -109,7 +109,7 @@ def test_decode_matches_reference(kt, vt, mode, rot):
 @pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
 def test_decode_consecutive_tiles(D, n_dims, rot, mode):
     """Decode (3 tokens x G = 3 rows) over 1500 consecutive cells starting at position 20000: Q turned
-    back by each tile's position (advanced tile to tile, re-anchored every 16 tiles), keys by their
+    back by each tile's position (advanced tile to tile from an exact anchor), keys by their
     offset in the tile from a per-head table; the fused path (full rotary) and the table path
     (partial rotary), per-head frequencies and mscale."""
     out, ref = run_prerope_fa("q4_0", "q8_0", mode=mode, n_dims=n_dims, D=D, N=3, n_kv=1500, H=6, Hkv=2,
@@ -136,14 +136,18 @@ def test_prefill_partial_rotary_per_head_freqs(mode):
 
 
 def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, seed=0, start=None):
+                   rot=0, seed=0, start=None, pairs=None, n_threads=2):
     """FA over a centred post-RoPE cache (ggml_kvq_fa_set_centred) against attention over H R(p)k rebuilt in
-    float64 (prerope.centred): the stored rows plus the mean's kept pairs rotated at each cell's position."""
+    float64 (prerope.centred): the stored rows plus the mean's kept pairs rotated at each cell's position.
+    pairs: the pairs with a mean (default: 40% of them at random)."""
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
     mean = (rng.standard_normal((Hkv, D)) * 20).astype(np.float32)
     a, b = prerope.pair_index(n_dims, mode)
     drop = rng.random((Hkv, n_dims // 2)) < 0.6          # the pairs the runtime would not keep
+    if pairs is not None:
+        drop[:] = True
+        drop[:, pairs] = False
     for h in range(Hkv):
         mean[h, a[drop[h]]] = mean[h, b[drop[h]]] = 0.0
     mean[:, n_dims:] = 0.0
@@ -157,7 +161,7 @@ def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
         g.L.ggml_kvq_fa_set_centred(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
                                     g.tensor("f32", n_dims // 2, Hkv, data=w), n_dims, mode, mscale, rot)
         assert g.L.ggml_kvq_fa_is_centred(fa)
-        g.compute(fa, n_threads=2)
+        g.compute(fa, n_threads=n_threads)
         out = g.f32(fa).reshape(S, N, H, D)
     finally:
         g.close()
@@ -180,10 +184,30 @@ def test_centred_decode_matches_reference(kt, vt, mode, rot):
                                                (128, 96, 32, prerope.NORM), (64, 40, 0, prerope.NEOX)])
 def test_centred_consecutive_tiles(D, n_dims, rot, mode):
     """Decode over 1500 consecutive cells from position 20000: the coefficients turned by each tile's
-    position (advanced tile to tile, re-anchored every 16 tiles), cos/sin of the offsets from a table;
+    position (advanced tile to tile from an exact anchor), cos/sin of the offsets from a table (its low-rank form);
     per-head frequencies, mscale, partial rotary."""
     out, ref = run_centred_fa("q4_0", "q8_0", mode=mode, n_dims=n_dims, D=D, N=3, n_kv=1500, mscale=1.1,
                               per_head=True, rot=rot, start=20000)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("pairs", [[0, 1, 2], list(range(32))])
+def test_centred_tile_forms(pairs):
+    """A head's mean scores over a consecutive tile come from the table of cos/sin(t w) (a few fast pairs: the
+    table is cheaper) or from its low-rank form (every pair: rank 21 of 64 rows); the default 40% of the pairs in
+    the tests above take the low-rank form too."""
+    out, ref = run_centred_fa("q4_0", "q8_0", mode=prerope.NORM, n_dims=64, D=64, N=3, n_kv=700, rot=64,
+                              start=5000, pairs=pairs)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("centred", [False, True])
+def test_long_run_is_re_anchored(centred):
+    """18000 consecutive cells from position 100000 in one KV chunk (one thread): the tile-to-tile turn runs 256
+    tiles, is re-anchored exactly (fa_tile_anchor, FA_ANCHOR_STEPS) and runs on; both key domains."""
+    run = run_centred_fa if centred else run_prerope_fa
+    out, ref = run("q4_0", "q8_0", mode=prerope.NEOX, n_dims=64, D=64, N=1, n_kv=18000, H=2, Hkv=1, rot=64,
+                   start=100000, n_threads=1)
     assert rel_err(out, ref) < 1e-4
 
 

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -550,16 +551,17 @@ const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int6
 
 // the tile's cells hold positions pos[0], pos[0]+1, ..., pos[0]+n-1
 inline bool fa_consecutive(const int32_t * pos, int64_t n) {
+    int32_t off = 0;        // no early exit: the compiler vectorizes the loop (it runs once per tile)
     for (int64_t t = 1; t < n; ++t) {
-        if (pos[t] != pos[0] + t) {
-            return false;
-        }
+        off |= pos[t] ^ (pos[0] + (int32_t) t);
     }
-    return true;
+    return off == 0;
 }
 
 // cos/sin(p0 w) per pair of a tile starting at position p0: exactly, or the previous tile's turned by one
-// tile (c64, s64: cos/sin(FA_TILE_KV w)) when p0 follows it, re-anchored exactly every 16 tiles.
+// tile (c64, s64: cos/sin(FA_TILE_KV w)) when p0 follows it, re-anchored exactly every FA_ANCHOR_STEPS tiles
+// (the double recurrence drifts by ~1e-16 a step; cos/sin of every pair every 16 tiles cost 4% of decode).
+constexpr int FA_ANCHOR_STEPS = 256;
 // idx: the pairs' indices into w (nullptr: pairs 0..n-1).
 struct fa_tile_anchor {
     int32_t p0 = INT32_MIN;
@@ -567,7 +569,7 @@ struct fa_tile_anchor {
 
     void at(int32_t p, int n, const float * w, const int * idx, const double * c64, const double * s64,
             double * c, double * s) {
-        if (p0 != INT32_MIN && p == p0 + FA_TILE_KV && steps < 16) {
+        if (p0 != INT32_MIN && p == p0 + FA_TILE_KV && steps < FA_ANCHOR_STEPS) {
             for (int j = 0; j < n; ++j) {
                 const double cn = c[j]*c64[j] - s[j]*s64[j];
                 s[j] = s[j]*c64[j] + c[j]*s64[j];
@@ -713,20 +715,136 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
 //   q_r·R(p)m = sum over pairs j with a mean of  al_rj cos(p w_j) + be_rj sin(p w_j),
 //   al = q_a m_a + q_b m_b, be = q_b m_a - q_a m_b (q unrotated: H q turned back; m times mscale).
 // For a tile of consecutive positions p0 + t the coefficients turn by p0 once per tile and the
-// cos/sin of t come from a per-head table (rebuilt only when the pairs or their frequencies change);
-// other tiles take exact cos/sin per key.
+// cos/sin of t come from a per-head table T; other tiles take exact cos/sin per key.
+
+// What depends only on a head's kept pairs and their frequencies, built once per thread and head: the
+// relative table T [2 np][FA_TILE_KV] (cos, sin of t w_j), one tile's turn, and T's low-rank form
+// T ~ P B: B holds r orthonormal rows over the tile's offsets, P [2 np][rp] (pivoted Gram-Schmidt, stopped
+// when no entry of T - P B exceeds FA_CENTRED_TOL). Slow pairs hardly change over 64 offsets and fast
+// ones share directions, so r is about 8.5 per head where 2 np is 18 (SmolLM2) or 27 (Qwen2.5): a tile's
+// mean scores then cost r FMAs per key and row (after 2 np x rp per row and tile) instead of 2 np.
+constexpr double FA_CENTRED_TOL = 1e-6;     // |cos|, |sin| <= 1: the float table itself is good to 6e-8
+
+struct fa_centred_head {
+    std::vector<int> pair;
+    std::vector<float> w;
+    std::vector<float> tab;          // T
+    std::vector<double> c64, s64;    // [np] cos/sin(FA_TILE_KV w): the turn of one tile
+    int r = 0, rp = 0;               // rank of the low-rank form (0: T itself is cheaper), r rounded up to 8
+    std::vector<float> B, P;         // [r][FA_TILE_KV], [2 np][rp]
+};
+
+void fa_centred_head_build(fa_centred_head & h, const int * pair, const float * w, int np) {
+    h.pair.assign(pair, pair + np);
+    h.w.assign(w, w + np);
+    h.tab.resize(2*np*FA_TILE_KV);
+    h.c64.resize(np);
+    h.s64.resize(np);
+    std::vector<double> res(2*np*FA_TILE_KV);    // T in double, then what the basis leaves of it
+    for (int j = 0; j < np; ++j) {
+        const double c1 = cos((double) w[j]), s1 = sin((double) w[j]);
+        double ct = 1.0, st = 0.0;
+        for (int t = 0; t < FA_TILE_KV; ++t) {
+            res[j*FA_TILE_KV + t]        = ct;
+            res[(np + j)*FA_TILE_KV + t] = st;
+            h.tab[j*FA_TILE_KV + t]        = (float) ct;
+            h.tab[(np + j)*FA_TILE_KV + t] = (float) st;
+            const double cn = ct*c1 - st*s1;
+            st = st*c1 + ct*s1;
+            ct = cn;
+        }
+        h.c64[j] = ct;
+        h.s64[j] = st;
+    }
+    const int m = 2*np;
+    std::vector<double> B, P(m*FA_TILE_KV, 0.0);
+    int r = 0;
+    for (; r < FA_TILE_KV; ++r) {
+        int best = -1;
+        double best_n2 = 0.0, worst = 0.0;
+        for (int i = 0; i < m; ++i) {
+            double n2 = 0.0;
+            for (int t = 0; t < FA_TILE_KV; ++t) {
+                n2 += res[i*FA_TILE_KV + t]*res[i*FA_TILE_KV + t];
+                worst = std::max(worst, fabs(res[i*FA_TILE_KV + t]));
+            }
+            if (n2 > best_n2) {
+                best_n2 = n2;
+                best = i;
+            }
+        }
+        if (worst <= FA_CENTRED_TOL) {
+            break;
+        }
+        const double inv = 1.0/sqrt(best_n2);
+        B.resize((r + 1)*FA_TILE_KV);
+        double * q = B.data() + r*FA_TILE_KV;
+        for (int t = 0; t < FA_TILE_KV; ++t) {
+            q[t] = res[best*FA_TILE_KV + t]*inv;
+        }
+        for (int i = 0; i < m; ++i) {
+            double d = 0.0;
+            for (int t = 0; t < FA_TILE_KV; ++t) {
+                d += res[i*FA_TILE_KV + t]*q[t];
+            }
+            P[i*FA_TILE_KV + r] = d;
+            for (int t = 0; t < FA_TILE_KV; ++t) {
+                res[i*FA_TILE_KV + t] -= d*q[t];
+            }
+        }
+    }
+    const int rp = (r + 7)/8*8;
+    // per row and tile: 2 np x rp to gather the coefficients, r x FA_TILE_KV to score; the table: 2 np x FA_TILE_KV
+    if ((r > 0 && rp*m + r*FA_TILE_KV >= m*FA_TILE_KV)) {
+        r = 0;
+    }
+    h.r = r;
+    h.rp = r ? rp : 0;
+    h.B.assign(B.begin(), B.begin() + r*FA_TILE_KV);
+    h.P.assign(m*h.rp, 0.0f);
+    for (int i = 0; i < m && r; ++i) {
+        for (int k = 0; k < r; ++k) {
+            h.P[i*h.rp + k] = (float) P[i*FA_TILE_KV + k];
+        }
+    }
+}
+
+// this thread's fa_centred_head for the pairs (pair, w): the KV heads of every layer, each built once
+const fa_centred_head & fa_centred_head_for(const int * pair, const float * w, int np) {
+    thread_local std::unordered_map<uint64_t, fa_centred_head> heads;
+    uint64_t key = 1469598103934665603ull ^ (uint64_t) np;
+    for (int j = 0; j < np; ++j) {
+        uint32_t wb;
+        memcpy(&wb, w + j, sizeof(wb));
+        key = (key ^ (uint64_t) pair[j]) * 1099511628211ull;
+        key = (key ^ wb) * 1099511628211ull;
+    }
+    auto it = heads.find(key);
+    if (it != heads.end() && it->second.pair.size() == (size_t) np &&
+        std::equal(pair, pair + np, it->second.pair.begin()) && std::equal(w, w + np, it->second.w.begin())) {
+        return it->second;
+    }
+    if (heads.size() >= 4096) {     // a bound for processes that load many models
+        heads.clear();
+    }
+    fa_centred_head & h = heads[key];
+    fa_centred_head_build(h, pair, w, np);
+    return h;
+}
+
 struct fa_centred {
     int np = 0;                      // pairs with a non-zero mean in this head
     std::vector<int> pair;
+    std::vector<float> w;            // their frequencies
     std::vector<double> c0, s0;      // cos/sin(p0 w) of the current tile (anchor)
     fa_tile_anchor anchor;
     std::vector<float> cc, ss;       // c0, s0 in float
-    std::vector<float> tab, tab_w;   // the relative table [2 np][FA_TILE_KV], the frequencies it was built for
-    std::vector<int> tab_pair;       // and its pairs: the KV chunks of one head reuse it
-    std::vector<double> c64, s64;    // [np] cos/sin(FA_TILE_KV w): the turn of one tile, built with the table
+    std::vector<float> g;            // one row's weights of the table's (or B's) rows
+    std::vector<float> ab;           // one row's coefficients turned by the tile's position
+    const fa_centred_head * head = nullptr;
 };
 
-// coefficients of every row (coef: [R][2 np]) and the relative table (c.tab: [2 np][FA_TILE_KV])
+// coefficients of every row (coef: [R][2 np]) and this head's table (c.head)
 void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const float * Q, int64_t R, float * qtmp,
                       float * coef, fa_centred & c) {
     const float * mu = pr.mean + ik2*DK;
@@ -736,12 +854,16 @@ void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const floa
     c.c0.resize(pr.n_dims/2);
     c.s0.resize(pr.n_dims/2);
     c.pair.resize(pr.n_dims/2);
+    c.w.resize(pr.n_dims/2);
     c.cc.resize(pr.n_dims/2);
     c.ss.resize(pr.n_dims/2);
+    c.g.resize(std::max(pr.n_dims, FA_TILE_KV));
+    c.ab.resize(pr.n_dims);
     for (int i = 0; i < pr.n_dims/2; ++i) {
         int a, b;
         fa_rope_pair(pr, i, &a, &b);
         if (mu[a] != 0.0f || mu[b] != 0.0f) {
+            c.w[c.np] = w[i];
             c.pair[c.np++] = i;
         }
     }
@@ -765,32 +887,34 @@ void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const floa
             be[j] = q[b]*ma - q[a]*mb;
         }
     }
-    bool same = (int) c.tab_pair.size() == np;
-    for (int j = 0; j < np && same; ++j) {
-        same = c.tab_pair[j] == c.pair[j] && c.tab_w[j] == w[c.pair[j]];
-    }
-    if (same) {
-        return;
-    }
-    c.tab.resize(2*np*FA_TILE_KV);
-    c.tab_pair.assign(c.pair.begin(), c.pair.begin() + np);
-    c.tab_w.resize(np);
-    c.c64.resize(np);
-    c.s64.resize(np);
-    for (int j = 0; j < np; ++j) {
-        c.tab_w[j] = w[c.pair[j]];
-        const double c1 = cos((double) w[c.pair[j]]), s1 = sin((double) w[c.pair[j]]);
-        double ct = 1.0, st = 0.0;
-        for (int t = 0; t < FA_TILE_KV; ++t) {
-            c.tab[j*FA_TILE_KV + t]        = (float) ct;
-            c.tab[(np + j)*FA_TILE_KV + t] = (float) st;
-            const double cn = ct*c1 - st*s1;
-            st = st*c1 + ct*s1;
-            ct = cn;
+    c.head = np ? &fa_centred_head_for(c.pair.data(), c.w.data(), np) : nullptr;
+}
+
+// g[0..rp) = sum over i < m of ab[i] P[i][0..rp): 8 weights per pass, held in registers through every pair
+inline void fa_centred_weights(const float * GGML_RESTRICT ab, const float * GGML_RESTRICT P, int m, int rp,
+                               float * GGML_RESTRICT g) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int k = 0; k < rp; k += 8) {
+        __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();    // two chains: half the FMA latency
+        int i = 0;
+        for (; i + 1 < m; i += 2) {
+            x = _mm256_fmadd_ps(_mm256_set1_ps(ab[i]),     _mm256_loadu_ps(P + i*rp + k),       x);
+            y = _mm256_fmadd_ps(_mm256_set1_ps(ab[i + 1]), _mm256_loadu_ps(P + (i + 1)*rp + k), y);
         }
-        c.c64[j] = ct;
-        c.s64[j] = st;
+        if (i < m) {
+            x = _mm256_fmadd_ps(_mm256_set1_ps(ab[i]), _mm256_loadu_ps(P + i*rp + k), x);
+        }
+        _mm256_storeu_ps(g + k, _mm256_add_ps(x, y));
     }
+#else
+    for (int k = 0; k < rp; ++k) {
+        float x = 0.0f;
+        for (int i = 0; i < m; ++i) {
+            x += ab[i]*P[i*rp + k];
+        }
+        g[k] = x;
+    }
+#endif
 }
 
 // S (R x n) += each row's mean scores for the tile's keys at positions pos[0..n)
@@ -800,12 +924,13 @@ void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const i
     if (np == 0) {
         return;
     }
+    const fa_centred_head & h = *c.head;
     const float * w = pr.freqs + ik2*(pr.n_dims/2);
-    const float * T = c.tab.data();
+    const float * T = h.tab.data();
     float * cc = c.cc.data(), * ss = c.ss.data();
     const bool rel = fa_consecutive(pos, n);
     if (rel) {
-        c.anchor.at(pos[0], np, w, c.pair.data(), c.c64.data(), c.s64.data(), c.c0.data(), c.s0.data());
+        c.anchor.at(pos[0], np, w, c.pair.data(), h.c64.data(), h.s64.data(), c.c0.data(), c.s0.data());
         for (int j = 0; j < np; ++j) {
             cc[j] = (float) c.c0[j];
             ss[j] = (float) c.s0[j];
@@ -813,7 +938,7 @@ void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const i
     } else {
         for (int j = 0; j < np; ++j) {
             for (int64_t t = 0; t < n; ++t) {
-                const double th = (double) pos[t]*w[c.pair[j]];
+                const double th = (double) pos[t]*c.w[j];
                 exact[j*FA_TILE_KV + t]        = (float) cos(th);
                 exact[(np + j)*FA_TILE_KV + t] = (float) sin(th);
             }
@@ -821,23 +946,42 @@ void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const i
         T = exact;
         c.anchor.p0 = INT32_MIN;
     }
+    // the low-rank form: rows of B instead of T's, each weighted by g = the turned coefficients times P
+    const bool low = rel && h.r > 0;
+    const int nb = low ? h.r : 2*np;
+    float * g = c.g.data();
     for (int64_t r = 0; r < R; ++r) {
         const float * al = coef + r*2*np, * be = al + np;
         float * GGML_RESTRICT sr = S + r*n;
+        const float * rows = T;
+        if (low) {
+            // al cos(p0 w + t w) + be sin(p0 w + t w) = (al c0 + be s0) cos(t w) + (be c0 - al s0) sin(t w)
+            float * GGML_RESTRICT ab = c.ab.data();
+            for (int j = 0; j < np; ++j) {
+                ab[j]      = al[j]*cc[j] + be[j]*ss[j];
+                ab[np + j] = be[j]*cc[j] - al[j]*ss[j];
+            }
+            fa_centred_weights(ab, h.P.data(), 2*np, h.rp, g);
+            rows = h.B.data();
+        } else {
+            for (int j = 0; j < np; ++j) {
+                g[j]      = rel ? al[j]*cc[j] + be[j]*ss[j] : al[j];
+                g[np + j] = rel ? be[j]*cc[j] - al[j]*ss[j] : be[j];
+            }
+        }
 #if defined(__AVX2__) && defined(__FMA__)
-        if (n == FA_TILE_KV) {      // a whole tile: the row's 64 scores stay in registers through every pair
+        if (n == FA_TILE_KV) {      // a whole tile: the row's 64 scores stay in registers through every basis row
             __m256 acc[FA_TILE_KV/8];
             #pragma GCC unroll 8
             for (int i = 0; i < FA_TILE_KV/8; ++i) {
                 acc[i] = _mm256_loadu_ps(sr + 8*i);
             }
-            for (int j = 0; j < np; ++j) {
-                const __m256 a = _mm256_set1_ps(rel ? al[j]*cc[j] + be[j]*ss[j] : al[j]);
-                const __m256 b = _mm256_set1_ps(rel ? be[j]*cc[j] - al[j]*ss[j] : be[j]);
-                const float * ct = T + j*FA_TILE_KV, * st = T + (np + j)*FA_TILE_KV;
+            for (int k = 0; k < nb; ++k) {
+                const __m256 a = _mm256_set1_ps(g[k]);
+                const float * bk = rows + k*FA_TILE_KV;
                 #pragma GCC unroll 8
                 for (int i = 0; i < FA_TILE_KV/8; ++i) {
-                    acc[i] = _mm256_fmadd_ps(a, _mm256_loadu_ps(ct + 8*i), _mm256_fmadd_ps(b, _mm256_loadu_ps(st + 8*i), acc[i]));
+                    acc[i] = _mm256_fmadd_ps(a, _mm256_loadu_ps(bk + 8*i), acc[i]);
                 }
             }
             #pragma GCC unroll 8
@@ -847,13 +991,11 @@ void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const i
             continue;
         }
 #endif
-        for (int j = 0; j < np; ++j) {
-            // al cos(p0 w + t w) + be sin(p0 w + t w) = (al c0 + be s0) cos(t w) + (be c0 - al s0) sin(t w)
-            const float a = rel ? al[j]*cc[j] + be[j]*ss[j] : al[j];
-            const float b = rel ? be[j]*cc[j] - al[j]*ss[j] : be[j];
-            const float * GGML_RESTRICT ct = T + j*FA_TILE_KV, * GGML_RESTRICT st = T + (np + j)*FA_TILE_KV;
+        for (int k = 0; k < nb; ++k) {
+            const float gk = g[k];
+            const float * GGML_RESTRICT bk = rows + k*FA_TILE_KV;
             for (int64_t t = 0; t < n; ++t) {
-                sr[t] += a*ct[t] + b*st[t];
+                sr[t] += gk*bk[t];
             }
         }
     }
