@@ -17,6 +17,10 @@ K rows (V f32):
 V rows (K f32): upstream's online V Hadamard stays on; "- mean" subtracts a calibrated per-layer,
   head, channel V mean before the cache (it comes back as one add on the attention output).
 
+A NEOX-layout model (qwen2) runs too; its K rows quantize blocks of the NORM order the study works in,
+not of the file's NEOX order the runtime quantizes (another grouping of channels into blocks and Hadamards):
+close to the runtime, not the same. Its V rows are exact (V is in the file's order).
+
 Writes OUT.json and OUT.md. Cost on 2 CPU cores: under a minute of calibration (cached under
 $PYKVQ_CACHE/calib/stats) plus 1-2.5 s per window and row: about 16 min for the 25 rows at 16 windows
 (use --threads 1 when the cores are shared; --only re-runs some rows into an existing JSON).
@@ -64,10 +68,9 @@ class Study:
         from pykvq.registry import fetch
         torch.set_num_threads(threads)
         gguf = fetch(model)
-        self.g = geometry(read_gguf(gguf))
-        if self.g.layout != "norm":
-            raise SystemExit("this study handles NORM-layout (llama) models; the file layout of a NEOX model "
-                             "would need the re-layout first")
+        # the study works in the NORM order whatever the model's file layout: the hooks take HF channels to it
+        # (hf_to_norm) and the calibration statistics are computed in it (cache_domain.Domain's default layout)
+        self.g = geometry(read_gguf(gguf)).with_layout("norm")
         self.hf = hf_checkpoint(gguf)
         text, source = calibration_text("canterbury")
         t0 = time.time()
@@ -85,8 +88,9 @@ class Study:
     # --- wiring: K before RoPE (k_proj output), K after RoPE (apply_rotary_pos_emb), V (v_proj output)
     def _hook(self):
         import torch
-        import transformers.models.llama.modeling_llama as ml
         g, study = self.g, self
+        # the model's own modeling module (llama, qwen2, ...): its attention calls that module's apply_rotary_pos_emb
+        ml = sys.modules[type(self.model.model.layers[0].self_attn).__module__]
         for i, layer in enumerate(self.model.model.layers):
             att = layer.self_attn
             att.register_forward_pre_hook(lambda _m, _a, i=i: setattr(study, "layer", i))
@@ -251,16 +255,20 @@ def main(argv=None) -> int:
             x = cache_domain.keys(c, i, g, dom)
             out.append(codebook.fit(x.x, x.fisher, qtype, "fisher", q_norm=True))
         return out
-    t0 = time.time()
-    cb_post = fit_cbs(cache_domain.Domain(rot_k=True))
-    cb_pre = {}
-    for name in ("std", "absmax"):
-        cb_pre[name] = []
-        for i in range(n_layer):
-            d = cache_domain.Domain(k_prerope=True, k_mean=stats[name][i][0], k_div=stats[name][i][1])
-            x = cache_domain.keys(c, i, g, d)
-            cb_pre[name].append(codebook.fit(x.x, x.fisher, "nuq4", "fisher", q_norm=True))
-    print(f"nuq4 codebooks fitted in both domains: {time.time() - t0:.0f} s", flush=True)
+    def selected(label):
+        return not args.only or any(t in label for t in args.only.split(","))
+
+    cb_post, cb_pre = None, {}
+    if selected("Fisher codebook"):
+        t0 = time.time()
+        cb_post = fit_cbs(cache_domain.Domain(rot_k=True))
+        for name in ("std", "absmax"):
+            cb_pre[name] = []
+            for i in range(n_layer):
+                d = cache_domain.Domain(k_prerope=True, k_mean=stats[name][i][0], k_div=stats[name][i][1])
+                x = cache_domain.keys(c, i, g, d)
+                cb_pre[name].append(codebook.fit(x.x, x.fisher, "nuq4", "fisher", q_norm=True))
+        print(f"nuq4 codebooks fitted in both domains: {time.time() - t0:.0f} s", flush=True)
 
     rows = [
         ("K", "post-RoPE q8_0 + online Hadamard", 8.5, dict(k_post=post("q8_0", 64))),
@@ -296,9 +304,9 @@ def main(argv=None) -> int:
          dict(k_post=post("nuq4", 64, cb_post))),
         ("K", "pre-RoPE nuq4, (x - mean) / std, fallback codebook", 4.5, dict(k_pre=pre("nuq4", "std"))),
         ("K", "pre-RoPE nuq4, (x - mean) / std, Fisher codebook", 4.5,
-         dict(k_pre=pre("nuq4", "std", cbs=cb_pre["std"]))),
+         dict(k_pre=pre("nuq4", "std", cbs=cb_pre.get("std")))),
         ("K", "pre-RoPE nuq4, (x - mean) / max |x - mean|, Fisher codebook", 4.5,
-         dict(k_pre=pre("nuq4", "absmax", cbs=cb_pre["absmax"]))),
+         dict(k_pre=pre("nuq4", "absmax", cbs=cb_pre.get("absmax")))),
         ("V", "q4_0 + online Hadamard (stock default)", 4.5, dict(v=vq("q4_0", False))),
         ("V", "q4_0 + online Hadamard, minus V mean", 4.5, dict(v=vq("q4_0", True))),
         ("V", "q4_0 + online Hadamard, minus V mean except the window's first token (diagnostic)", 4.5,
@@ -313,7 +321,7 @@ def main(argv=None) -> int:
         old = {(r["cache"], r["setting"]): r for r in json.loads((out.parent / f"{stem}.json").read_text())["rows"]}
     results = []
     for which, label, bits, kw in rows:
-        if args.only and not any(t in label for t in args.only.split(",")):
+        if not selected(label):
             if (which, label) in old:
                 results.append(old[(which, label)])
             continue

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Decode speed at depth of several caches of one file, measured interleaved in one process.
+
+    python scripts/decode_bench.py FILE [--depths 8192,16384] [--caches f16,q4_0:post,q4_0:centred,q4_0:auto]
+                                        [--rounds 8] [--tokens 16] [--prefill 512] [--threads 2]
+
+llama-bench runs one cache after another; on a shared machine whole runs then move by 20% and a ratio
+of two runs says little. Here every cache (TYPE[:K_DOMAIN], K and V of the type; see Model(k_domain=)) gets
+its own context, prefilled once to each depth with the same WikiText-2 text; then each round decodes
+--tokens tokens in every context in turn (and removes them again), so a slow spell of the machine falls
+on all of them alike. With --prefill P each round also times a batch of P tokens at the depth (prefill at
+depth). Printed: median tokens/s per cache and the median over rounds of each cache's ratios to the first
+and to the second.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pykvq import Model  # noqa: E402
+from pykvq.data import wikitext_test  # noqa: E402
+
+
+def report(what: str, names: list[str], tps: np.ndarray) -> None:
+    """Median tokens/s per cache, and the median over rounds of its ratio to the first and the second cache."""
+    j = min(1, len(names) - 1)
+    r1, r2 = tps / tps[:, :1], tps / tps[:, j:j + 1]
+    print(f"  {what}:")
+    for i, name in enumerate(names):
+        print(f"  {name:16s} {np.median(tps[:, i]):8.2f} tok/s   x{np.median(r1[:, i]):.3f} of {names[0]}"
+              f"   x{np.median(r2[:, i]):.3f} of {names[j]}   (rounds, of {names[j]}: {np.round(r2[:, i], 2).tolist()})",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--depths", default="8192,16384")
+    ap.add_argument("--caches", default="f16,q4_0:post,q4_0:centred,q4_0:auto",
+                    help="TYPE[:K_DOMAIN], comma-separated; ratios are to the first and the second")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens decoded per context and round")
+    ap.add_argument("--prefill", type=int, default=0, help="also time a batch of this many tokens per round")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+    caches = [c.split(":") + ([None] if ":" not in c else []) for c in args.caches.split(",")]
+    n_ctx = max(depths) + max(args.tokens, args.prefill) + 16
+
+    models = []
+    for t, dom in caches:
+        models.append(Model(args.file, n_ctx=n_ctx, cache_type_k=t, cache_type_v=t, flash_attn=True,
+                            n_threads=args.threads, k_domain=dom, n_batch=512))
+    toks = models[0].tokenize(wikitext_test())
+    need = max(depths) + max(args.tokens, args.prefill)
+    if len(toks) < need:
+        raise SystemExit(f"the text has {len(toks)} tokens, need {need}")
+    names = [f"{t}" + (f" {dom}" if dom else "") for t, dom in caches]
+    print(f"{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds x {args.tokens} tokens per cache")
+    filled = 0
+    for d in depths:
+        t0 = time.time()
+        for m in models:
+            for p in range(filled, d, 512):
+                m.decode(toks[p:min(p + 512, d)], p)
+        filled = d
+        print(f"depth {d}: prefilled in {time.time() - t0:.0f} s", flush=True)
+        tps = np.zeros((args.rounds, len(models)))
+        pps = np.zeros((args.rounds, len(models)))
+        for r in range(args.rounds):
+            for i, m in enumerate(models):
+                t0 = time.perf_counter()
+                for k in range(args.tokens):
+                    m.decode(toks[d + k:d + k + 1], d + k)
+                tps[r, i] = args.tokens / (time.perf_counter() - t0)
+                m.seq_rm(d, -1)
+                if args.prefill:
+                    t0 = time.perf_counter()
+                    m.decode(toks[d:d + args.prefill], d)
+                    pps[r, i] = args.prefill / (time.perf_counter() - t0)
+                    m.seq_rm(d, -1)
+        report(f"decode, {args.tokens} tokens one by one", names, tps)
+        if args.prefill:
+            report(f"prefill, a batch of {args.prefill}", names, pps)
+    for m in models:
+        m.close()
+
+
+if __name__ == "__main__":
+    main()
