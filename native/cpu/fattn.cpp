@@ -728,7 +728,7 @@ constexpr double FA_CENTRED_TOL = 1e-6;     // |cos|, |sin| <= 1: the float tabl
 struct fa_centred_head {
     std::vector<int> pair;
     std::vector<float> w;
-    std::vector<float> tab;          // T
+    std::vector<float> tab;          // T (kept only without the low-rank form)
     std::vector<double> c64, s64;    // [np] cos/sin(FA_TILE_KV w): the turn of one tile
     int r = 0, rp = 0;               // rank of the low-rank form (0: T itself is cheaper), r rounded up to 8
     std::vector<float> B, P;         // [r][FA_TILE_KV], [2 np][rp]
@@ -800,6 +800,9 @@ void fa_centred_head_build(fa_centred_head & h, const int * pair, const float * 
     }
     h.r = r;
     h.rp = r ? rp : 0;
+    if (r) {
+        std::vector<float>().swap(h.tab);      // the low-rank form replaces it (other tiles use exact cos/sin)
+    }
     h.B.assign(B.begin(), B.begin() + r*FA_TILE_KV);
     h.P.assign(m*h.rp, 0.0f);
     for (int i = 0; i < m && r; ++i) {
