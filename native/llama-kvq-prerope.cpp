@@ -169,7 +169,7 @@ ggml_tensor * llama_kvq_centred_store(ggml_context * ctx, ggml_tensor * k_rope, 
 
 int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> & var, int64_t DK, int64_t n_head_kv,
                            int n_dims, bool neox) {
-    // PYKVQ_K_CENTRE_RESIDUAL (>= 0) trades the mean's scores (2 FMAs per kept pair, row and key) for quality
+    // PYKVQ_K_CENTRE_RESIDUAL (>= 0) trades the mean's scores (their cost grows with the kept pairs) for quality
     const char * env = getenv("PYKVQ_K_CENTRE_RESIDUAL");
     char * end = nullptr;
     const double tau = env ? strtod(env, &end) : LLAMA_KVQ_CENTRE_RESIDUAL;

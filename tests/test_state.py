@@ -263,15 +263,7 @@ def _model(files, spec):
     name, kw = spec
     kw = dict(kw)
     domain = kw.pop("_domain", "auto")
-    old = os.environ.get("PYKVQ_K_DOMAIN")
-    os.environ["PYKVQ_K_DOMAIN"] = domain
-    try:
-        return Model(files[name], **{**KW, **kw})
-    finally:
-        if old is None:
-            os.environ.pop("PYKVQ_K_DOMAIN")
-        else:
-            os.environ["PYKVQ_K_DOMAIN"] = old
+    return Model(files[name], k_domain=domain, **{**KW, **kw})
 
 
 @pytest.mark.parametrize("what", list(MISMATCHES))

@@ -795,7 +795,7 @@ void fa_centred_head_build(fa_centred_head & h, const int * pair, const float * 
     }
     const int rp = (r + 7)/8*8;
     // per row and tile: 2 np x rp to gather the coefficients, r x FA_TILE_KV to score; the table: 2 np x FA_TILE_KV
-    if ((r > 0 && rp*m + r*FA_TILE_KV >= m*FA_TILE_KV)) {
+    if (r > 0 && rp*m + r*FA_TILE_KV >= m*FA_TILE_KV) {
         r = 0;
     }
     h.r = r;
@@ -921,19 +921,18 @@ inline void fa_centred_weights(const float * GGML_RESTRICT ab, const float * GGM
 }
 
 // S (R x n) += each row's mean scores for the tile's keys at positions pos[0..n)
-void fa_centred_bias(const fa_prerope & pr, int64_t ik2, fa_centred & c, const int32_t * pos, int64_t R, int64_t n,
-                     const float * coef, float * exact, float * S) {
+void fa_centred_bias(fa_centred & c, const int32_t * pos, int64_t R, int64_t n, const float * coef, float * exact,
+                     float * S) {
     const int np = c.np;
     if (np == 0) {
         return;
     }
     const fa_centred_head & h = *c.head;
-    const float * w = pr.freqs + ik2*(pr.n_dims/2);
     const float * T = h.tab.data();
     float * cc = c.cc.data(), * ss = c.ss.data();
     const bool rel = fa_consecutive(pos, n);
     if (rel) {
-        c.anchor.at(pos[0], np, w, c.pair.data(), h.c64.data(), h.s64.data(), c.c0.data(), c.s0.data());
+        c.anchor.at(pos[0], np, c.w.data(), nullptr, h.c64.data(), h.s64.data(), c.c0.data(), c.s0.data());
         for (int j = 0; j < np; ++j) {
             cc[j] = (float) c.c0[j];
             ss[j] = (float) c.s0[j];
@@ -1168,7 +1167,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             fa_dots(Qd, R, DK, s.Kf, n, s.S);
         }
         if (pr.centred) {
-            fa_centred_bias(pr, w.ik2, cen, kpos + ic, R, n, s.ccoef, s.cexact, s.S);
+            fa_centred_bias(cen, kpos + ic, R, n, s.ccoef, s.cexact, s.S);
         }
 
         // softcap, mask, online softmax; P overwrites S
