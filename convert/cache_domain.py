@@ -93,6 +93,12 @@ def prerope_keys(c: Calib, layer: int, g: Geometry, d: Domain) -> np.ndarray:
     return _k_baked(c.k[layer], g, d, grad=False).astype(np.float32)
 
 
+def prerope_key_fisher(c: Calib, layer: int, g: Geometry, d: Domain) -> np.ndarray:
+    """[n_kv, head_dim] float64: the diagonal Fisher E[(dL/dk)^2] of prerope_keys' channels (its gradients
+    through the same baked transforms)."""
+    return (_k_baked(c.gk[layer], g, d, grad=True).astype(np.float64) ** 2).mean(axis=0)
+
+
 def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
     if d.k_prerope:
         if d.k_mean is None or d.k_div is None:

@@ -63,6 +63,10 @@ class Options:
     def needs_fisher(self) -> bool:
         return self.codebook_method() != "none" or self.kv_bits is not None
 
+    def needs_gradients(self) -> bool:
+        """Whether calibration must take the loss's gradients (Fisher codebooks, budgets, the fisher K scale)."""
+        return self.needs_fisher() or self.rotate_v == "learned" or (self.prerope_k and self.prerope_scale == "fisher")
+
     def check_learning(self) -> None:
         """What the learned transforms cannot do (checked before calibration, to fail fast)."""
         type_k, type_v = self.resolved_types()
@@ -166,6 +170,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     method = opts.codebook_method()
     if opts.needs_fisher() and (calib is None or calib.gk is None):
         raise ConvertError("codebooks and per-layer types need Fisher calibration statistics")
+    if opts.prerope_k and opts.prerope_scale == "fisher" and calib.gk is None:
+        raise ConvertError("--prerope-k-scale fisher needs Fisher calibration statistics (the keys' gradients)")
     for t in opts.ladder if opts.kv_bits is not None else ():
         layer_types.bits_per_value(t)
         if g.head_dim % _block(t):
@@ -244,11 +250,17 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                   rot_k=online_rot_k, rot_v=online_rot_v)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
             kp = cache_domain.prerope_keys(calib, i, g, dom)
-            mean, scale = prerope.stats(kp, opts.prerope_scale)
-            for name, arr in ((Tensors.K_MEAN.format(bid=i), mean), (Tensors.K_SCALE.format(bid=i), scale)):
+            fk = cache_domain.prerope_key_fisher(calib, i, g, dom) if opts.prerope_scale == "fisher" else None
+            mean, scale = prerope.stats(kp, opts.prerope_scale, fisher=fk)
+            std = prerope.stats(kp, "std")[1]
+            out = [(Tensors.K_MEAN, mean), (Tensors.K_SCALE, scale)]
+            if opts.prerope_scale != "std":     # the centred cache chooses its mean pairs by the std
+                out.append((Tensors.K_STD, std))
+            for fmt, arr in out:
+                name = fmt.format(bid=i)
                 m.tensors[name] = Tensor(name, QT.F32, arr)
             dom = dataclasses.replace(dom, k_prerope=True, k_mean=mean, k_div=scale)
-            _prerope_stats(rep, mean, prerope.stats(kp, "std")[1])
+            _prerope_stats(rep, mean, std)
         if opts.needs_fisher():
             _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
 

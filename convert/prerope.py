@@ -14,13 +14,17 @@ ne = [head_dim, n_head_kv]) and the key pykvq.cache.k_domain = "prerope".
 
 Scale methods (measured on calibration K in the file layout; each floored at STD_FLOOR x the
 median of its head, so that channels that hardly move are not blown up into the block's range):
+  fisher  sqrt(std) / F^(1/4), F = the channel's diagonal Fisher E[(dL/dk)^2] from the calibration's
+          gradients: the scale that minimises the Fisher-weighted key error when a Hadamard gives
+          every scaled channel the same error (below); clipped to CLIP x its head's median
   absmax  per-channel largest |k - mean| over the calibration tokens (every channel's extremes
           reach the same size, so one heavy-tailed channel no longer sets its block's scale)
   std     per-channel standard deviation around the mean
   pow2    std rounded to a power of two
   one     1 everywhere (the mean only)
-The default (DEFAULT_SCALE, below) is what scripts/prerope_study.py measured to pay on SmolLM2-135M;
-docs/prerope.md has the table.
+Every method but std also writes blk.N.kvq_k_std (the std), which the centred post-RoPE cache reads to
+choose the mean pairs it keeps. The default (DEFAULT_SCALE, below) is what scripts/prerope_study.py
+measured to pay on both models; docs/prerope.md has the tables.
 """
 from __future__ import annotations
 
@@ -28,23 +32,33 @@ import numpy as np
 
 # GGUF names (Keys.Cache.K_DOMAIN, K_SCALE_METHOD, Tensors.K_MEAN / K_SCALE): pykvq/keys.py
 
-SCALES = ("absmax", "std", "pow2", "one")
-# std: the runtime turns the centred keys by the online Hadamard (upstream's attn_rot_k size) and undoes
-# it per K tile in flash attention; with that rotation std pays most on SmolLM2-135M (scripts/prerope_study.py,
-# 16 x 512 WikiText-2 tokens, K only: q4_0 0.0204 vs absmax 0.0336; stock post-RoPE q4_0 + Hadamard 0.0370).
-# Without the rotation (-rotk off) absmax is better (q4_0 0.0376 vs 0.0381, nuq4 + Fisher 0.0204 vs 0.0266).
-DEFAULT_SCALE = "std"
+SCALES = ("fisher", "absmax", "std", "pow2", "one")
+# The runtime turns the centred keys by the online Hadamard (upstream's attn_rot_k size) and undoes it per
+# K tile in flash attention. With that rotation (scripts/prerope_study.py, WikiText-2 test, K only, q4_0):
+#   SmolLM2-135M (16 x 512): fisher 0.0168, std 0.0213, mean only 0.0230, absmax 0.0336 (stock post-RoPE 0.0370)
+#   Qwen2.5-Coder-1.5B (8 x 512): fisher 0.0068, std 0.0090, mean only 0.0091 (stock 1.89)
+# Why fisher: with a Hadamard after the scale every scaled channel gets about the same error D, which grows
+# with mean_c (sigma_c / s_c)^2, so the key's Fisher-weighted error is ~ (sum_c sigma_c^2/s_c^2)(sum_c F_c s_c^2),
+# least at s_c^4 ~ sigma_c^2 / F_c (Cauchy-Schwarz). Channels the loss barely reads give their share of the
+# block's range to the ones it does (in Qwen2.5 a few pre-RoPE channels carry most of the query's weight).
+DEFAULT_SCALE = "fisher"
 STD_FLOOR = 1e-2
+CLIP = 16.0          # fisher: within [median / CLIP, median * CLIP] of its head (study: clip 4 is 5% worse)
 
 
-def stats(k: np.ndarray, method: str = DEFAULT_SCALE) -> tuple[np.ndarray, np.ndarray]:
-    """(mean, scale), each float32 [n_kv, head_dim], of pre-RoPE keys k [T, n_kv, head_dim] (file layout)."""
+def stats(k: np.ndarray, method: str = DEFAULT_SCALE, fisher: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, scale), each float32 [n_kv, head_dim], of pre-RoPE keys k [T, n_kv, head_dim] (file layout);
+    method fisher needs fisher = E[(dL/dk)^2] [n_kv, head_dim] of the same keys."""
     if method not in SCALES:
         raise ValueError(f"pre-RoPE K scale must be one of {SCALES}, got {method!r}")
     k64 = np.asarray(k, np.float64)
     mean = k64.mean(axis=0)
     if method == "one":
         scale = np.ones_like(mean)
+    elif method == "fisher":
+        if fisher is None or np.shape(fisher) != mean.shape:
+            raise ValueError(f"the fisher scale needs the keys' diagonal Fisher {mean.shape}")
+        scale = fisher_scale(k64.std(axis=0), np.asarray(fisher, np.float64))
     else:
         spread = np.abs(k64 - mean).max(axis=0) if method == "absmax" else k64.std(axis=0)
         floor = STD_FLOOR * np.median(spread, axis=1, keepdims=True)
@@ -56,6 +70,18 @@ def stats(k: np.ndarray, method: str = DEFAULT_SCALE) -> tuple[np.ndarray, np.nd
     if not (np.isfinite(mean).all() and np.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("pre-RoPE K statistics are not finite (calibration activations overflowed?)")
     return mean, scale
+
+
+def fisher_scale(std: np.ndarray, fisher: np.ndarray, clip: float = CLIP) -> np.ndarray:
+    """sqrt(std) / F^(1/4) per channel ([n_kv, head_dim]), clipped to clip x the head's median scale and
+    normalised so that the median channel's spread (std / scale) is 1 in each head."""
+    sd = np.maximum(std, STD_FLOOR * np.median(std, axis=-1, keepdims=True))
+    sd = np.where(sd > 0, sd, 1.0)
+    f = np.maximum(fisher, 1e-12 * max(float(fisher.max()), 1e-300))
+    scale = np.sqrt(sd) / f ** 0.25
+    med = np.median(scale, axis=-1, keepdims=True)
+    scale = np.clip(scale, med / clip, med * clip)
+    return scale * np.median(sd / scale, axis=-1, keepdims=True)
 
 
 def encode(k: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> np.ndarray:

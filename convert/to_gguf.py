@@ -93,14 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "transform above), and restores c*scale + mean and applies RoPE at each cell's position "
                         "when attention reads it; the online K Hadamard turns the centred keys (undone per K tile). The mean and scale "
                         "per layer, KV head and channel are measured on calibration text and written as "
-                        "blk.N.kvq_k_mean / blk.N.kvq_k_scale (pykvq.cache.k_domain = prerope); codebooks and "
-                        "--kv-bits are fitted in this domain. Measured: Qwen2.5-Coder-1.5B q4_0 K+V KLD 5.6 -> 0.016, "
-                        "SmolLM2 0.045 -> 0.031 (docs/prerope.md). Needs flash attention; CPU only for now")
+                        "blk.N.kvq_k_mean / kvq_k_scale (and kvq_k_std) (pykvq.cache.k_domain = prerope); codebooks and "
+                        "--kv-bits are fitted in this domain. Measured: Qwen2.5-Coder-1.5B q4_0 K+V KLD 5.6 -> 0.013, "
+                        "SmolLM2 0.044 -> 0.025 (docs/prerope.md). Needs flash attention; CPU only for now")
     p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
-                   help="scale of --prerope-k, per channel and floored at 1%% of its head's median: absmax = "
-                        "largest |k - mean| on the calibration text, std = standard deviation around the mean, "
-                        "pow2 = std rounded to a power of two, one = 1 (mean only). Default %(default)s: best or "
-                        "tied in scripts/prerope_study.py (docs/prerope.md)")
+                   help="scale of --prerope-k, per channel: fisher = sqrt(std) / F^(1/4) with F the channel's "
+                        "diagonal Fisher on the calibration text (the least Fisher-weighted key error behind the "
+                        "online Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
+                        "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
+                        "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope.md)")
     p.add_argument("--calib", default=None, metavar="FILE|canterbury",
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SCALE_TEXT = {"absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
+SCALE_TEXT = {"fisher": "per-channel sqrt(std) / Fisher^(1/4) (the least Fisher-weighted key error)",
+              "absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
               "std": "per-channel std (floored at 1% of the head's median)",
               "pow2": "per-channel std rounded to a power of two", "one": "1 (mean only)"}
 
@@ -250,7 +252,7 @@ def convert(args) -> dict:
             log.info("calibrating on %s: %d x %d tokens", source, args.calib_seqs, args.calib_len)
             calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
                                       source=source, progress=progress,
-                                      fisher=opts.needs_fisher() or opts.rotate_v == "learned")
+                                      fisher=opts.needs_gradients())
             t_cal = time.time() - t1
         rep = pipeline.apply(m, opts, calib, progress=progress)
         if hf:

@@ -307,10 +307,12 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
 
 uint32_t llama_kv_cache::kvq_set_centred() {
     const bool neox = llama_model_rope_type(&model) == LLAMA_ROPE_TYPE_NEOX;
-    // the file's scales are per-channel standard deviations with the default method (convert/prerope.py)
+    // the mean pairs kept are chosen by the keys' variance: the file's kvq_k_std, or its scales where they
+    // are the std (method std; convert/prerope.py)
     char method[32] = "";
     llama_model_meta_val_str(&model, LLAMA_KVQ_KEY_CACHE_K_SCALE_METHOD, method, sizeof(method));
     const bool std_scale = strcmp(method, "std") == 0;
+    bool have_std = true;
     int kept = 0, all = 0;
     for (auto & layer : layers) {
         const uint32_t il = layer.il;
@@ -327,9 +329,11 @@ uint32_t llama_kv_cache::kvq_set_centred() {
         layer.k_centre.resize(DK*n_head_kv);
         ggml_backend_tensor_get(ml.kvq_k_mean, layer.k_centre.data(), 0, ggml_nbytes(ml.kvq_k_mean));
         std::vector<float> var;
-        if (std_scale && ml.kvq_k_scale != nullptr) {
+        const ggml_tensor * sd = ml.kvq_k_std != nullptr ? ml.kvq_k_std : std_scale ? ml.kvq_k_scale : nullptr;
+        have_std = have_std && sd != nullptr;
+        if (sd != nullptr) {
             var.resize(DK*n_head_kv);
-            ggml_backend_tensor_get(ml.kvq_k_scale, var.data(), 0, ggml_nbytes(ml.kvq_k_scale));
+            ggml_backend_tensor_get(sd, var.data(), 0, ggml_nbytes(sd));
             for (float & x : var) {
                 x *= x;
             }
@@ -340,7 +344,7 @@ uint32_t llama_kv_cache::kvq_set_centred() {
     }
     LLAMA_LOG_INFO("%s: centred post-RoPE key cache in %u of %zu layers (PYKVQ_K_DOMAIN=centred: keys minus the file's "
                    "kvq_k_mean rotated with them, %d of %d mean pairs kept%s; online Hadamard %s)\n", __func__, n_centred,
-                   layers.size(), kept, all, std_scale ? "" : " (no std scales in the file: every pair)", attn_rot_k ? "on" : "off");
+                   layers.size(), kept, all, have_std ? "" : " (no std in the file: every pair)", attn_rot_k ? "on" : "off");
     return n_centred;
 }
 

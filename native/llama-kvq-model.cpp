@@ -98,7 +98,7 @@ static void kvq_check_keys(const gguf_context * ctx) {
 // (the loader would only say "wrong number of tensors")
 static void kvq_check_tensor_names(const gguf_context * ctx) {
     static const char * known[] = { LLAMA_KVQ_TENSOR_ROPE_FREQS, LLAMA_KVQ_TENSOR_CODEBOOK_K, LLAMA_KVQ_TENSOR_CODEBOOK_V,
-                                    LLAMA_KVQ_TENSOR_K_MEAN, LLAMA_KVQ_TENSOR_K_SCALE };
+                                    LLAMA_KVQ_TENSOR_K_MEAN, LLAMA_KVQ_TENSOR_K_SCALE, LLAMA_KVQ_TENSOR_K_STD };
     int64_t n_layer = -1;
     const int64_t aid = gguf_find_key(ctx, "general.architecture");
     if (aid >= 0 && gguf_get_kv_type(ctx, aid) == GGUF_TYPE_STRING) {
@@ -122,7 +122,7 @@ static void kvq_check_tensor_names(const gguf_context * ctx) {
             kind = format(known[k], il) == name ? k : kind;
         }
         if (kind < 0) {
-            throw std::runtime_error(format("tensor %s: not a pykvq tensor this build knows (kvq_rope_freqs, kvq_codebook_k/v, kvq_k_mean/scale)", name));
+            throw std::runtime_error(format("tensor %s: not a pykvq tensor this build knows (kvq_rope_freqs, kvq_codebook_k/v, kvq_k_mean/scale/std)", name));
         }
         // the type before the loader sees it: it test-builds the tensor's op (ggml_rope_ext asserts on a non-F32 factor)
         const ggml_type want = kind == 1 || kind == 2 ? GGML_TYPE_I8 : GGML_TYPE_F32;
@@ -246,6 +246,14 @@ static void llama_kvq_check_k_stats(const llama_model & model) {
         }
         if (mean != nullptr) {
             llama_kvq_prerope_check_stats(mean, scale, (int) il);
+        }
+        const ggml_tensor * std = model.layers[il].kvq_k_std;   // optional; the same rules as a scale
+        if (std != nullptr && mean == nullptr) {
+            throw std::runtime_error(format("%s is present but %s is missing", ggml_get_name(std),
+                    format(LLAMA_KVQ_TENSOR_K_MEAN, (int) il).c_str()));
+        }
+        if (std != nullptr) {
+            llama_kvq_prerope_check_stats(mean, std, (int) il);
         }
     }
 }

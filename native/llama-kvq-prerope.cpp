@@ -68,7 +68,7 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
                 char val[32];
                 snprintf(val, sizeof(val), "%g", v[i]);
                 throw std::runtime_error(kvq_layer(il) + t->name + "[" + std::to_string(i) + "] = " + val +
-                                         (t == scale ? ": a scale must be finite and > 0, in f16's normal range [6.1e-05, 65504]"
+                                         (t == scale ? ": must be finite and > 0, in f16's normal range [6.1e-05, 65504]"
                                                      : ": a mean must be finite, |mean| <= 65504"));
             }
         }

@@ -71,6 +71,7 @@ class Tensors:
     CODEBOOK_V = "blk.{bid}.kvq_codebook_v"
     K_MEAN = "blk.{bid}.kvq_k_mean"                          # F32 [head_dim, n_head_kv]: pre-RoPE key cache
     K_SCALE = "blk.{bid}.kvq_k_scale"
+    K_STD = "blk.{bid}.kvq_k_std"                            # F32, same shape: the keys' std (scale methods but std)
 
     CODEBOOK = {"k": CODEBOOK_K, "v": CODEBOOK_V}
 

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     # calibration statistics in the file layout (NORM for llama; no baked transforms in this study)
     dom0 = cache_domain.Domain()
     kp = [cache_domain.prerope_keys(c, i, g, dom0) for i in range(n_layer)]
-    stats = {m: [prerope.stats(kp[i], m) for i in range(n_layer)] for m in prerope.SCALES}
+    stats = {m: [prerope.stats(kp[i], m) for i in range(n_layer)] for m in prerope.SCALES if m != "fisher"}
     std_raw = [kp[i].astype(np.float64).std(axis=0) for i in range(n_layer)]
 
     def floored(f):
@@ -189,6 +189,23 @@ def main(argv=None) -> int:
         stats["q99.9"].append((mean, np.where(r > 0, r, 1.0).astype(np.float32)))
     v_mean = [c.v[i].astype(np.float64).mean(axis=0).astype(np.float32) for i in range(n_layer)]
 
+    # Fisher-weighted scales (convert/prerope.py's fisher): s_c^4 ~ sigma_c^2 / F_c, F = E[(dL/dk_c)^2]
+    def fisher_scale(x, f, mean, pair=False, clip=prerope.CLIP):
+        if pair:
+            f = np.repeat(0.5 * (f[..., 0::2] + f[..., 1::2]), 2, axis=-1)
+        sd = np.sqrt(((x.astype(np.float64) - mean) ** 2).mean(axis=0))
+        return prerope.fisher_scale(sd, f, clip).astype(np.float32)
+    fk = [(c.gk[i].astype(np.float64) ** 2).mean(axis=0) for i in range(n_layer)] if c.gk is not None else None
+    if fk is not None:
+        stats["fisher"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0]))
+                           for i in range(n_layer)]
+        stats["fisher, pairs"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], pair=True))
+                                  for i in range(n_layer)]
+        stats["fisher, clip 4"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], clip=4.0))
+                                   for i in range(n_layer)]
+        fv = [(c.gv[i].astype(np.float64) ** 2).mean(axis=0) for i in range(n_layer)]
+        v_fscale = [fisher_scale(c.v[i], fv[i], 0.0) for i in range(n_layer)]
+
     def pre(qtype, st_name=None, hadamard_n=0, cbs=None):
         def fn(i, x):
             mean, scale = stats[st_name][i] if st_name else (0.0, 1.0)
@@ -206,14 +223,15 @@ def main(argv=None) -> int:
             return rot(fq(rot(x, hadamard_n), qtype, cb), hadamard_n) if hadamard_n else fq(x, qtype, cb)
         return fn
 
-    def vq(qtype, centre, hadamard_n=64, skip_first=False):
+    def vq(qtype, centre, hadamard_n=64, skip_first=False, fisher=False):
         def fn(i, x):
             m = np.broadcast_to(v_mean[i] if centre else 0.0, x.shape).copy()
             if skip_first:              # diagnostic: leave the first token of the window (the sink) uncentred
                 m[0] = 0.0
-            y = x - m
+            s = v_fscale[i] if fisher else 1.0      # exact when baked: W_v rows / s, W_o columns * s
+            y = (x - m) / s
             y = rot(fq(rot(y, hadamard_n), qtype), hadamard_n) if hadamard_n else fq(y, qtype)
-            return y + m
+            return y * s + m
         return fn
 
     # centred post-RoPE (PYKVQ_K_DOMAIN=centred): quantize H R(p)(k - m_S), m_S = the mean's top-k pairs per head
@@ -289,6 +307,12 @@ def main(argv=None) -> int:
          dict(k_pre=pre("q4_0", "std", 64))),
         ("K", "pre-RoPE q4_0, (x - mean) / max |x - mean|, 64-wide Hadamard (not in the contract)", 4.5,
          dict(k_pre=pre("q4_0", "absmax", 64))),
+        ("K", "pre-RoPE q4_0, (x - mean) * F^1/4 / std^1/2 (Fisher-weighted), 64-wide Hadamard", 4.5,
+         dict(k_pre=pre("q4_0", "fisher", 64))),
+        ("K", "pre-RoPE q4_0, (x - mean) * F^1/4 / std^1/2, F pair-averaged, 64-wide Hadamard", 4.5,
+         dict(k_pre=pre("q4_0", "fisher, pairs", 64))),
+        ("K", "pre-RoPE q4_0, (x - mean) * F^1/4 / std^1/2 clipped to 4x median, 64-wide Hadamard", 4.5,
+         dict(k_pre=pre("q4_0", "fisher, clip 4", 64))),
         ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, every pair", 4.5,
          dict(k_post=centred("q4_0"))),
         ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top 8 pairs per head", 4.5,
@@ -311,6 +335,8 @@ def main(argv=None) -> int:
         ("V", "q4_0 + online Hadamard, minus V mean", 4.5, dict(v=vq("q4_0", True))),
         ("V", "q4_0 + online Hadamard, minus V mean except the window's first token (diagnostic)", 4.5,
          dict(v=vq("q4_0", True, skip_first=True))),
+        ("V", "q4_0 + online Hadamard, * F^1/4 / std^1/2 (Fisher-weighted, baked into W_v / W_o)", 4.5,
+         dict(v=vq("q4_0", False, fisher=True))),
         ("V", "q4_0, no rotation", 4.5, dict(v=vq("q4_0", False, 0))),
         ("V", "q4_0, no rotation, minus V mean", 4.5, dict(v=vq("q4_0", True, 0))),
     ]

@@ -47,7 +47,7 @@ def convert_in_process(*args) -> dict:
 def files(smollm2, smollm2_hf, calib, tmp_path_factory):
     d = tmp_path_factory.mktemp("prerope")
     out = {}
-    assert prerope.DEFAULT_SCALE == "std"                                 # what the checks below recompute
+    assert prerope.DEFAULT_SCALE == "fisher"                              # what the checks below recompute
     for name, flags in (("plain", ["--prerope-k"]),
                         ("one", ["--prerope-k", "--prerope-k-scale", "one"]),
                         ("ksort", ["--ksort", "--prerope-k"])):
@@ -70,9 +70,8 @@ def nuq_files(smollm2, smollm2_hf, calib, tmp_path_factory):
     return out
 
 
-def _stats(m, i):
-    return (np.asarray(m.tensors[Tensors.K_MEAN.format(bid=i)].data),
-            np.asarray(m.tensors[Tensors.K_SCALE.format(bid=i)].data))
+def _stats(m, i, names=(Tensors.K_MEAN, Tensors.K_SCALE)):
+    return tuple(np.asarray(m.tensors[t.format(bid=i)].data) for t in names)
 
 
 def test_file_has_mean_and_scale_for_every_layer(files, smollm2, geo):
@@ -82,18 +81,18 @@ def test_file_has_mean_and_scale_for_every_layer(files, smollm2, geo):
     assert m.meta(Keys.Cache.K_SCALE_METHOD) == prerope.DEFAULT_SCALE
     assert m.meta(Keys.Cache.CODEBOOK_ROT_K) is None                   # no codebooks asked for
     for i in range(geo.n_layer):
-        for name in (Tensors.K_MEAN.format(bid=i), Tensors.K_SCALE.format(bid=i)):
+        for name in (Tensors.K_MEAN.format(bid=i), Tensors.K_SCALE.format(bid=i), Tensors.K_STD.format(bid=i)):
             t = m.tensors[name]
             assert t.qtype.name == "F32" and t.data.dtype == np.float32
             assert t.data.shape == (geo.n_head_kv, geo.head_dim)           # ggml ne = [head_dim, n_head_kv]
             assert np.isfinite(t.data).all()
         assert (m.tensors[Tensors.K_SCALE.format(bid=i)].data > 0).all()
     # nothing else changes: the weights are the input's, byte for byte
-    assert len(m.tensors) == len(src.tensors) + 2 * geo.n_layer
+    assert len(m.tensors) == len(src.tensors) + 3 * geo.n_layer            # mean, scale, std
     for name, t in src.tensors.items():
         assert m.tensors[name].qtype == t.qtype and np.array_equal(m.tensors[name].data, t.data), name
     assert "pre-RoPE key domain: on" in stdout and "turned by the online Hadamard" in stdout
-    assert "scale = per-channel std" in stdout
+    assert "scale = per-channel sqrt(std) / Fisher^(1/4)" in stdout
 
 
 def test_file_layout_and_reader_agree(files, geo):
@@ -110,18 +109,29 @@ def test_mean_and_scale_match_the_calibration_keys(files, calib, geo):
     other transforms k_pre is calib.k itself (k_proj output; a bias would be in it)."""
     m = read_gguf(files["plain"][0])
     one = read_gguf(files["one"][0])
+    clipped = 0
     for i in range(geo.n_layer):
         k = calib.k[i].astype(np.float64)
-        mean, scale = _stats(m, i)
+        mean, scale, std = _stats(m, i, (Tensors.K_MEAN, Tensors.K_SCALE, Tensors.K_STD))
         want_mean = k.mean(axis=0)
         np.testing.assert_allclose(mean, want_mean, rtol=1e-4, atol=1e-4 * np.abs(want_mean).max())
-        spread = k.std(axis=0)                                              # the default scale: std
-        want_scale = np.maximum(spread, prerope.STD_FLOOR * np.median(spread, axis=1, keepdims=True))
-        np.testing.assert_allclose(scale, want_scale, rtol=1e-4)
+        spread = k.std(axis=0)
+        want_std = np.maximum(spread, prerope.STD_FLOOR * np.median(spread, axis=1, keepdims=True))
+        np.testing.assert_allclose(std, want_std, rtol=1e-4)
+        # the default scale, by hand: s = sqrt(std) / F^(1/4) (F = mean squared gradient), clipped to 16x the
+        # head's median, then normalised so that the median std / s is 1
+        f = (calib.gk[i].astype(np.float64) ** 2).mean(axis=0)
+        s = np.sqrt(want_std) / f ** 0.25
+        med = np.median(s, axis=1, keepdims=True)
+        clipped += int(((s < med / 16) | (s > med * 16)).sum())
+        s = np.clip(s, med / 16, med * 16)
+        np.testing.assert_allclose(scale, s * np.median(want_std / s, axis=1, keepdims=True), rtol=1e-4)
+        np.testing.assert_allclose(np.median(want_std / scale, axis=1), 1.0, rtol=1e-4)
         m1, s1 = _stats(one, i)
         np.testing.assert_array_equal(m1, mean)
         assert (s1 == 1.0).all()
     assert one.meta(Keys.Cache.K_SCALE_METHOD) == "one" and "1 (mean only)" in files["one"][1]
+    print(f"{clipped} of {geo.n_layer * geo.n_head_kv * geo.head_dim} fisher scales clipped")
 
 
 def test_ksort_mean_is_in_the_permuted_layout(files, smollm2, geo):

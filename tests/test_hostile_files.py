@@ -59,7 +59,7 @@ def cut_layers(m, n_layer: int) -> None:
             m.set(f.name, f.value[:n_layer], VT.ARRAY, f.sub_type)
 
 
-SEED_VERSION = 2   # bump when make_seeds changes
+SEED_VERSION = 3   # bump when make_seeds changes
 
 
 def cut_vocab(m, n_vocab: int) -> None:
@@ -127,7 +127,8 @@ def _write_seeds(smollm2: Path, paths: dict[str, Path]) -> None:
     m.set(Keys.Cache.TYPE_V, "q8_0", VT.STRING)
     for il in range(N_LAYER):
         for tmpl, val in ((Tensors.K_MEAN, rng.normal(0, 0.5, (g.n_head_kv, g.head_dim))),
-                          (Tensors.K_SCALE, rng.uniform(0.5, 2.0, (g.n_head_kv, g.head_dim)))):
+                          (Tensors.K_SCALE, rng.uniform(0.5, 2.0, (g.n_head_kv, g.head_dim))),
+                          (Tensors.K_STD, rng.uniform(0.5, 2.0, (g.n_head_kv, g.head_dim)))):
             name = tmpl.format(bid=il)
             m.tensors[name] = Tensor(name, QT.F32, val.astype(np.float32))
         name = Tensors.CODEBOOK_K.format(bid=il)
@@ -250,11 +251,11 @@ BAD_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "
 
 def _tensor_name(seed: str, kind: str, il: int) -> str:
     return {"cb_k": Tensors.CODEBOOK_K, "cb_v": Tensors.CODEBOOK_V, "rope": Tensors.ROPE_FREQS,
-            "mean": Tensors.K_MEAN, "scale": Tensors.K_SCALE}[kind].format(bid=il)
+            "mean": Tensors.K_MEAN, "scale": Tensors.K_SCALE, "std": Tensors.K_STD}[kind].format(bid=il)
 
 
 def _kinds(seed: str) -> list[str]:
-    return ["cb_k", "cb_v", "rope"] if seed == "ksort" else ["cb_k", "mean", "scale"]
+    return ["cb_k", "cb_v", "rope"] if seed == "ksort" else ["cb_k", "mean", "scale", "std"]
 
 
 def _as_type(data: np.ndarray, qt: str) -> Tensor:
@@ -323,8 +324,8 @@ def _keys(seed: str) -> list[str]:
     return common + ([Keys.Cache.LAYER_TYPES_K, Keys.Cache.LAYER_TYPES_V] if seed == "ksort" else [])
 
 
-RIGHT_TYPE = {"cb_k": "I8", "cb_v": "I8", "rope": "F32", "mean": "F32", "scale": "F32"}
-RIGHT_SHAPE = {"cb_k": [16], "cb_v": [16], "rope": [32, 3], "mean": [64, 3], "scale": [64, 3]}
+RIGHT_TYPE = {"cb_k": "I8", "cb_v": "I8", "rope": "F32", "mean": "F32", "scale": "F32", "std": "F32"}
+RIGHT_SHAPE = {"cb_k": [16], "cb_v": [16], "rope": [32, 3], "mean": [64, 3], "scale": [64, 3], "std": [64, 3]}
 KEY_KIND = {Keys.Cache.TYPE_K: "str", Keys.Cache.TYPE_V: "str", Keys.Cache.CODEBOOK_ROT_K: "bool",
             Keys.Cache.K_DOMAIN: "str", Keys.Baked.KSORT: "bool", Keys.Baked.ROTATE_V: "str",
             Keys.Rope.LAYOUT: "str", Keys.Cache.LAYER_TYPES_K: "str_array", Keys.Cache.LAYER_TYPES_V: "str_array"}
@@ -362,7 +363,7 @@ def expect(r: dict) -> tuple[str, list[str]]:
             return ("ok", [])                    # any finite mean within f16 range is a mean
         return ("error", [name])
     if op == "tensor_drop":
-        return ("ok", []) if r["kind"].startswith("cb") else ("error", [name])
+        return ("ok", []) if r["kind"].startswith("cb") or r["kind"] == "std" else ("error", [name])  # optional ones
     if op == "tensor_extra":
         src = _tensor_name(r["seed"], r["kind"], 0)
         return ("error", [src.replace("blk.0.", f"blk.{r['il']}." if r["il"] >= 0 else "blk.x.")])
@@ -663,6 +664,7 @@ FIXED = [  # the table in the issue note: one per kind of damage, each with the 
     {"seed": "prerope", "op": "tensor_value", "kind": "scale", "il": 0, "value": "zero", "index": 70},
     {"seed": "prerope", "op": "tensor_value", "kind": "scale", "il": 1, "value": "nan", "index": 2},
     {"seed": "prerope", "op": "tensor_drop", "kind": "scale", "il": 0},
+    {"seed": "prerope", "op": "tensor_value", "kind": "std", "il": 1, "value": "neg", "index": 5},
     {"seed": "prerope", "op": "key_value", "key": Keys.Cache.K_DOMAIN, "value": "PRE"},
     {"seed": "prerope", "op": "key_type", "key": Keys.Cache.K_DOMAIN, "as_": "bool"},
     {"seed": "prerope", "op": "key_value", "key": Keys.Rope.LAYOUT, "value": "x"},

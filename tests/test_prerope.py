@@ -362,20 +362,20 @@ def _kept_logged() -> tuple[int, int]:
 @pytest.mark.parametrize("residual", [None, "0", "0.25", "1.5e0"])
 def test_centre_pairs_match_reference(smol_pre, monkeypatch, residual):
     """The pairs of the mean a centred cache keeps (llama_kvq_centre_pairs, logged as "N of M mean pairs kept")
-    are the numpy reference's (pykvq.ref.prerope.centre_pairs) on the file's kvq_k_mean and std scales, for the
+    are the numpy reference's (pykvq.ref.prerope.centre_pairs) on the file's kvq_k_mean and kvq_k_std, for the
     default residual (0.5x the head's variance) and PYKVQ_K_CENTRE_RESIDUAL. Measured: 813 of 2880 at 0.5."""
     from convert.gguf_io import read_gguf
     from pykvq import log
     if residual is not None:
         monkeypatch.setenv("PYKVQ_K_CENTRE_RESIDUAL", residual)
     f = read_gguf(smol_pre)
-    assert f.meta(Keys.Cache.K_SCALE_METHOD) == "std"
+    assert f.meta(Keys.Cache.K_SCALE_METHOD) == "fisher"                # so the std is a tensor of its own
     n_layer = sum(1 for name in f.tensors if name.endswith(".kvq_k_mean"))
     want = 0
     for il in range(n_layer):
         mean = np.asarray(f.tensors[Tensors.K_MEAN.format(bid=il)].data, np.float32)
-        scale = np.asarray(f.tensors[Tensors.K_SCALE.format(bid=il)].data, np.float32)
-        kept = prerope.centre_pairs(mean, scale.astype(np.float64) ** 2, mean.shape[1], prerope.NORM,
+        std = np.asarray(f.tensors[Tensors.K_STD.format(bid=il)].data, np.float32)
+        kept = prerope.centre_pairs(mean, std.astype(np.float64) ** 2, mean.shape[1], prerope.NORM,
                                     0.5 if residual is None else float(residual))
         want += int(kept.sum())
     log.clear()

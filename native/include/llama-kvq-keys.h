@@ -49,3 +49,4 @@
 #define LLAMA_KVQ_TENSOR_CODEBOOK_V            "blk.%d.kvq_codebook_v"
 #define LLAMA_KVQ_TENSOR_K_MEAN                "blk.%d.kvq_k_mean"
 #define LLAMA_KVQ_TENSOR_K_SCALE               "blk.%d.kvq_k_scale"
+#define LLAMA_KVQ_TENSOR_K_STD                 "blk.%d.kvq_k_std"
