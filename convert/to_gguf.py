@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--kv-bits are fitted in this domain. Measured: Qwen2.5-Coder-1.5B q4_0 K+V KLD 5.6 -> 0.013, "
                         "SmolLM2 0.044 -> 0.025 (docs/prerope.md). Needs flash attention; CPU only for now")
     p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
-                   help="scale of --prerope-k, per channel: fisher = sqrt(std) / F^(1/4) with F the channel's "
-                        "diagonal Fisher on the calibration text (the least Fisher-weighted key error behind the "
-                        "online Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
+                   help="scale of --prerope-k, per channel: fisher = std^0.7 / F^0.15 with F the channel's "
+                        "diagonal Fisher on the calibration text (a Fisher-weighted key error behind the online "
+                        "Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
                         "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
                         "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope.md)")
     p.add_argument("--calib", default=None, metavar="FILE|canterbury",
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SCALE_TEXT = {"fisher": "per-channel sqrt(std) / Fisher^(1/4) (the least Fisher-weighted key error)",
+SCALE_TEXT = {"fisher": f"per-channel std^{1 - 2 * pipeline.prerope.FISHER_POWER:g} / Fisher^{pipeline.prerope.FISHER_POWER:g} "
+                        "(Fisher-weighted)",
               "absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
               "std": "per-channel std (floored at 1% of the head's median)",
               "pow2": "per-channel std rounded to a power of two", "one": "1 (mean only)"}

@@ -46,6 +46,9 @@ from convert.hadamard import hadamard  # noqa: E402
 from pykvq.ref import nuq, roundtrip  # noqa: E402
 
 
+POWERS = (0.1, 0.15, 0.2, 0.35, 0.5)     # the Fisher scale's power sweep (0.25: the "F^1/4" rows; 0.15 the default)
+
+
 def rot(x: np.ndarray, n: int) -> np.ndarray:
     """Blocks of n channels times the orthonormal (symmetric, self-inverse) Sylvester Hadamard."""
     h = hadamard(n).astype(np.float32)
@@ -149,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-seqs", type=int, default=4)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--text", choices=("wikitext", "kjv"), default="wikitext",
+                    help="evaluation text: WikiText-2 test (default) or the KJV Bible, to choose a setting on text "
+                         "other than the suite's (writes STEM_<model>_kjv.*)")
     ap.add_argument("--out", default=str(ROOT / "results" / "prerope_study"),
                     help="output stem: writes STEM_<model>.json and .md")
     ap.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
@@ -157,15 +163,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_start = time.time()
 
-    from pykvq.data import wikitext_test
+    from pykvq.data import kjv_text, wikitext_test
     st = Study(args.model, args.calib_seqs, args.calib_len, args.threads)
     g, c = st.g, st.calib
-    ids = st.tok(wikitext_test(), return_tensors="np")["input_ids"][0]
+    ids = st.tok(wikitext_test() if args.text == "wikitext" else kjv_text(), return_tensors="np")["input_ids"][0]
     stride = len(ids) // args.windows
     windows = [ids[w * stride: w * stride + args.ctx] for w in range(args.windows)]
     base = [st.logprobs(w) for w in windows]
     hd, n_layer = g.head_dim, g.n_layer
-    print(f"evaluation: WikiText-2 test, {args.windows} x {args.ctx} tokens", flush=True)
+    text_name = "WikiText-2 test" if args.text == "wikitext" else "KJV Bible"
+    print(f"evaluation: {text_name}, {args.windows} x {args.ctx} tokens", flush=True)
 
     # calibration statistics in the file layout (NORM for llama; no baked transforms in this study)
     dom0 = cache_domain.Domain()
@@ -190,21 +197,24 @@ def main(argv=None) -> int:
     v_mean = [c.v[i].astype(np.float64).mean(axis=0).astype(np.float32) for i in range(n_layer)]
 
     # Fisher-weighted scales (convert/prerope.py's fisher): s_c^4 ~ sigma_c^2 / F_c, F = E[(dL/dk_c)^2]
-    def fisher_scale(x, f, mean, pair=False, clip=prerope.CLIP):
+    def fisher_scale(x, f, mean, pair=False, clip=prerope.CLIP, power=0.25):
         if pair:
             f = np.repeat(0.5 * (f[..., 0::2] + f[..., 1::2]), 2, axis=-1)
         sd = np.sqrt(((x.astype(np.float64) - mean) ** 2).mean(axis=0))
-        return prerope.fisher_scale(sd, f, clip).astype(np.float32)
+        return prerope.fisher_scale(sd, f, clip, power).astype(np.float32)
     fk = [(c.gk[i].astype(np.float64) ** 2).mean(axis=0) for i in range(n_layer)] if c.gk is not None else None
     if fk is not None:
-        stats["fisher"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0]))
+        stats["fisher"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], power=0.25))
                            for i in range(n_layer)]
-        stats["fisher, pairs"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], pair=True))
+        stats["fisher, pairs"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], pair=True, power=0.25))
                                   for i in range(n_layer)]
-        stats["fisher, clip 4"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], clip=4.0))
+        stats["fisher, clip 4"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], clip=4.0, power=0.25))
                                    for i in range(n_layer)]
+        for a in POWERS:
+            stats[f"fisher, power {a}"] = [(stats["std"][i][0], fisher_scale(kp[i], fk[i], stats["std"][i][0], power=a))
+                                           for i in range(n_layer)]
         fv = [(c.gv[i].astype(np.float64) ** 2).mean(axis=0) for i in range(n_layer)]
-        v_fscale = [fisher_scale(c.v[i], fv[i], 0.0) for i in range(n_layer)]
+        v_fscale = [fisher_scale(c.v[i], fv[i], 0.0, power=0.25) for i in range(n_layer)]
 
     def pre(qtype, st_name=None, hadamard_n=0, cbs=None):
         def fn(i, x):
@@ -313,6 +323,8 @@ def main(argv=None) -> int:
          dict(k_pre=pre("q4_0", "fisher, pairs", 64))),
         ("K", "pre-RoPE q4_0, (x - mean) * F^1/4 / std^1/2 clipped to 4x median, 64-wide Hadamard", 4.5,
          dict(k_pre=pre("q4_0", "fisher, clip 4", 64))),
+        *[("K", f"pre-RoPE q4_0, (x - mean) * F^{a} / std^{1 - 2 * a:g} (power sweep), 64-wide Hadamard", 4.5,
+           dict(k_pre=pre("q4_0", f"fisher, power {a}", 64))) for a in POWERS],
         ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, every pair", 4.5,
          dict(k_post=centred("q4_0"))),
         ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top 8 pairs per head", 4.5,
@@ -341,7 +353,7 @@ def main(argv=None) -> int:
         ("V", "q4_0, no rotation, minus V mean", 4.5, dict(v=vq("q4_0", True, 0))),
     ]
     out = Path(args.out)
-    stem = f"{out.name}_{args.model}"
+    stem = f"{out.name}_{args.model}" + ("" if args.text == "wikitext" else f"_{args.text}")
     old = {}
     if args.only and (out.parent / f"{stem}.json").is_file():
         old = {(r["cache"], r["setting"]): r for r in json.loads((out.parent / f"{stem}.json").read_text())["rows"]}
@@ -358,7 +370,7 @@ def main(argv=None) -> int:
               f"top1 {100 * r['top1']:.1f}%  ({time.time() - t0:.0f} s)", flush=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "windows": args.windows, "ctx": args.ctx, "calib": c.source,
+    meta = {"model": args.model, "text": text_name, "windows": args.windows, "ctx": args.ctx, "calib": c.source,
             "calib_tokens": f"{args.calib_seqs} x {args.calib_len}", "seconds": round(time.time() - t_start)}
     (out.parent / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
     (out.parent / f"{stem}.md").write_text(render(meta, results))
@@ -368,7 +380,7 @@ def main(argv=None) -> int:
 
 def render(meta: dict, results: list) -> str:
     md = [f"# Pre-RoPE key cache: fake-quantization study ({meta['model']})", "",
-          f"Next-token KLD vs the unquantized model (f32 HF forward), WikiText-2 test, {meta['windows']} windows x "
+          f"Next-token KLD vs the unquantized model (f32 HF forward), {meta.get('text', 'WikiText-2 test')}, {meta['windows']} windows x "
           f"{meta['ctx']} tokens (all positions); mean/scale/codebooks calibrated on {meta['calib'].split(' (')[0]} "
           f"({meta['calib_tokens']} tokens). The other cache is exact. s.e. is over tokens (not paired). "
           f"`python scripts/prerope_study.py --windows {meta['windows']}`.", "",

@@ -92,7 +92,7 @@ def test_file_has_mean_and_scale_for_every_layer(files, smollm2, geo):
     for name, t in src.tensors.items():
         assert m.tensors[name].qtype == t.qtype and np.array_equal(m.tensors[name].data, t.data), name
     assert "pre-RoPE key domain: on" in stdout and "turned by the online Hadamard" in stdout
-    assert "scale = per-channel sqrt(std) / Fisher^(1/4)" in stdout
+    assert "scale = per-channel std^0.7 / Fisher^0.15" in stdout
 
 
 def test_file_layout_and_reader_agree(files, geo):
@@ -118,10 +118,11 @@ def test_mean_and_scale_match_the_calibration_keys(files, calib, geo):
         spread = k.std(axis=0)
         want_std = np.maximum(spread, prerope.STD_FLOOR * np.median(spread, axis=1, keepdims=True))
         np.testing.assert_allclose(std, want_std, rtol=1e-4)
-        # the default scale, by hand: s = sqrt(std) / F^(1/4) (F = mean squared gradient), clipped to 16x the
+        # the default scale, by hand: s = std^0.7 / F^0.15 (F = mean squared gradient), clipped to 16x the
         # head's median, then normalised so that the median std / s is 1
+        assert prerope.FISHER_POWER == 0.15
         f = (calib.gk[i].astype(np.float64) ** 2).mean(axis=0)
-        s = np.sqrt(want_std) / f ** 0.25
+        s = want_std ** 0.7 / f ** 0.15
         med = np.median(s, axis=1, keepdims=True)
         clipped += int(((s < med / 16) | (s > med * 16)).sum())
         s = np.clip(s, med / 16, med * 16)
