@@ -12,7 +12,7 @@ from __future__ import annotations
 from pykvq.ref import nuq
 
 # bits/value of the candidate types (ggml blocks: 2-byte scale per 32 for q8_0 / q4_0)
-STOCK_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q5_0": 5.5, "f16": 16.0, "bfp4_32": 4.25, "bfp8_32": 8.25}
+STOCK_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q5_0": 5.5, "f16": 16.0, "bfp4_32": 4.25, "bfp8_32": 8.25, "q53_64": 4.5}
 DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
 
 

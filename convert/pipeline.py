@@ -20,6 +20,7 @@ from gguf import GGUFValueType as VT
 from pykvq import cache_types
 from pykvq.keys import Keys, Tensors, Values
 from pykvq.progress import progress_bar
+from pykvq.ref import q53
 
 from . import cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, prerope, rows, smooth
 from .calib import Calib
@@ -162,7 +163,22 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         if g.head_dim % _block(t):
             raise ConvertError(f"cache type {t} ({which}) has blocks of {_block(t)}, which do not divide "
                                f"the head size {g.head_dim}")
+    # q53_64 keys: the converter lays every head's pairs out by importance (K-sort's machinery, another order)
+    importance = opts.prerope_k and type_k == "q53_64"
+    if type_k == "q53_64" and not opts.prerope_k:
+        raise ConvertError("--cache-type-k q53_64 needs --prerope-k: its 5-bit halves are for the channels the "
+                           "loss reads most, measured in the pre-RoPE key domain")
+    if importance and opts.ksort:
+        raise ConvertError("--ksort with --cache-type-k q53_64 is not supported: q53_64 lays the pairs out by "
+                           "importance itself")
+    if importance and (g.n_rot != hd or rope_scaling not in ("none", "linear")):
+        raise ConvertError(f"--cache-type-k q53_64 moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
+                           f"head {hd}) and no position-dependent rope scaling ({rope_scaling})")
     key_kind = opts.ksort_key if opts.ksort_key != "auto" else ("calib" if calib is not None else "weight")
+    if importance:
+        key_kind = "importance"
+        if calib.gk is None:
+            raise ConvertError("--cache-type-k q53_64 needs Fisher calibration statistics (the keys' gradients)")
     if opts.ksort and key_kind == "calib" and calib is None:
         raise ConvertError("--ksort-key calib needs calibration text")
 
@@ -179,7 +195,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                f"{g.head_dim}")
     cb_k, cb_v = {}, {}
     hd, G = g.head_dim, g.group
-    relayout = opts.ksort and g.layout == "neox"
+    relayout = (opts.ksort or importance) and g.layout == "neox"
     k_quantized = type_k not in cache_types.UNQUANTIZED
     v_quantized = type_v not in cache_types.UNQUANTIZED
     # where the runtime will rotate the cache online (upstream's attn_rot, not undone by a baked transform);
@@ -223,12 +239,19 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             _scale(m, i, np.repeat(1.0 / kf, G, axis=0).reshape(-1), kf.reshape(-1), rep.scale_stats)
 
         cp = None
-        if opts.ksort:
-            if key_kind == "calib":
+        if opts.ksort or importance:
+            if importance:          # what an error in the pair costs the loss: sum of F_c var_c (pykvq/ref/q53.py)
+                d0 = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
+                                         layout=gl.layout)
+                kp = cache_domain.prerope_keys(calib, i, g, d0).astype(np.float64)
+                imp = cache_domain.prerope_key_fisher(calib, i, g, d0) * kp.var(axis=0)
+                perm = q53.importance_layout(imp[:, ch[:, 0]] + imp[:, ch[:, 1]])
+            elif key_kind == "calib":
                 key = calib.k_pair_rms(i) / s
+                perm = ksort.pair_order(key, g)
             else:
                 key = ksort.weight_key(rows.to_f32(m.tensors[_name(i, "attn_k.weight")]), gl)
-            perm = ksort.pair_order(key, g)
+                perm = ksort.pair_order(key, g)
             cp = pair_perms_to_channels(perm, g)
             _permute(m, i, head_rows(np.repeat(cp, G, axis=0), g.n_head, hd), head_rows(cp, g.n_head_kv, hd))
             ff = ksort.freq_factors(perm, g)
@@ -278,8 +301,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
 
     # what is baked, for the runtime and for people
     m.set(Keys.General.VERSION, VERSION, VT.STRING)
-    m.set(Keys.Baked.KSORT, bool(opts.ksort), VT.BOOL)
-    if opts.ksort:
+    m.set(Keys.Baked.KSORT, bool(opts.ksort or importance), VT.BOOL)
+    if opts.ksort or importance:
         m.set(Keys.Baked.KSORT_KEY, key_kind, VT.STRING)
     m.set(Keys.Baked.SMOOTH_QK, bool(opts.smooth_qk), VT.BOOL)
     if opts.smooth_qk:
@@ -411,9 +434,11 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
 
 
 def _block(type_name: str) -> int:
-    from pykvq.ref import bfp, nuq
+    from pykvq.ref import bfp, nuq, q53
     if type_name in bfp.FORMATS:
         return bfp.FORMATS[type_name].block
     if type_name in nuq.FORMATS:
         return nuq.FORMATS[type_name].block
+    if type_name == "q53_64":
+        return q53.QK
     return 1 if type_name in cache_types.UNQUANTIZED else 32

@@ -9,6 +9,7 @@ target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/ggml-kvq.c
     ${GGML_KVQ_DIR}/bfp.c
     ${GGML_KVQ_DIR}/nuq.c
+    ${GGML_KVQ_DIR}/q53.c
     ${GGML_KVQ_DIR}/prerope.c
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
@@ -19,6 +20,7 @@ target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
 set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/cpu/bfp.c
     ${GGML_KVQ_DIR}/cpu/nuq.c
+    ${GGML_KVQ_DIR}/cpu/q53.c
     ${GGML_KVQ_DIR}/cpu/fattn.cpp
 )
 

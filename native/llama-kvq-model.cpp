@@ -363,7 +363,9 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
     pick(params.type_k, LLAMA_KVQ_KEY_CACHE_TYPE_K, "K");
     pick(params.type_v, LLAMA_KVQ_KEY_CACHE_TYPE_V, "V");
 
-    if (kvq.attn_rot_k == LLAMA_ATTN_ROT_TYPE_AUTO && key(LLAMA_KVQ_KEY_BAKED_KSORT) == "true") {
+    // (a q53_64 file's pairs are laid out by importance, "importance": its halves keep their own 32-wide Hadamards)
+    if (kvq.attn_rot_k == LLAMA_ATTN_ROT_TYPE_AUTO && key(LLAMA_KVQ_KEY_BAKED_KSORT) == "true" &&
+        key(LLAMA_KVQ_KEY_BAKED_KSORT_KEY) != "importance") {
         kvq.attn_rot_k = LLAMA_ATTN_ROT_TYPE_DISABLED;
         LLAMA_LOG_INFO("%s: online K rotation off: the GGUF's keys are K-sorted and a Hadamard would undo it (force with attn_rot_k/-rotk on)\n", __func__);
     }

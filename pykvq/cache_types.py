@@ -28,6 +28,8 @@ CACHE_TYPES: dict[str, int] = {
     "nuq2": 48,
     "nuq3o": 49,
     "nuq2o": 50,
+    # pykvq 5+3-bit split blocks, for keys laid out by importance (native/q53.c, pykvq/ref/q53.py)
+    "q53_64": 51,
 }
 
 # ggml's enum names for every type above (pykvq.GGML_TYPE_NUQ4 == 46), e.g. for llama-cpp-python's type_k / type_v

@@ -44,9 +44,12 @@ from convert.geometry import geometry  # noqa: E402
 from convert.gguf_io import read_gguf  # noqa: E402
 from convert.hadamard import hadamard  # noqa: E402
 from pykvq.ref import nuq, roundtrip  # noqa: E402
+from pykvq.ref.stock import _roundtrip_signed_max as roundtrip_signed  # noqa: E402
 
 
 POWERS = (0.1, 0.15, 0.2, 0.35, 0.5)     # the Fisher scale's power sweep (0.25: the "F^1/4" rows; 0.15 the default)
+# within-head bit widths per group of 32 channels (most important group first), by head size
+MIXED_BITS = {64: [(5, 3), (6, 2)], 128: [(5, 5, 3, 3), (6, 4, 4, 2), (5, 4, 4, 3), (6, 5, 3, 2)]}
 
 
 def rot(x: np.ndarray, n: int) -> np.ndarray:
@@ -244,6 +247,58 @@ def main(argv=None) -> int:
             return y * s + m
         return fn
 
+    # within-head bit allocation: channels sorted by their Fisher-weighted variance F_c sigma_c^2 (what a
+    # channel's error costs the loss per unit of relative error), groups of 32 each with its own bit width
+    # (symmetric q*_0-style, one f16 scale per 32), Hadamard within a group; the groups' bits average 4
+    # (+0.5 for the scales: 4.5 bits/value like q4_0). "auto" picks each head's widths by reverse water-filling.
+    def sq(x, bits):
+        if bits <= 0:
+            return np.zeros_like(x)
+        return roundtrip_signed(x, 2 ** (bits - 1))
+
+    def alloc(v, n_groups, total):
+        """Integer bits per group (sum = total) by greedy water-filling on the groups' geometric-mean v."""
+        gm = np.exp(np.log(np.maximum(v, 1e-30)).reshape(n_groups, -1).mean(axis=1))
+        b = np.zeros(n_groups, int)
+        for _ in range(total):                    # each bit quarters its group's error
+            j = int(np.argmax(gm * 4.0 ** -b))
+            b[j] += 1
+        return b
+
+    def mixed(st_name, bits=None, hadamard_n=32, pairs=True):
+        order, widths = [], []
+        for i in range(n_layer):
+            mean, scale = stats[st_name][i]
+            v = fk[i] * std_raw[i] ** 2                          # [n_kv, hd]
+            if pairs:                                            # whole rotary pairs (2j, 2j+1): what K-sort can bake
+                vp = v[:, 0::2] + v[:, 1::2]
+                po = np.argsort(-vp, axis=1, kind="stable")
+                o = np.stack([2 * po, 2 * po + 1], axis=-1).reshape(v.shape)
+                v = np.repeat(vp / 2, 2, axis=1)
+            else:
+                o = np.argsort(-v, axis=1)
+            order.append(o)
+            ng = hd // 32
+            if bits is None:
+                widths.append([alloc(np.take_along_axis(v, o[h:h + 1], 1)[0], ng, 4 * ng) for h in range(g.n_head_kv)])
+            else:
+                widths.append([np.asarray(bits)] * g.n_head_kv)
+
+        def fn(i, x):
+            mean, scale = stats[st_name][i]
+            y = (x - mean) / scale
+            out = np.empty_like(y)
+            for h in range(g.n_head_kv):
+                o = order[i][h]
+                yh = y[:, h, o]
+                for gi, b in enumerate(widths[i][h]):
+                    blk = yh[:, 32 * gi: 32 * gi + 32]
+                    blk = rot(sq(rot(blk, hadamard_n), int(b)), hadamard_n) if hadamard_n else sq(blk, int(b))
+                    out[:, h, o[32 * gi: 32 * gi + 32]] = blk
+            return out * scale + mean
+        fn.widths = widths
+        return fn
+
     # centred post-RoPE (PYKVQ_K_DOMAIN=centred): quantize H R(p)(k - m_S), m_S = the mean's top-k pairs per head
     # by energy (NORM pairs 2j, 2j+1); the windows start at position 0
     theta = g.freq_base ** (-2.0 * np.arange(hd // 2) / g.n_rot)
@@ -325,6 +380,14 @@ def main(argv=None) -> int:
          dict(k_pre=pre("q4_0", "fisher, clip 4", 64))),
         *[("K", f"pre-RoPE q4_0, (x - mean) * F^{a} / std^{1 - 2 * a:g} (power sweep), 64-wide Hadamard", 4.5,
            dict(k_pre=pre("q4_0", f"fisher, power {a}", 64))) for a in POWERS],
+        ("K", "pre-RoPE mixed bits auto, channels (not pairs) sorted: groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard",
+         4.5, dict(k_pre=mixed("fisher, power 0.15", pairs=False))),
+        *[("K", f"pre-RoPE mixed bits {b}: groups of 32 by F sigma^2, (x - mean) * F^0.15 / std^0.7, 32-wide Hadamard",
+           4.5, dict(k_pre=mixed("fisher, power 0.15", b))) for b in MIXED_BITS.get(hd, ())],
+        ("K", "pre-RoPE mixed bits auto (water-filling per head): groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard",
+         4.5, dict(k_pre=mixed("fisher, power 0.15"))),
+        ("K", "pre-RoPE q4_0 groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard (the mixed rows' 4-bit control)",
+         4.5, dict(k_pre=mixed("fisher, power 0.15", [4] * (hd // 32)))),
         ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, every pair", 4.5,
          dict(k_post=centred("q4_0"))),
         ("K", "centred post-RoPE q4_0 + online Hadamard: minus R(p) mean, top 8 pairs per head", 4.5,

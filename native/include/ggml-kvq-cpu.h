@@ -34,6 +34,10 @@ void ggml_vec_dot_nuq2_q8_0 (int n, float * GGML_RESTRICT s, size_t bs, const vo
 void ggml_vec_dot_nuq3o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 void ggml_vec_dot_nuq2o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
+// q53_64 (cpu/q53.c): the reference quantizer; K·Q with Q in q8_0, one int32 sum per half
+void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+
 // Codebooks for the node about to run (called first thing in ggml_compute_forward, by
 // every thread): when the node or one of src[0..2] is a nuq type, its op_params slots go
 // to this thread's storage in ggml-cpu and in ggml-base (ggml_kvq_bind_codebooks), which
@@ -122,6 +126,12 @@ ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float_k(int i, enum ggml_type type);
     [GGML_TYPE_NUQ2O] = {                                                       \
         .from_float   = quantize_row_nuq2o,                                     \
         .vec_dot      = ggml_vec_dot_nuq2o_q8_0,                                \
+        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
+        .nrows        = 1,                                                      \
+    },                                                                          \
+    [GGML_TYPE_Q53_64] = {                                                      \
+        .from_float   = quantize_row_q53_64,                                    \
+        .vec_dot      = ggml_vec_dot_q53_64_q8_0,                               \
         .vec_dot_type = GGML_TYPE_Q8_0,                                         \
         .nrows        = 1,                                                      \
     },

@@ -145,6 +145,23 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2)  == 10, "block_nuq2 size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3o) == 29, "block_nuq3o size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2o) == 21, "block_nuq2o size");
 
+// q53_64 (pykvq/ref/q53.py, native/q53.c): a block of 64 values in 4.5 bits/value, split unevenly: the
+// first 32 in 5 bits (q5_0's rule and layout), the last 32 in 3 bits (the same rule with 8 levels, nuq3's
+// layout), each half with its own f16 scale. For a key cache laid out so that the important channels of
+// every 64 come first (a pre-RoPE file converted for it).
+#define QK_Q53 64
+
+typedef struct {
+    uint8_t d5[2];            // scale of values 0..31: x = d5 * (q5 - 16)
+    uint8_t d3[2];            // scale of values 32..63: x = d3 * (q3 - 4)
+    uint8_t qh5[4];           // bit i of the little-endian 32-bit word: q5(i) >> 4
+    uint8_t qs5[16];          // byte j: q5(j) & 15 (low nibble), q5(j+16) & 15 (high)
+    uint8_t qs3[8];           // byte j, bits 2k..2k+1: q3(j + 8k) & 3, k = 0..3
+    uint8_t qh3[4];           // bit i of the little-endian 32-bit word: q3(i) >> 2
+} block_q53_64;               // 36 bytes per 64 values: 4.5 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_q53_64) == 36, "block_q53_64 size");
+
 // Fallback codebooks (pykvq/ref/nuq.py FALLBACK): Lloyd-Max centroids of Gaussian
 // blocks of 32 normalised by their absmax to [-127, 127], rounded.
 #define GGML_KVQ_NUQ_FALLBACK_4 { -123, -98, -78, -61, -46, -32, -19, -6, 6, 19, 32, 46, 61, 78, 98, 123 }
@@ -328,6 +345,11 @@ GGML_API void dequantize_row_nuq2 (const block_nuq2  * x, float * y, int64_t k);
 GGML_API void dequantize_row_nuq3o(const block_nuq3o * x, float * y, int64_t k);
 GGML_API void dequantize_row_nuq2o(const block_nuq2o * x, float * y, int64_t k);
 
+GGML_API void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k);
+GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k);
+// Row validation for ggml_validate_row_data (patch 0015): both scales finite.
+GGML_API bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes);
+
 // Row validation for ggml_validate_row_data (patch 0005): d (and ov) finite, oi < 64.
 GGML_API bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, size_t nbytes);
 
@@ -450,6 +472,14 @@ static inline float ggml_kvq_f16_bytes(const uint8_t * p) {
         .is_quantized   = true,                                                 \
         .to_float       = (ggml_to_float_t) dequantize_row_nuq2o,               \
         .from_float_ref = (ggml_from_float_t) quantize_row_nuq2o_ref,           \
+    },                                                                          \
+    [GGML_TYPE_Q53_64] = {                                                      \
+        .type_name      = "q53_64",                                             \
+        .blck_size      = QK_Q53,                                               \
+        .type_size      = sizeof(block_q53_64),                                 \
+        .is_quantized   = true,                                                 \
+        .to_float       = (ggml_to_float_t) dequantize_row_q53_64,              \
+        .from_float_ref = (ggml_from_float_t) quantize_row_q53_64_ref,          \
     },
 
 #ifdef __cplusplus

@@ -178,6 +178,19 @@ int32_t llama_memory_kvq_used_cells(llama_memory_i * mem, llama_seq_id seq_id);
 std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors);
 bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
 
+// The online K Hadamard's block: a q53_64 block's halves hold 5- and 3-bit values of channels of different
+// importance (pykvq/ref/q53.py), so with any q53_64 K layer the rotation stays within 32 values; else nrot.
+#define LLAMA_KVQ_K_ROT_MIN 32
+template <typename Layer>
+int64_t llama_kvq_k_rot_block(const std::vector<Layer> & layers, int64_t nrot) {
+    for (const auto & l : layers) {
+        if (l.k != nullptr && l.k->type == GGML_TYPE_Q53_64) {
+            return nrot < LLAMA_KVQ_K_ROT_MIN ? nrot : LLAMA_KVQ_K_ROT_MIN;
+        }
+    }
+    return nrot;
+}
+
 // logs what a context's caches hold: types per layer when they differ, bits/value, codebook sources
 void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
 

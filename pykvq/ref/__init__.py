@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bfp, nuq, stock  # noqa: F401
+from . import bfp, nuq, q53, stock  # noqa: F401
 
 # the vec_dot_type of each K cache type in the pinned tree (iq4_nl, q4_1, q5_1 pair with q8_0/q8_1)
 VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_0", "iq4_nl": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0",
                 "q8_0": "q8_0", "bfp4_32": "bfp8_32", "bfp4_64": "bfp8_32", "bfp8_32": "bfp8_32",
                 "f16": "f16", "bf16": "bf16", "f32": "f32",
-                **{t: "q8_0" for t in nuq.FORMATS}}
+                "q53_64": "q8_0", **{t: "q8_0" for t in nuq.FORMATS}}
 
 # q4_1 and iq4_nl have no numpy round trip yet; q4_0 stands in for them in calibration
 _STANDIN = {"q4_1": "q4_0", "iq4_nl": "q4_0", "q5_1": "q5_0"}
@@ -34,6 +34,8 @@ def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
         return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)   # truncation: close enough
     if t in nuq.FORMATS:            # the fallback codebook; pass a file's codebook to nuq.roundtrip
         return nuq.roundtrip(x, t)
+    if t == "q53_64":
+        return q53.roundtrip(x)
     if t in bfp.FORMATS:
         e, m = bfp.quantize_blocks(x.reshape(-1), t)
         return bfp.dequantize_blocks(e, m).reshape(x.shape)

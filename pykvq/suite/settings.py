@@ -65,7 +65,7 @@ class Setting:
     @property
     def stock(self) -> bool:
         """Only upstream llama.cpp types and no conversion (what a stock build can run)."""
-        ours = ("bfp", "nuq", "auto")
+        ours = ("bfp", "nuq", "q53", "auto")
         return self.transform == "none" and not any(t.startswith(ours) for t in (self.k, self.v))
 
     def variant(self) -> str | None:

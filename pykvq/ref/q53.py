@@ -1,0 +1,128 @@
+"""q53_64: 4.5 bits/value split unevenly inside a block, the reference rule (numpy).
+
+A block of 64 values holds two halves of 32: the first half in 5 bits, the second in 3 bits
+(q5_0's rule with half = 16, and the same rule with half = 4), each with its own f16 scale:
+
+  per half of 32 values, half = 2^(bits-1) (16 for 5 bits, 4 for 3 bits):
+  x    = 0 where NaN, clipped to +-FLT_MAX (inf saturates)
+  vmax = the signed value of largest |x| (first of equals)
+  d    = clip(vmax / -half, -65504, 65504)            (float32)
+  id   = 1/d, or 0 when d == 0
+  q    = clip(trunc(x*id + half + 0.5), 0, 2*half - 1)   (float32 arithmetic)
+  read back: (q - half) * float(fp16(d))              (no block decodes to inf or NaN)
+
+This is ggml's q5_0 quantizer on the first half and its 3-bit twin on the second, so a block is
+two q*_0 blocks of different widths: 16 + 5*32 + 16 + 3*32 = 288 bits per 64 values, 4.5 bits/value
+like q4_0 and nuq4.
+
+Why uneven: the loss reads the channels of a pre-RoPE key head very unevenly (the diagonal Fisher
+of the channel times its variance spans orders of magnitude). A key cache whose channels are laid
+out so that the important half of every 64 lands in the 5-bit half (importance_layout below, baked
+into W_q / W_k by the converter's pair permutation) spends its bits where the loss reads them.
+Fake quantization with this rule (scripts/prerope_study.py, rows "mixed bits"; docs/prerope.md) beats
+the 4-bit cache at the same size: SmolLM2-135M keys 0.0101 vs 0.0150 KLD.
+
+Storage (little endian, no padding; 36 bytes):
+  d5[2] d3[2]  qh5[4]  qs5[16]  qs3[8]  qh3[4]
+  qs5 byte j: q(j) & 15 (low nibble), q(j+16) & 15 (high)           (as q5_0)
+  qh5: bit i of the 32-bit word = q(i) >> 4                          (as q5_0)
+  qs3 byte j: bits 2k..2k+1 = q3(j + 8k) & 3, k = 0..3                (as nuq3)
+  qh3: bit i of the 32-bit word = q3(i) >> 2                         (as nuq3)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+QK = 64
+HALF = 32
+BITS = (5, 3)
+TYPE_SIZE = 36
+BITS_PER_VALUE = 8 * TYPE_SIZE / QK
+
+
+def _quantize_half(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 d [nb], q [nb, 32] uint8) of blocks b [nb, 32] by the q*_0 rule with this half."""
+    fmax = np.float32(np.finfo(np.float32).max)
+    b = np.clip(np.nan_to_num(b, nan=0.0, posinf=fmax, neginf=-fmax), -fmax, fmax).astype(np.float32)
+    idx = np.abs(b).argmax(axis=-1)[:, None]
+    vmax = np.take_along_axis(b, idx, axis=-1)
+    d = np.clip(vmax / np.float32(-half), -65504, 65504).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+        t = (b * inv + np.float32(half + 0.5)).astype(np.float32)
+    q = np.clip(np.trunc(t), 0, 2 * half - 1)
+    return d[:, 0].astype(np.float16), q.astype(np.uint8)
+
+
+def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d5, q5, d3, q3) of the last axis of x (a multiple of 64) as [nb] f16 and [nb, 32] uint8 arrays."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % QK:
+        raise ValueError(f"q53_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
+    b = x.reshape(-1, QK)
+    d5, q5 = _quantize_half(b[:, :HALF], 1 << (BITS[0] - 1))
+    d3, q3 = _quantize_half(b[:, HALF:], 1 << (BITS[1] - 1))
+    return d5, q5, d3, q3
+
+
+def dequantize_blocks(d5, q5, d3, q3) -> np.ndarray:
+    """[nb, 64] float32."""
+    lo = (q5.astype(np.float32) - 16) * d5.astype(np.float32)[:, None]
+    hi = (q3.astype(np.float32) - 4) * d3.astype(np.float32)[:, None]
+    return np.concatenate([lo, hi], axis=1)
+
+
+def roundtrip(x: np.ndarray) -> np.ndarray:
+    """Quantize and dequantize the last axis of x; the shape is kept."""
+    x = np.asarray(x, dtype=np.float32)
+    return dequantize_blocks(*quantize_blocks(x)).reshape(x.shape)
+
+
+def pack(d5, q5, d3, q3) -> bytes:
+    nb = q5.shape[0]
+    qh5 = np.packbits((q5 >> 4).astype(np.uint8), axis=1, bitorder="little")
+    qs5 = (q5[:, :16] & 15) | ((q5[:, 16:] & 15) << 4)
+    low = (q3 & 3).reshape(nb, 4, 8)
+    qs3 = low[:, 0] | (low[:, 1] << 2) | (low[:, 2] << 4) | (low[:, 3] << 6)
+    qh3 = np.packbits((q3 >> 2).astype(np.uint8), axis=1, bitorder="little")
+    parts = [d5.view(np.uint8).reshape(nb, 2), d3.view(np.uint8).reshape(nb, 2), qh5, qs5, qs3, qh3]
+    out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
+    assert out.shape[1] == TYPE_SIZE
+    return out.tobytes()
+
+
+def unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    a = np.frombuffer(data, dtype=np.uint8)
+    if a.size % TYPE_SIZE:
+        raise ValueError(f"q53_64: {a.size} bytes is not a whole number of {TYPE_SIZE}-byte blocks")
+    a = a.reshape(-1, TYPE_SIZE)
+    d5 = a[:, 0:2].copy().view(np.float16)[:, 0]
+    d3 = a[:, 2:4].copy().view(np.float16)[:, 0]
+    qh5 = np.unpackbits(a[:, 4:8], axis=1, bitorder="little")
+    qs5 = a[:, 8:24]
+    q5 = np.concatenate([qs5 & 15, qs5 >> 4], axis=1) | (qh5 << 4)
+    qs3, qh3 = a[:, 24:32], np.unpackbits(a[:, 32:36], axis=1, bitorder="little")
+    q3 = np.concatenate([(qs3 >> (2 * k)) & 3 for k in range(4)], axis=1) | (qh3 << 2)
+    return d5, q5.astype(np.uint8), d3, q3.astype(np.uint8)
+
+
+def importance_layout(importance: np.ndarray) -> np.ndarray:
+    """Where each rotary pair goes so that q53_64's 5-bit halves get the important ones.
+
+    importance [n_kv, n_pairs] (e.g. the pair's summed F_c * var_c); returns perm [n_kv, n_pairs]
+    (position p holds old pair perm[p], NORM order: pair p is channels 2p, 2p+1). Pairs are ranked
+    by importance (descending, stable); the first n_pairs/2 fill the 5-bit halves of the head's
+    64-blocks in rank order (block 0's first 16 pairs, then block 1's, ...), the rest the 3-bit
+    halves. The head size must be a multiple of 64."""
+    imp = np.asarray(importance, dtype=np.float64)
+    n_kv, n_pairs = imp.shape
+    if (2 * n_pairs) % QK:
+        raise ValueError(f"q53_64 needs a head size that is a multiple of {QK}, not {2 * n_pairs}")
+    ranked = np.argsort(-imp, axis=1, kind="stable")
+    per_half = HALF // 2                                   # pairs in a half-block
+    n_blocks = 2 * n_pairs // QK
+    slots = np.arange(n_pairs).reshape(n_blocks, 2, per_half)
+    order = np.concatenate([slots[:, 0].reshape(-1), slots[:, 1].reshape(-1)])   # 5-bit slots first
+    perm = np.empty_like(ranked)
+    perm[:, order] = ranked
+    return perm

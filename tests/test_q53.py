@@ -1,0 +1,180 @@
+"""q53_64 (5+3-bit split blocks, pykvq/ref/q53.py): the C reference and the CPU kernels against the
+numpy reference bit for bit, its 5-bit half against ggml's own q5_0 quantizer, K·Q against exact
+integer sums, and the pair layout that puts a head's important pairs in the 5-bit halves."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pykvq import cache_types
+from pykvq._lib import ffi, lib
+from pykvq.ref import q53, roundtrip
+from pykvq.ref.stock import _roundtrip_signed_max
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+T = "q53_64"
+
+
+def cache_like(n: int, seed: int = 0) -> np.ndarray:
+    """K-row-like values: mostly normal, a few large channels, block scales over a wide (f16) range."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.integers(0, n, n // 50)] *= 30
+    return (x * np.exp2(rng.integers(-10, 6, max(n // 64, 1)).repeat(64)[:n])).astype(np.float32)
+
+
+def edge_rows() -> np.ndarray:
+    z = np.zeros((8, 64), np.float32)
+    z[1, 3] = np.nan
+    z[1, 40] = 2.0
+    z[2, 5], z[2, 50] = np.inf, -np.inf
+    z[3, :] = 3e38
+    z[4, 0], z[4, 33] = -1e-30, 1e-30                     # scales that round to f16 zero
+    z[5, :32] = np.linspace(-1, 1, 32)
+    z[5, 32:] = np.linspace(-1, 1, 32)
+    z[6, 10], z[6, 11] = 5.0, -5.0                        # equal magnitudes: the first one wins
+    z[7, 0] = 65504.0 * 20                                 # |d| saturates
+    return z.reshape(-1)
+
+
+def c_quantize(name: str, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """ggml's reference quantizer and to_float of a type, through its type traits."""
+    L = lib()
+    x = np.ascontiguousarray(x, np.float32)
+    tr = L.ggml_get_type_traits(cache_types.resolve(name))
+    out = ffi.new("uint8_t[]", x.size // tr.blck_size * tr.type_size)
+    tr.from_float_ref(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
+    back = np.empty(x.size, np.float32)
+    tr.to_float(out, ffi.cast("float *", ffi.from_buffer(back)), x.size)
+    return bytes(ffi.buffer(out)), back
+
+
+def test_reference_rule_hand_checked():
+    x = np.zeros(64, np.float32)
+    x[:32] = np.arange(32) - 15.0            # 5 bits: vmax 16 -> d = -1, q = trunc(16.5 - x) = 16 - x
+    x[32:] = np.linspace(-4, 4, 32)          # 3 bits: vmax -4 (the first of equals) -> d = 1, q = trunc(x + 4.5)
+    d5, q5, d3, q3 = q53.quantize_blocks(x)
+    assert float(d5[0]) == -1.0 and float(d3[0]) == 1.0
+    np.testing.assert_array_equal(q5[0], np.clip(np.trunc(16.5 - x[:32]), 0, 31))
+    back = q53.roundtrip(x)
+    np.testing.assert_array_equal(back[:32], x[:32])                    # integers in range: exact
+    inside = x[32:] <= 3.5                                                # levels -4 .. 3 (d = 1)
+    assert np.abs(back[32:][inside] - x[32:][inside]).max() <= 0.5 + 1e-6
+    assert (back[32:][~inside] == 3.0).all()                              # past the top level: q clipped to 7
+    assert q53.BITS_PER_VALUE == 4.5 and q53.TYPE_SIZE == 36
+
+
+def test_halves_are_q5_0_and_its_3_bit_twin():
+    """The first half is exactly ggml's q5_0 (C, upstream's quantize_row_q5_0_ref), the second the same
+    rule with 8 levels: same bytes for the 5-bit half, same values for both."""
+    x = cache_like(64 * 200, 1)
+    kb, back = c_quantize(T, x)
+    q5b, _ = c_quantize("q5_0", x.reshape(-1, 64)[:, :32].reshape(-1))
+    a = np.frombuffer(kb, np.uint8).reshape(-1, 36)
+    np.testing.assert_array_equal(np.concatenate([a[:, 0:2], a[:, 4:24]], axis=1).reshape(-1),
+                                  np.frombuffer(q5b, np.uint8))
+    r = x.reshape(-1, 64)
+    np.testing.assert_array_equal(back.reshape(-1, 64)[:, 32:], _roundtrip_signed_max(r[:, 32:], 4))
+    np.testing.assert_array_equal(roundtrip(x, T), back)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_c_reference_matches_numpy_bit_for_bit(seed):
+    x = np.concatenate([cache_like(64 * 128, seed), edge_rows()])
+    want = q53.pack(*q53.quantize_blocks(x))
+    got, back = c_quantize(T, x)
+    assert got == want
+    ref = q53.dequantize_blocks(*q53.unpack(want)).reshape(-1)
+    np.testing.assert_array_equal(back.view(np.uint32), ref.view(np.uint32))
+    assert np.isfinite(back).all()
+
+
+def test_pack_unpack_round_trip():
+    rng = np.random.default_rng(3)
+    nb = 50
+    d5 = rng.standard_normal(nb).astype(np.float16)
+    d3 = rng.standard_normal(nb).astype(np.float16)
+    q5 = rng.integers(0, 32, (nb, 32)).astype(np.uint8)
+    q3 = rng.integers(0, 8, (nb, 32)).astype(np.uint8)
+    out = q53.unpack(q53.pack(d5, q5, d3, q3))
+    for a, b in zip(out, (d5, q5, d3, q3)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cpu_traits_quantize_like_the_reference_and_dot_exactly():
+    """from_float of the CPU traits is the reference byte for byte; vec_dot (Q in q8_0) matches the exact
+    integer sums within 1e-5 of the sum of |terms| (float accumulation order)."""
+    L = lib()
+    t = cache_types.resolve(T)
+    cpu = L.ggml_get_type_traits_cpu(t)
+    assert cpu.vec_dot_type == cache_types.resolve("q8_0")
+    x = np.concatenate([cache_like(64 * 64, 4), edge_rows()])
+    out = ffi.new("uint8_t[]", x.size // 64 * 36)
+    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
+    assert bytes(ffi.buffer(out)) == q53.pack(*q53.quantize_blocks(x))
+    s = ffi.new("float *")
+    for head in (64, 128, 256):
+        for r in range(16):
+            k = cache_like(head, 100 + r)
+            kb = q53.pack(*q53.quantize_blocks(k))
+            qf = cache_like(head, 200 + r)
+            qb = ffi.new("uint8_t[]", head // 32 * 34)
+            L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qf)), qb, head)
+            q = np.frombuffer(bytes(ffi.buffer(qb)), np.uint8).reshape(-1, 34)
+            d8 = q[:, :2].copy().view(np.float16).reshape(-1).astype(np.float64)
+            qs = q[:, 2:].copy().view(np.int8).astype(np.int64)
+            d5, q5, d3, q3 = q53.unpack(kb)
+            kv = np.concatenate([q5.astype(np.int64) - 16, q3.astype(np.int64) - 4], axis=1).reshape(-1, 32)
+            dk = np.stack([d5, d3], axis=1).reshape(-1).astype(np.float64)
+            terms = (kv * qs).sum(axis=1) * dk * d8
+            want, mag = terms.sum(), (np.abs(kv * qs).sum(axis=1) * np.abs(dk * d8)).sum()
+            cpu.vec_dot(head, s, 0, kb, 0, qb, 0, 1)
+            assert abs(s[0] - want) <= 1e-5 * (mag or 1.0), (head, r, s[0], want)
+
+
+def test_registry_and_row_validation():
+    L = lib()
+    t = cache_types.resolve(T)
+    assert ffi.string(L.ggml_type_name(t)).decode() == T
+    assert L.ggml_blck_size(t) == 64 and L.ggml_is_quantized(t)
+    assert L.ggml_row_size(t, 128) == 72
+    good = bytearray(q53.pack(*q53.quantize_blocks(cache_like(256, 5))))
+    assert L.ggml_validate_row_data(t, bytes(good), len(good))
+    for off in (36, 38):                     # d5 / d3 of the second block
+        bad = bytearray(good)
+        bad[off:off + 2] = np.float16(np.inf).tobytes()
+        assert not L.ggml_validate_row_data(t, bytes(bad), len(bad))
+
+
+def test_importance_layout_puts_the_important_pairs_in_the_5_bit_halves():
+    rng = np.random.default_rng(0)
+    for n_pairs in (32, 64):
+        imp = rng.random((3, n_pairs))
+        perm = q53.importance_layout(imp)
+        assert (np.sort(perm, axis=1) == np.arange(n_pairs)).all()
+        slot5 = (np.arange(n_pairs) // 16) % 2 == 0            # pairs 0..15 of every 32-pair (64-channel) block
+        for h in range(3):
+            top = set(np.argsort(-imp[h])[: n_pairs // 2])
+            assert set(perm[h, slot5]) == top
+            # within the 5-bit slots, rank order: the most important first
+            assert perm[h, 0] == np.argmax(imp[h])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        q53.importance_layout(np.ones((1, 48)))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+def test_prerope_flash_attention_reads_q53_keys(D, mode):
+    """The CPU flash attention's pre-RoPE read path with q53_64 keys and the 32-wide Hadamard a q53_64 cache
+    uses (each half turned on its own), over cells with gaps and shifts, against the float64 reference."""
+    from test_prerope import prerope, rel_err, run_prerope_fa
+    out, ref = run_prerope_fa(T, "q4_0", mode=getattr(prerope, mode.upper()), n_dims=D, D=D, rot=32)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_convert_refuses_q53_without_prerope(smollm2, tmp_path):
+    from test_convert import run_convert
+    r = run_convert(smollm2, "-o", tmp_path / "x.gguf", "--cache-type-k", T, check=False)
+    assert r.returncode != 0 and "needs --prerope-k" in r.stderr
+    assert not (tmp_path / "x.gguf").exists()
