@@ -66,7 +66,8 @@ class Options:
 
     def needs_gradients(self) -> bool:
         """Whether calibration must take the loss's gradients (Fisher codebooks, budgets, the fisher K scale)."""
-        return self.needs_fisher() or self.rotate_v == "learned" or (self.prerope_k and self.prerope_scale == "fisher")
+        return (self.needs_fisher() or self.rotate_v == "learned" or
+                (self.prerope_k and (self.prerope_scale == "fisher" or self.cache_type_k == "q53_64")))
 
     def check_learning(self) -> None:
         """What the learned transforms cannot do (checked before calibration, to fail fast)."""
@@ -171,9 +172,9 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     if importance and opts.ksort:
         raise ConvertError("--ksort with --cache-type-k q53_64 is not supported: q53_64 lays the pairs out by "
                            "importance itself")
-    if importance and (g.n_rot != hd or rope_scaling not in ("none", "linear")):
+    if importance and (g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")):
         raise ConvertError(f"--cache-type-k q53_64 moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
-                           f"head {hd}) and no position-dependent rope scaling ({rope_scaling})")
+                           f"head {g.head_dim}) and no position-dependent rope scaling ({rope_scaling})")
     key_kind = opts.ksort_key if opts.ksort_key != "auto" else ("calib" if calib is not None else "weight")
     if importance:
         key_kind = "importance"

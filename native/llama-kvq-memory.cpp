@@ -143,6 +143,7 @@ void llama_kv_cache::kvq_describe(std::vector<llama_kvq_layer_desc> & out) const
             d.type_k = layer.k->type;
             d.cb_k = llama_kvq_is_nuq(layer.k->type) ? (layer.cb_k ? 1 : 2) : 0;
             d.n_embd_k_gqa = layer.k->ne[0];
+            d.host_k = layer.k->buffer == nullptr || ggml_backend_buffer_is_host(layer.k->buffer);
         }
         if (layer.v) {
             d.type_v = layer.v->type;
@@ -185,6 +186,16 @@ bool llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors) {
 
 // pykvq: what the context's attention caches hold, per layer: the types when they differ between layers,
 // the true average bits per cached value, and where the nuq codebooks come from
+void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory_i * mem) {
+    const auto layers = llama_memory_kvq_layers(mem, model.hparams.n_layer_all);
+    for (uint32_t il = 0; il < layers.size(); ++il) {
+        if (layers[il].type_k == GGML_TYPE_Q53_64 && !layers[il].host_k) {
+            throw std::runtime_error(format("layer %u: the q53_64 K cache has CPU kernels only, and this context puts it on "
+                    "a device: keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use another K cache type", il));
+        }
+    }
+}
+
 void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem) {
     const auto layers = llama_memory_kvq_layers(mem, model.hparams.n_layer_all);
 

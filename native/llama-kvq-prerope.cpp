@@ -108,8 +108,11 @@ static void kvq_rope_of(ggml_context * ctx, const ggml_tensor * k_rope, llama_kv
             throw std::runtime_error(kvq_layer(il) + "rope factors " + ff->name + " are not F32 [n_rot/2] or [n_rot/2, n_head_kv]");
         }
         ff_cols = (int) ff->ne[1];
-        std::vector<float> all(ggml_nelements(ff));
-        ggml_backend_tensor_get(ff, all.data(), 0, ggml_nbytes(ff));
+        std::vector<float> all(ggml_nelements(ff), 1.0f);
+        // a model loaded without its weights (the tools' -fit probe) only sizes the graph: any frequencies do
+        if (ff->data != nullptr && ff->buffer != nullptr) {
+            ggml_backend_tensor_get(ff, all.data(), 0, ggml_nbytes(ff));
+        }
         for (int c = 0; c < ff_cols; ++c) {   // rows may be longer than n_dims/2
             ffh.insert(ffh.end(), all.begin() + c*ff->ne[0], all.begin() + c*ff->ne[0] + n_dims/2);
         }

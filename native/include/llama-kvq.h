@@ -159,6 +159,7 @@ struct llama_kvq_layer_desc {
     uint32_t n_embd_k_gqa = 0;
     uint32_t n_embd_v_gqa = 0;
     int32_t  il_owner = -1;   // the layer whose cache tensors these are (differs for a layer that reuses another's)
+    bool     host_k = true;   // the K cache tensor is in host memory (a CPU buffer)
 };
 
 // one entry per model layer [0, n_layer) for every attention KV cache a memory holds (plain, iSWA, hybrid)
@@ -190,6 +191,10 @@ int64_t llama_kvq_k_rot_block(const std::vector<Layer> & layers, int64_t nrot) {
     }
     return nrot;
 }
+
+// throws when a K cache of a type with CPU kernels only (q53_64) is in a device buffer (CUDA, RPC, ...), where
+// writing it would abort in the scheduler: the error names the way out
+void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory_i * mem);
 
 // logs what a context's caches hold: types per layer when they differ, bits/value, codebook sources
 void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
