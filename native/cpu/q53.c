@@ -34,6 +34,27 @@ static inline void q53_unpack(const block_q53_64 * b, int8_t * v5, int8_t * v3) 
     }
 }
 
+// flash attention's K tiles: the reference's values (the same float products), unpacked once, converted 8 at a time
+void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_q53_64 * x = (const block_q53_64 *) vx;
+    for (int64_t i = 0; i < k / QK_Q53; ++i) {
+        int8_t v[64];
+        q53_unpack(x + i, v, v + 32);
+        const float d5 = ggml_kvq_f16_bytes(x[i].d5), d3 = ggml_kvq_f16_bytes(x[i].d3);
+        float * o = y + i*QK_Q53;
+#if defined(__AVX2__)
+        for (int j = 0; j < 64; j += 8) {
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (v + j))));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(q, _mm256_set1_ps(j < 32 ? d5 : d3)));
+        }
+#else
+        for (int j = 0; j < 64; ++j) {
+            o[j] = (float) v[j]*(j < 32 ? d5 : d3);
+        }
+#endif
+    }
+}
+
 static inline int q53_dot32(const int8_t * a, const int8_t * b) {
 #if defined(__AVX2__)
     // |a| <= 16, so the pairwise int16 sums of maddubs(|a|, sign(b, a)) cannot saturate

@@ -36,6 +36,7 @@ void ggml_vec_dot_nuq2o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const vo
 
 // q53_64 (cpu/q53.c): the reference quantizer; K·Q with Q in q8_0, one int32 sum per half
 void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference, SIMD
 void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 // Codebooks for the node about to run (called first thing in ggml_compute_forward, by
