@@ -211,6 +211,7 @@ int             ggml_kvq_cpu_n_impls(void);
 const char *    ggml_kvq_cpu_impl_name(int i);
 ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, int type);
 ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, int type);
+ggml_to_float_t ggml_kvq_cpu_to_float_k(int type);
 ggml_from_float_t ggml_kvq_cpu_impl_from_float(int i, int type);
 
 /* nuq*: reference codecs with an explicit codebook (NULL = fallback), the trait functions

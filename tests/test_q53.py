@@ -113,6 +113,11 @@ def test_cpu_traits_quantize_like_the_reference_and_dot_exactly():
     out = ffi.new("uint8_t[]", x.size // 64 * 36)
     cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
     assert bytes(ffi.buffer(out)) == q53.pack(*q53.quantize_blocks(x))
+    # flash attention's K-tile dequantizer (SIMD unpack): the reference's values, bit for bit
+    y = np.empty(x.size, np.float32)
+    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
+    want = q53.dequantize_blocks(*q53.unpack(bytes(ffi.buffer(out)))).reshape(-1)
+    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
     s = ffi.new("float *")
     for head in (64, 128, 256):
         for r in range(16):

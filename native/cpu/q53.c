@@ -34,20 +34,60 @@ static inline void q53_unpack(const block_q53_64 * b, int8_t * v5, int8_t * v3) 
     }
 }
 
-// flash attention's K tiles: the reference's values (the same float products), unpacked once, converted 8 at a time
+#if defined(__AVX2__)
+// 32 bits of w as 32 bytes, 0xFF where the bit is set (lane j: bit j)
+static inline __m256i q53_bits_to_bytes(uint32_t w) {
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int) w), which);   // lane j: byte j/8 of w
+    return _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+}
+
+// the two halves as 32 int8 each, offsets removed (q5 - 16 in [-16, 15], q3 - 4 in [-4, 3]): q53_unpack in registers
+static inline void q53_unpack_avx2(const block_q53_64 * b, __m256i * v5, __m256i * v3) {
+    uint32_t qh5, qh3;
+    uint64_t qs3;
+    memcpy(&qh5, b->qh5, 4);
+    memcpy(&qh3, b->qh3, 4);
+    memcpy(&qs3, b->qs3, 8);
+    const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs5);
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    const __m256i q5 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), lo4);    // values 0..15 | 16..31
+    *v5 = _mm256_sub_epi8(_mm256_or_si256(q5, _mm256_and_si256(q53_bits_to_bytes(qh5), _mm256_set1_epi8(16))),
+                          _mm256_set1_epi8(16));
+    const uint64_t m2 = 0x0303030303030303ULL;   // value 8k + j: bits 2k..2k+1 of byte j
+    const __m256i q3 = _mm256_set_epi64x((long long) ((qs3 >> 6) & m2), (long long) ((qs3 >> 4) & m2),
+                                         (long long) ((qs3 >> 2) & m2), (long long) (qs3 & m2));
+    *v3 = _mm256_sub_epi8(_mm256_or_si256(q3, _mm256_and_si256(q53_bits_to_bytes(qh3), _mm256_set1_epi8(4))),
+                          _mm256_set1_epi8(4));
+}
+
+// 32 int8 lanes times d into 32 floats
+static inline void q53_store_scaled(__m256i v, float d, float * o) {
+    const __m256 vd = _mm256_set1_ps(d);
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(o +  0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd));
+    _mm256_storeu_ps(o +  8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), vd));
+    _mm256_storeu_ps(o + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd));
+    _mm256_storeu_ps(o + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd));
+}
+#endif
+
+// flash attention's K tiles: the reference's values (the same float products (q - half)*d), unpacked in registers
 void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
     const block_q53_64 * x = (const block_q53_64 *) vx;
     for (int64_t i = 0; i < k / QK_Q53; ++i) {
-        int8_t v[64];
-        q53_unpack(x + i, v, v + 32);
         const float d5 = ggml_kvq_f16_bytes(x[i].d5), d3 = ggml_kvq_f16_bytes(x[i].d3);
         float * o = y + i*QK_Q53;
 #if defined(__AVX2__)
-        for (int j = 0; j < 64; j += 8) {
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (v + j))));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(q, _mm256_set1_ps(j < 32 ? d5 : d3)));
-        }
+        __m256i v5, v3;
+        q53_unpack_avx2(x + i, &v5, &v3);
+        q53_store_scaled(v5, d5, o);
+        q53_store_scaled(v3, d3, o + 32);
 #else
+        int8_t v[64];
+        q53_unpack(x + i, v, v + 32);
         for (int j = 0; j < 64; ++j) {
             o[j] = (float) v[j]*(j < 32 ? d5 : d3);
         }
@@ -82,7 +122,14 @@ void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
     float sum = 0.0f;
     for (int i = 0; i < n / QK_Q53; ++i) {
         int8_t v5[32], v3[32];
+#if defined(__AVX2__)
+        __m256i r5, r3;
+        q53_unpack_avx2(x + i, &r5, &r3);
+        _mm256_storeu_si256((__m256i *) v5, r5);
+        _mm256_storeu_si256((__m256i *) v3, r3);
+#else
         q53_unpack(x + i, v5, v3);
+#endif
         const float d5 = ggml_kvq_f16_bytes(x[i].d5), d3 = ggml_kvq_f16_bytes(x[i].d3);
         sum += d5*ggml_kvq_fp16_to_fp32(y[2*i].d)*(float) q53_dot32(v5, y[2*i].qs)
              + d3*ggml_kvq_fp16_to_fp32(y[2*i + 1].d)*(float) q53_dot32(v3, y[2*i + 1].qs);
