@@ -291,10 +291,14 @@ def main(argv=None) -> int:
             for h in range(g.n_head_kv):
                 o = order[i][h]
                 yh = y[:, h, o]
-                for gi, b in enumerate(widths[i][h]):
-                    blk = yh[:, 32 * gi: 32 * gi + 32]
-                    blk = rot(sq(rot(blk, hadamard_n), int(b)), hadamard_n) if hadamard_n else sq(blk, int(b))
-                    out[:, h, o[32 * gi: 32 * gi + 32]] = blk
+                span = max(32, hadamard_n)                  # a Hadamard wider than a group spans groups of equal width
+                for s0 in range(0, hd, span):
+                    bs = {int(b) for b in widths[i][h][s0 // 32: (s0 + span) // 32]}
+                    assert len(bs) == 1, "a Hadamard spans groups of different widths"
+                    b = bs.pop()
+                    blk = yh[:, s0: s0 + span]
+                    blk = rot(sq(rot(blk, hadamard_n), b), hadamard_n) if hadamard_n else sq(blk, b)
+                    out[:, h, o[s0: s0 + span]] = blk
             return out * scale + mean
         fn.widths = widths
         return fn
@@ -384,6 +388,8 @@ def main(argv=None) -> int:
          4.5, dict(k_pre=mixed("fisher, power 0.15", pairs=False))),
         *[("K", f"pre-RoPE mixed bits {b}: groups of 32 by F sigma^2, (x - mean) * F^0.15 / std^0.7, 32-wide Hadamard",
            4.5, dict(k_pre=mixed("fisher, power 0.15", b))) for b in MIXED_BITS.get(hd, ())],
+        *[("K", "pre-RoPE mixed bits (5, 5, 3, 3), 64-wide Hadamard over each 64 of one width (a q53_128 layout)", 4.5,
+           dict(k_pre=mixed("fisher, power 0.15", (5, 5, 3, 3), hadamard_n=64)))] * (hd == 128),
         ("K", "pre-RoPE mixed bits auto (water-filling per head): groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard",
          4.5, dict(k_pre=mixed("fisher, power 0.15"))),
         ("K", "pre-RoPE q4_0 groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard (the mixed rows' 4-bit control)",
