@@ -247,11 +247,9 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                 kp = cache_domain.prerope_keys(calib, i, g, d0).astype(np.float64)
                 imp = cache_domain.prerope_key_fisher(calib, i, g, d0) * kp.var(axis=0)
                 perm = q53.importance_layout(imp[:, ch[:, 0]] + imp[:, ch[:, 1]])
-            elif key_kind == "calib":
-                key = calib.k_pair_rms(i) / s
-                perm = ksort.pair_order(key, g)
             else:
-                key = ksort.weight_key(rows.to_f32(m.tensors[_name(i, "attn_k.weight")]), gl)
+                key = calib.k_pair_rms(i) / s if key_kind == "calib" else \
+                    ksort.weight_key(rows.to_f32(m.tensors[_name(i, "attn_k.weight")]), gl)
                 perm = ksort.pair_order(key, g)
             cp = pair_perms_to_channels(perm, g)
             _permute(m, i, head_rows(np.repeat(cp, G, axis=0), g.n_head, hd), head_rows(cp, g.n_head_kv, hd))
