@@ -384,15 +384,18 @@ ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_k
 }
 
 void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo) const {
-    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
-    int32_t * data = (int32_t *) dst->data;
+    // The positions are FA's src[5], attached after the FA node was built: the scheduler may then
+    // place them with the FA node's backend (a CUDA buffer) rather than as a host input, so they are
+    // written with ggml_backend_tensor_set, which serves any buffer.
     const int64_t n_kv = dst->ne[0];
+    std::vector<int32_t> data(ggml_nelements(dst));
     for (int64_t s = 0; s < dst->ne[1]; ++s) {
         const auto & cells = v_cells[sinfo.s0 + s];
         for (int64_t j = 0; j < n_kv; ++j) {
             data[s*n_kv + j] = j < (int64_t) cells.size() && !cells.is_empty(j) ? cells.pos_get(j) : 0;
         }
     }
+    ggml_backend_tensor_set(dst, data.data(), 0, ggml_nbytes(dst));
 }
 
 uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem) {

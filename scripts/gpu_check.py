@@ -56,6 +56,7 @@ THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
 DRY_RUN = False
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def log(msg: str) -> None:
@@ -116,7 +117,8 @@ def step_ops(a) -> dict:
     for op, filt in (("SET_ROWS", KVQ_RE), ("CPY", KVQ_RE), ("FLASH_ATTN_EXT", KVQ_RE), ("ROPE", None)):
         cmd = [tbo, "-b", "CUDA0", "-o", op] + (["-p", filt] if filt else [])
         r = run(cmd, timeout=1800)
-        text = r.stdout + r.stderr
+        text = ANSI.sub("", r.stdout + r.stderr)   # test-backend-ops colours OK / FAIL
+        (Path(a.out) / f"ops-{op}.log").write_text(text)
         ok = len(re.findall(r"\bOK\b", text))
         fail = len(re.findall(r"\bFAIL\b", text))
         unsupported = len(re.findall(r"not supported", text))
@@ -127,6 +129,12 @@ def step_ops(a) -> dict:
         if op != "ROPE" and (fail or unsupported or ok == 0 or r.returncode != 0):
             a.failures.append(f"test-backend-ops {op}: {out[op]}")
     return out
+
+
+def _error(stderr: str) -> str:
+    """The lines that say why a tool stopped: the abort or error message, not the backtrace."""
+    keep = [line for line in stderr.splitlines() if re.search(r"error|abort|assert|failed", line, re.I)]
+    return "\n".join(keep[-8:]) or stderr[-1500:]
 
 
 def _splits(text: str) -> int | None:
@@ -143,6 +151,8 @@ def step_fallback(a) -> dict:
                  "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
         text = r.stdout + r.stderr
         out[s] = {"splits": _splits(text), "rc": r.returncode, "text": r.stdout[-300:]}
+        if r.returncode != 0:
+            out[s]["error"] = _error(r.stderr)
         log(f"{s}: graph splits {out[s]['splits']}, rc {r.returncode}: {r.stdout.strip()[-120:]!r}")
     base = out["f16"]["splits"]
     for s, o in out.items():
@@ -291,6 +301,8 @@ def step_prerope(a) -> dict:
         m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
         o = {"rc": r.returncode, "splits": _splits(text), "prerope_layers": m.groups() if m else None,
              "text": r.stdout[-300:]}
+        if r.returncode != 0:
+            o["error"] = _error(r.stderr)
         out["run"][s] = o
         log(f"prerope {s}: rc {o['rc']}, graph splits {o['splits']}, pre-RoPE layers {o['prerope_layers']}: "
             f"{r.stdout.strip()[-120:]!r}")
