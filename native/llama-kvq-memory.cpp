@@ -301,6 +301,13 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, true);
+        // On an H100 (2026-11-24) the CUDA pre-RoPE flash attention disagreed with the CPU backend in
+        // test-backend-ops: a CUDA-held layer stays post-RoPE unless PYKVQ_K_DOMAIN=pre asks for it.
+        if (why == nullptr && !force_pre && layer.k->buffer != nullptr && !ggml_backend_buffer_is_host(layer.k->buffer) &&
+            strncmp(ggml_backend_buffer_name(layer.k->buffer), "CUDA", 4) == 0) {
+            why = "its K cache is on a CUDA device, whose pre-RoPE kernels are not yet verified on a GPU "
+                  "(PYKVQ_K_DOMAIN=pre uses them anyway)";
+        }
         if (why != nullptr) {
             why_not = why;
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);

@@ -56,6 +56,8 @@ THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
 DRY_RUN = False
+# a CUDA-held K layer stays post-RoPE by default until these checks pass on a GPU: force the kernels
+PRE_ON_GPU = {"PYKVQ_K_DOMAIN": "pre"}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -201,7 +203,7 @@ def _kld_compare(a, model, settings: list[str], tag: str, post_too: bool = False
         row = {}
         for dev, ngl in (("cpu", "0"), ("gpu", "99")):
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
-                     "--kl-divergence"], timeout=1800)
+                     "--kl-divergence"], env_set=PRE_ON_GPU if post_too and dev == "gpu" else None, timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
         if post_too:
             r = run([exe, *common, "-ngl", "99", "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
@@ -296,7 +298,8 @@ def step_prerope(a) -> dict:
     for s in ["f16"] + PREROPE_SETTINGS:
         k, v = kv(s)
         r = run([exe, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
-                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"],
+                env_set=None if s == "f16" else PRE_ON_GPU, timeout=600)
         text = r.stdout + r.stderr
         m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
         o = {"rc": r.returncode, "splits": _splits(text), "prerope_layers": m.groups() if m else None,
@@ -324,7 +327,7 @@ def _prerope_bench(a, model: Path) -> list[dict]:
     exe = Path(a.build) / "bin" / "llama-bench"
     depths = a.prerope_depths.split(",")
     rows = []
-    runs = [("f16", "f16", None)] + [(s, d, {"PYKVQ_K_DOMAIN": "post"} if d == "post" else None)
+    runs = [("f16", "f16", None)] + [(s, d, {"PYKVQ_K_DOMAIN": "post"} if d == "post" else PRE_ON_GPU)
                                      for s in PREROPE_SETTINGS for d in ("pre", "post")]
     for s, dom, env_set in runs:
         k, v = kv(s)
