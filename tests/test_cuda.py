@@ -147,3 +147,34 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     bench = [c for c in cmds if "llama-bench" in c]
     assert len(bench) == 1 + 2*n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in bench) == n
     assert not (tmp_path / "out" / "gpu_check.json").exists()           # a dry run writes no results
+
+
+def test_gguf_delta_rebuilds_a_derived_file(tmp_path):
+    """scripts/gguf_delta.py (carrying a converted file to a lent GPU machine as a delta against its
+    source model): the rebuilt file is byte for byte the derived one, the delta holds only what changed."""
+    import numpy as np
+    from gguf import GGUFWriter
+    big = np.arange(4096, dtype=np.float32)
+
+    def write(path, extra: bool):
+        w = GGUFWriter(str(path), "llama")
+        w.add_uint32("test.n", 7 if extra else 3)
+        w.add_tensor("shared", big)
+        w.add_tensor("changed", np.full(64, 2.0 if extra else 1.0, dtype=np.float32))
+        if extra:
+            w.add_tensor("blk.0.kvq_k_mean", np.ones(32, dtype=np.float32))
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+    base, derived = tmp_path / "base.gguf", tmp_path / "derived.gguf"
+    write(base, False)
+    write(derived, True)
+    script = REPO / "scripts" / "gguf_delta.py"
+    for cmd in (["make", base, derived, tmp_path / "d"], ["apply", base, tmp_path / "d", tmp_path / "out.gguf"]):
+        res = subprocess.run([sys.executable, str(script), *map(str, cmd)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    assert (tmp_path / "out.gguf").read_bytes() == derived.read_bytes()
+    assert (tmp_path / "d.bin").stat().st_size <= derived.stat().st_size - big.nbytes
+    # the wrong base is caught
+    res = subprocess.run([sys.executable, str(script), "apply", str(derived), str(tmp_path / "d"),
+                          str(tmp_path / "bad.gguf")], capture_output=True, text=True)
+    assert res.returncode != 0 and "sha256" in res.stderr and not (tmp_path / "bad.gguf").exists()
