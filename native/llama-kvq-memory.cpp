@@ -305,8 +305,9 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
         // test-backend-ops: a CUDA-held layer stays post-RoPE unless PYKVQ_K_DOMAIN=pre asks for it.
         if (why == nullptr && !force_pre && layer.k->buffer != nullptr && !ggml_backend_buffer_is_host(layer.k->buffer) &&
             strncmp(ggml_backend_buffer_name(layer.k->buffer), "CUDA", 4) == 0) {
-            why = "its K cache is on a CUDA device, whose pre-RoPE kernels are not yet verified on a GPU "
-                  "(PYKVQ_K_DOMAIN=pre uses them anyway)";
+            why = "its K cache is on a CUDA device, whose pre-RoPE kernels failed their first GPU check (issue 20); "
+                  "post-RoPE 4-bit keys lose much quality on models with large key means (Qwen2.5): -nkvo keeps the "
+                  "cache pre-RoPE on the CPU, PYKVQ_K_DOMAIN=pre tries the CUDA kernels";
         }
         if (why != nullptr) {
             why_not = why;
