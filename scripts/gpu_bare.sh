@@ -6,7 +6,8 @@
 # Prepare a carry folder (git-ignored, e.g. .gpu/) here:
 #   tar -C third_party --exclude=llama.cpp/.git --exclude='llama.cpp/models/*.gguf' --exclude=llama.cpp/docs \
 #       --exclude=llama.cpp/media --exclude=llama.cpp/benches -cJf .gpu/llama.tar.xz llama.cpp   # ~9 MB
-#   split -b 50M MODEL.gguf .gpu/base.          # base.aa, base.ab (one part per call if needed)
+#   split -b 50M MODEL.gguf .gpu/base.          # base.aa, base.ab (one part per call if needed;
+#                                                 BASE_PARTS=N there when not 2)
 #   python scripts/gguf_delta.py make MODEL.gguf CONVERTED.gguf .gpu/pre.delta   # ~2 MB for --prerope-k
 #   cp WIKITEXT.txt .gpu/wiki.txt
 # There:  bash scripts/gpu_bare.sh SECONDS [step,step,...] [gpu_check args...]

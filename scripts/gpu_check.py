@@ -58,6 +58,7 @@ PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
 DRY_RUN = False
 # a CUDA-held K layer stays post-RoPE by default until these checks pass on a GPU: force the kernels
 PRE_ON_GPU = {"PYKVQ_K_DOMAIN": "pre"}
+POST_ON_GPU = {"PYKVQ_K_DOMAIN": "post"}   # a pre-RoPE file's post-RoPE cache, for the ratios
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -187,9 +188,10 @@ def _kld(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _kld_compare(a, model, settings: list[str], tag: str, post_too: bool = False) -> dict:
+def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
-    post_too: also the GPU with PYKVQ_K_DOMAIN=post (a pre-RoPE file's post-RoPE cache), reported."""
+    prerope: a pre-RoPE file: its GPU run forces the CUDA pre-RoPE kernels, and the GPU runs once more
+    with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
@@ -203,14 +205,14 @@ def _kld_compare(a, model, settings: list[str], tag: str, post_too: bool = False
         row = {}
         for dev, ngl in (("cpu", "0"), ("gpu", "99")):
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
-                     "--kl-divergence"], env_set=PRE_ON_GPU if post_too and dev == "gpu" else None, timeout=1800)
+                     "--kl-divergence"], env_set=PRE_ON_GPU if prerope and dev == "gpu" else None, timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
-        if post_too:
+        if prerope:
             r = run([exe, *common, "-ngl", "99", "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
-                     "--kl-divergence"], env_set={"PYKVQ_K_DOMAIN": "post"}, timeout=1800)
+                     "--kl-divergence"], env_set=POST_ON_GPU, timeout=1800)
             row["gpu_post"] = _kld(r.stdout + r.stderr)
         out[s] = row
-        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}" + (f" (post-RoPE gpu {row['gpu_post']})" if post_too else ""))
+        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}" + (f" (post-RoPE gpu {row['gpu_post']})" if prerope else ""))
         c, g = row["cpu"], row["gpu"]
         if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
             a.failures.append(f"kld {tag} {s}: cpu {c} vs gpu {g}")
@@ -317,7 +319,7 @@ def step_prerope(a) -> dict:
                 a.failures.append(f"prerope {s}: {o['splits']} graph splits vs f16 {base} (rc {o['rc']})")
             if not o["prerope_layers"] or o["prerope_layers"][0] != o["prerope_layers"][1]:
                 a.failures.append(f"prerope {s}: pre-RoPE layers {o['prerope_layers']} (expected all)")
-    out["kld"] = _kld_compare(a, model, PREROPE_SETTINGS, "prerope", post_too=True)
+    out["kld"] = _kld_compare(a, model, PREROPE_SETTINGS, "prerope", prerope=True)
     out["bench"] = _prerope_bench(a, model)
     return out
 
@@ -327,7 +329,7 @@ def _prerope_bench(a, model: Path) -> list[dict]:
     exe = Path(a.build) / "bin" / "llama-bench"
     depths = a.prerope_depths.split(",")
     rows = []
-    runs = [("f16", "f16", None)] + [(s, d, {"PYKVQ_K_DOMAIN": "post"} if d == "post" else PRE_ON_GPU)
+    runs = [("f16", "f16", None)] + [(s, d, POST_ON_GPU if d == "post" else PRE_ON_GPU)
                                      for s in PREROPE_SETTINGS for d in ("pre", "post")]
     for s, dom, env_set in runs:
         k, v = kv(s)
