@@ -301,14 +301,6 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, true);
-        // On an H100 (2026-11-24) the CUDA pre-RoPE flash attention disagreed with the CPU backend in
-        // test-backend-ops: a CUDA-held layer stays post-RoPE unless PYKVQ_K_DOMAIN=pre asks for it.
-        if (why == nullptr && !force_pre && layer.k->buffer != nullptr && !ggml_backend_buffer_is_host(layer.k->buffer) &&
-            llama_kvq_dev_is_cuda(ggml_backend_buft_get_device(ggml_backend_buffer_get_type(layer.k->buffer)))) {
-            why = "its K cache is on a CUDA device, whose pre-RoPE kernels failed their first GPU check (issue 20); "
-                  "post-RoPE 4-bit keys lose much quality on models with large key means (Qwen2.5): -nkvo keeps the "
-                  "cache pre-RoPE on the CPU, PYKVQ_K_DOMAIN=pre tries the CUDA kernels";
-        }
         if (why != nullptr) {
             why_not = why;
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);

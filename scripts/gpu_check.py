@@ -56,8 +56,8 @@ THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
 DRY_RUN = False
-# a CUDA-held K layer stays post-RoPE by default until these checks pass on a GPU: force the kernels
-PRE_ON_GPU = {"PYKVQ_K_DOMAIN": "pre"}
+# the file's default: every quantized K layer pre-RoPE, on CUDA too (no environment)
+PRE_ON_GPU = None
 POST_ON_GPU = {"PYKVQ_K_DOMAIN": "post"}   # a pre-RoPE file's post-RoPE cache, for the ratios
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -1,10 +1,30 @@
 """A small ggml graph harness for op-level tests on the CPU backend (through pykvq's cffi binding)."""
 from __future__ import annotations
 
+import cffi
 import numpy as np
 
 from pykvq import cache_types
 from pykvq._lib import ffi, lib
+
+# the CPU backend object (its use_ref mode is test-backend-ops' reference), which pykvq's binding does not declare
+_bffi = cffi.FFI()
+_bffi.cdef("""
+    void * ggml_backend_cpu_init(void);
+    void   ggml_backend_cpu_set_n_threads(void * backend, int n_threads);
+    void   ggml_backend_cpu_set_use_ref(void * backend, bool use_ref);
+    int    ggml_backend_graph_compute(void * backend, void * cgraph);
+    void   ggml_backend_free(void * backend);
+""")
+_blibs = {}
+
+
+def _backend_libs():
+    if not _blibs:
+        d = lib().path.parent
+        _blibs["base"] = _bffi.dlopen(str(d / "libggml-base.so"))
+        _blibs["cpu"] = _bffi.dlopen(str(d / "libggml-cpu.so"))
+    return _blibs["base"], _blibs["cpu"]
 
 
 class Graph:
@@ -35,6 +55,20 @@ class Graph:
         for o in outs:
             self.L.ggml_build_forward_expand(self.gf, o)
         assert self.L.ggml_graph_compute_with_ctx(self.ctx, self.gf, n_threads) == 0
+
+    def compute_cpu_backend(self, *outs, n_threads: int = 2, use_ref: bool = False):
+        """The graph on a CPU backend object; use_ref: its reference mode, as test-backend-ops runs it."""
+        for o in outs:
+            self.L.ggml_build_forward_expand(self.gf, o)
+        base, cpu = _backend_libs()
+        be = cpu.ggml_backend_cpu_init()
+        try:
+            cpu.ggml_backend_cpu_set_n_threads(be, n_threads)
+            cpu.ggml_backend_cpu_set_use_ref(be, use_ref)
+            gf = _bffi.cast("void *", int(ffi.cast("uintptr_t", self.gf)))
+            assert base.ggml_backend_graph_compute(be, gf) == 0
+        finally:
+            base.ggml_backend_free(be)
 
     def close(self):
         self.L.ggml_free(self.ctx)

@@ -67,7 +67,7 @@ def rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start):
 
 
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, seed=0, n_threads=2, start=None):
+                   rot=0, seed=0, n_threads=2, start=None, use_ref=None):
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
     # pre-RoPE keys with a large per-channel mean (a k_proj bias), centred and scaled by calibrated statistics
@@ -84,7 +84,10 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
         g.L.ggml_kvq_fa_set_prerope(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
                                     g.tensor("f32", D, Hkv, data=scale), g.tensor("f32", n_dims // 2, Hkv, data=w),
                                     n_dims, mode, mscale, rot)
-        g.compute(fa, n_threads=n_threads)
+        if use_ref is None:
+            g.compute(fa, n_threads=n_threads)
+        else:
+            g.compute_cpu_backend(fa, n_threads=n_threads, use_ref=use_ref)
         out = g.f32(fa).reshape(S, N, H, D)
     finally:
         g.close()
@@ -102,6 +105,17 @@ def test_decode_matches_reference(kt, vt, mode, rot):
     after every jump, the one-step recurrence in between), with and without the Hadamard."""
     out, ref = run_prerope_fa(kt, vt, mode=mode, n_dims=64, rot=rot)
     assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("kt,vt", [("nuq4", "nuq4"), ("f16", "f16")])
+@pytest.mark.parametrize("N", [1, 3])
+def test_reference_mode_reads_prerope(kt, vt, N):
+    """The CPU backend in reference mode (use_ref: what test-backend-ops holds every GPU kernel against) still
+    reads a pre-RoPE cache with pykvq's kernel: upstream's per-row loop ignores src[5..8] and would attend to the
+    raw cached values. That is what made every pre-RoPE CUDA case 'fail' on the H100 (2026-11-24)."""
+    for use_ref in (False, True):
+        out, ref = run_prerope_fa(kt, vt, mode=prerope.NORM, n_dims=64, N=N, S=2, rot=64, use_ref=use_ref)
+        assert rel_err(out, ref) < 1e-4, use_ref
 
 
 @pytest.mark.parametrize("D,n_dims,rot", [(64, 64, 64), (128, 128, 128), (128, 128, 64), (128, 96, 32), (64, 64, 0),

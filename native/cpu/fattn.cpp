@@ -1244,7 +1244,14 @@ void fa_finish_row(const ggml_tensor * dst, int64_t iq1, int64_t h, int64_t iq3,
 
 static bool fa_supported(const ggml_tensor * dst);
 
-bool ggml_kvq_fattn_supported(const ggml_tensor * dst) {
+bool ggml_kvq_fattn_supported(const ggml_tensor * dst, bool use_ref) {
+    // use_ref (test-backend-ops' CPU reference) asks for upstream's per-row loop, which reads every cache
+    // type through its type traits, an independent check of this file. It ignores src[5..8], though: a
+    // pre-RoPE K cache is read here even then (on 2026-11-24 that made every pre-RoPE CUDA case "fail"
+    // against a reference that attended to the raw cached values)
+    if (use_ref && !ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr)) {
+        return false;
+    }
     const bool ok = fa_supported(dst);
     // upstream's kernels ignore src[5..8]: they would read a pre-RoPE cache as if rotated
     if (!ok && ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr)) {
@@ -1286,7 +1293,7 @@ static bool fa_supported(const ggml_tensor * dst) {
 }
 
 size_t ggml_kvq_fattn_work_size(const ggml_tensor * dst, int n_threads) {
-    if (!ggml_kvq_fattn_supported(dst)) {
+    if (!ggml_kvq_fattn_supported(dst, false)) {
         return 0;
     }
     const fa_plan p = fa_make_plan(dst, n_threads);

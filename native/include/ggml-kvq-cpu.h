@@ -58,9 +58,11 @@ ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type);
 // loop (every quantized type, mixed K/V types): native/cpu/fattn.cpp, patch 0007.
 // _supported is false for f16/f32 K and V of one type (upstream's tiled and
 // split-KV paths), for inputs it does not take, and for every node when the
-// environment sets GGML_KVQ_FA=0 (the per-row path, for comparisons).
+// environment sets GGML_KVQ_FA=0 (the per-row path, for comparisons); with use_ref
+// (the CPU backend as test-backend-ops' reference) for every node but a pre-RoPE K
+// cache's, which only ggml_kvq_fattn reads.
 struct ggml_compute_params;
-bool   ggml_kvq_fattn_supported(const struct ggml_tensor * dst);
+bool   ggml_kvq_fattn_supported(const struct ggml_tensor * dst, bool use_ref);
 size_t ggml_kvq_fattn_work_size(const struct ggml_tensor * dst, int n_threads);
 void   ggml_kvq_fattn(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
