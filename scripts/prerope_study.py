@@ -303,6 +303,25 @@ def main(argv=None) -> int:
         fn.widths = widths
         return fn
 
+    # V bit allocation: V's channels can be permuted freely (baked into W_v's rows and W_o's columns: exact, no
+    # RoPE to keep pairs together), so single channels sorted by F_c sigma_c^2 (F from dL/dv) fill the wide groups
+    def vmixed(bits, hadamard_n=32, by_fisher=True):
+        order = []
+        for i in range(n_layer):
+            imp = c.v[i].astype(np.float64).var(axis=0) * (fv[i] if by_fisher else 1.0)    # [n_kv, hd]
+            order.append(np.argsort(-imp, axis=1, kind="stable"))
+
+        def fn(i, x):
+            out = np.empty_like(x)
+            for h in range(g.n_head_kv):
+                o = order[i][h]
+                yh = x[:, h, o]
+                for j, b in enumerate(bits):
+                    blk = yh[:, 32 * j: 32 * (j + 1)]
+                    out[:, h, o[32 * j: 32 * (j + 1)]] = rot(sq(rot(blk, hadamard_n), b), hadamard_n)
+            return out
+        return fn
+
     # centred post-RoPE (PYKVQ_K_DOMAIN=centred): quantize H R(p)(k - m_S), m_S = the mean's top-k pairs per head
     # by energy (NORM pairs 2j, 2j+1); the windows start at position 0
     theta = g.freq_base ** (-2.0 * np.arange(hd // 2) / g.n_rot)
@@ -419,6 +438,12 @@ def main(argv=None) -> int:
         ("V", "q4_0 + online Hadamard, * F^1/4 / std^1/2 (Fisher-weighted, baked into W_v / W_o)", 4.5,
          dict(v=vq("q4_0", False, fisher=True))),
         ("V", "q4_0, no rotation", 4.5, dict(v=vq("q4_0", False, 0))),
+        ("V", "q4_0 + 32-wide Hadamard in groups of 32 channels by F sigma^2 (the V mixed rows' 4-bit control)", 4.5,
+         dict(v=vmixed([4] * (hd // 32)))),
+        *[("V", f"mixed bits {b}: channels sorted by F sigma^2 (permutation baked into W_v / W_o), 32-wide Hadamard",
+           4.5, dict(v=vmixed(b))) for b in MIXED_BITS.get(hd, ())],
+        *[("V", f"mixed bits {b}: channels sorted by sigma^2 alone, 32-wide Hadamard", 4.5,
+           dict(v=vmixed(b, by_fisher=False))) for b in MIXED_BITS.get(hd, ())[:1]],
         ("V", "q4_0, no rotation, minus V mean", 4.5, dict(v=vq("q4_0", True, 0))),
     ]
     out = Path(args.out)
