@@ -33,11 +33,6 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
     return nullptr;
 }
 
-bool llama_kvq_dev_is_cuda(ggml_backend_dev_t dev) {
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    return reg != nullptr && strcmp(ggml_backend_reg_name(reg), "CUDA") == 0;
-}
-
 std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     const char * backend = reg ? ggml_backend_reg_name(reg) : "?";
@@ -46,7 +41,7 @@ std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
         return std::string("the centred key cache (PYKVQ_K_DOMAIN=centred) has CPU kernels only, not ") + backend + " (device " +
                ggml_backend_dev_name(dev) + "): keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use PYKVQ_K_DOMAIN=pre";
     }
-    if (llama_kvq_dev_is_cuda(dev)) {
+    if (strcmp(backend, "CUDA") == 0) {   // the one device backend with pre-RoPE kernels
         return "";
     }
     // an RPC worker's backend is not known here, so RPC is refused too

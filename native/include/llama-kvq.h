@@ -74,9 +74,6 @@ struct llama_kvq_prerope_fa {
 // why a layer cannot have a pre-RoPE key cache (nullptr: it can)
 const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla);
 
-// true when dev belongs to the CUDA backend (the one device backend with pre-RoPE kernels)
-bool llama_kvq_dev_is_cuda(ggml_backend_dev_t dev);
-
 // "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/cuda/kvq-prerope.cuh),
 // else the error the context raises, naming the device and the ways out
 std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev);
