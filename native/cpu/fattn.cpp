@@ -1249,12 +1249,13 @@ bool ggml_kvq_fattn_supported(const ggml_tensor * dst, bool use_ref) {
     // type through its type traits, an independent check of this file. It ignores src[5..8], though: a
     // pre-RoPE K cache is read here even then (on 2026-11-24 that made every pre-RoPE CUDA case "fail"
     // against a reference that attended to the raw cached values)
-    if (use_ref && !ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr)) {
+    const bool prerope = ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr);
+    if (use_ref && !prerope) {
         return false;
     }
     const bool ok = fa_supported(dst);
     // upstream's kernels ignore src[5..8]: they would read a pre-RoPE cache as if rotated
-    if (!ok && ggml_kvq_fa_get_prerope(dst, nullptr, nullptr, nullptr, nullptr)) {
+    if (!ok && prerope) {
         GGML_ABORT("pre-RoPE K cache: flash attention with Q %s, K %s, V %s, mask %s is not supported by pykvq's CPU kernel",
                    ggml_type_name(dst->src[0]->type), ggml_type_name(dst->src[1]->type), ggml_type_name(dst->src[2]->type),
                    dst->src[3] ? ggml_type_name(dst->src[3]->type) : "none");
