@@ -56,8 +56,7 @@ THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
 DRY_RUN = False
-# the file's default: every quantized K layer pre-RoPE, on CUDA too (no environment)
-PRE_ON_GPU = None
+# a pre-RoPE file runs pre-RoPE by default (every quantized K layer, on CUDA too); this turns it post-RoPE
 POST_ON_GPU = {"PYKVQ_K_DOMAIN": "post"}   # a pre-RoPE file's post-RoPE cache, for the ratios
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -190,8 +189,7 @@ def _kld(text: str) -> float | None:
 
 def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
-    prerope: a pre-RoPE file: its GPU run forces the CUDA pre-RoPE kernels, and the GPU runs once more
-    with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
+    prerope: a pre-RoPE file: the GPU runs once more with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
@@ -205,7 +203,7 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False)
         row = {}
         for dev, ngl in (("cpu", "0"), ("gpu", "99")):
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
-                     "--kl-divergence"], env_set=PRE_ON_GPU if prerope and dev == "gpu" else None, timeout=1800)
+                     "--kl-divergence"], timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
         if prerope:
             r = run([exe, *common, "-ngl", "99", "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
@@ -300,8 +298,7 @@ def step_prerope(a) -> dict:
     for s in ["f16"] + PREROPE_SETTINGS:
         k, v = kv(s)
         r = run([exe, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
-                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"],
-                env_set=None if s == "f16" else PRE_ON_GPU, timeout=600)
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
         text = r.stdout + r.stderr
         m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
         o = {"rc": r.returncode, "splits": _splits(text), "prerope_layers": m.groups() if m else None,
@@ -329,7 +326,7 @@ def _prerope_bench(a, model: Path) -> list[dict]:
     exe = Path(a.build) / "bin" / "llama-bench"
     depths = a.prerope_depths.split(",")
     rows = []
-    runs = [("f16", "f16", None)] + [(s, d, POST_ON_GPU if d == "post" else PRE_ON_GPU)
+    runs = [("f16", "f16", None)] + [(s, d, POST_ON_GPU if d == "post" else None)
                                      for s in PREROPE_SETTINGS for d in ("pre", "post")]
     for s, dom, env_set in runs:
         k, v = kv(s)
