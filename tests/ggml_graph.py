@@ -1,6 +1,8 @@
 """A small ggml graph harness for op-level tests on the CPU backend (through pykvq's cffi binding)."""
 from __future__ import annotations
 
+import functools
+
 import cffi
 import numpy as np
 
@@ -16,15 +18,12 @@ _bffi.cdef("""
     int    ggml_backend_graph_compute(void * backend, void * cgraph);
     void   ggml_backend_free(void * backend);
 """)
-_blibs = {}
 
 
+@functools.cache
 def _backend_libs():
-    if not _blibs:
-        d = lib().path.parent
-        _blibs["base"] = _bffi.dlopen(str(d / "libggml-base.so"))
-        _blibs["cpu"] = _bffi.dlopen(str(d / "libggml-cpu.so"))
-    return _blibs["base"], _blibs["cpu"]
+    d = lib().path.parent
+    return _bffi.dlopen(str(d / "libggml-base.so")), _bffi.dlopen(str(d / "libggml-cpu.so"))
 
 
 class Graph:
