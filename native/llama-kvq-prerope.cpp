@@ -212,13 +212,16 @@ int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> &
     return kept;
 }
 
-void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h) {
+void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa,
+                              const ggml_tensor * k_rot) {
     if (fa_node == nullptr || fa_node->op != GGML_OP_FLASH_ATTN_EXT) {
         throw std::runtime_error("a pre-RoPE key cache needs flash attention (-fa on), or the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
     }
+    const int n_rot_h = k_rot ? (int) k_rot->ne[0] : 0;
     if (fa.centred) {
         ggml_kvq_fa_set_centred(fa_node, pos, fa.mean, fa.freqs, fa.n_dims, fa.mode, fa.mscale, n_rot_h);
     } else {
         ggml_kvq_fa_set_prerope(fa_node, pos, fa.mean, fa.scale, fa.freqs, fa.n_dims, fa.mode, fa.mscale, n_rot_h);
     }
+    ggml_kvq_fa_set_hadamard_skip(fa_node, llama_kvq_k_rot_skip(k_rot));
 }

@@ -52,6 +52,34 @@ bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa) {
     return (tag & GGML_KVQ_PREROPE_CENTRED) != 0;
 }
 
+void ggml_kvq_fa_set_hadamard_skip(struct ggml_tensor * fa, int stride) {
+    int n_rot_h = 0;
+    GGML_ASSERT(ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, &n_rot_h));
+    GGML_ASSERT(stride == 0 || (stride > 0 && stride < n_rot_h && (stride & (stride - 1)) == 0));
+    int f = 0;
+    if (stride) {
+        while ((1 << f) < stride) {
+            ++f;
+        }
+        ++f;                                         /* 1 + log2(stride) in 3 bits: strides up to 64 */
+        GGML_ASSERT(f < 8);
+    }
+    int32_t tag;
+    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    tag = (tag & ~(7 << GGML_KVQ_PREROPE_HSKIP_SHIFT)) | (f << GGML_KVQ_PREROPE_HSKIP_SHIFT);
+    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG, &tag, sizeof(tag));
+}
+
+int ggml_kvq_fa_get_hadamard_skip(const struct ggml_tensor * fa) {
+    if (!ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, NULL)) {
+        return 0;
+    }
+    int32_t tag;
+    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    const int f = (tag >> GGML_KVQ_PREROPE_HSKIP_SHIFT) & 7;
+    return f ? 1 << (f - 1) : 0;
+}
+
 bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h) {
     if (fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[5] == NULL) {
         return false;
@@ -62,7 +90,7 @@ bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * 
         return false;
     }
     const int lg = (tag >> 20) & 0xF;
-    if (n_dims)  { *n_dims  = tag & 0x7FFF; }
+    if (n_dims)  { *n_dims  = tag & 0xFFF; }
     if (mode)    { *mode    = (tag >> 16) & 0xF; }
     if (n_rot_h) { *n_rot_h = lg ? 1 << lg : 0; }
     if (mscale) { memcpy(mscale, fa->op_params + GGML_KVQ_PREROPE_TAG + 1, sizeof(float)); }

@@ -280,6 +280,8 @@ void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, 
 void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                              struct ggml_tensor * freqs, int n_dims, int mode, float mscale, int n_rot_h);
 bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
+void ggml_kvq_fa_set_hadamard_skip(struct ggml_tensor * fa, int stride);
+int ggml_kvq_fa_get_hadamard_skip(const struct ggml_tensor * fa);
 float ggml_kvq_rope_freqs(int n_dims, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor,
                           float attn_factor, float beta_fast, float beta_slow,
                           const float * ff, int ff_cols, int n_cols, float * out);

@@ -403,6 +403,8 @@ def main(argv=None) -> int:
          dict(k_pre=pre("q4_0", "fisher, clip 4", 64))),
         *[("K", f"pre-RoPE q4_0, (x - mean) * F^{a} / std^{1 - 2 * a:g} (power sweep), 64-wide Hadamard", 4.5,
            dict(k_pre=pre("q4_0", f"fisher, power {a}", 64))) for a in POWERS],
+        *[("K", "pre-RoPE q4_0, (x - mean) * F^0.15 / std^0.7, 128-wide Hadamard (the runtime's q4_0 on a 128 head)", 4.5,
+           dict(k_pre=pre("q4_0", "fisher, power 0.15", 128)))] * (hd == 128),
         ("K", "pre-RoPE mixed bits auto, channels (not pairs) sorted: groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard",
          4.5, dict(k_pre=mixed("fisher, power 0.15", pairs=False))),
         *[("K", f"pre-RoPE mixed bits {b}: groups of 32 by F sigma^2, (x - mean) * F^0.15 / std^0.7, 32-wide Hadamard",

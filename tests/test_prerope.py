@@ -67,7 +67,7 @@ def rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start):
 
 
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, seed=0, n_threads=2, start=None, use_ref=None):
+                   rot=0, skip=0, seed=0, n_threads=2, start=None, use_ref=None):
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
     # pre-RoPE keys with a large per-channel mean (a k_proj bias), centred and scaled by calibrated statistics
@@ -84,6 +84,7 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
         g.L.ggml_kvq_fa_set_prerope(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
                                     g.tensor("f32", D, Hkv, data=scale), g.tensor("f32", n_dims // 2, Hkv, data=w),
                                     n_dims, mode, mscale, rot)
+        g.L.ggml_kvq_fa_set_hadamard_skip(fa, skip)
         if use_ref is None:
             g.compute(fa, n_threads=n_threads)
         else:
@@ -92,7 +93,7 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     finally:
         g.close()
     Kpost = np.stack([prerope.decode(Cd[s].transpose(1, 0, 2), mean, scale, pos[s], w.astype(np.float64), mode,
-                                     n_dims, mscale, rot).transpose(1, 0, 2) for s in range(S)])
+                                     n_dims, mscale, rot, skip).transpose(1, 0, 2) for s in range(S)])
     ref = attention_ref(Q.transpose(0, 2, 1, 3), Kpost, Vd, mask, 1.0 / np.sqrt(D))
     return out, ref
 
@@ -131,6 +132,19 @@ def test_decode_consecutive_tiles(D, n_dims, rot, mode):
     assert rel_err(out, ref) < 1e-4
 
 
+@pytest.mark.parametrize("D,N,start", [(128, 3, 20000), (128, 1, None), (128, 40, None), (64, 3, 20000)])
+def test_hadamard_without_stride_32(D, N, start):
+    """q53_64 keys: the Hadamard over a whole head without its stride-32 butterfly (on a 128 head the two blocks'
+    5-bit halves turn together, and their 3-bit halves), in the decode path held in registers (consecutive tiles),
+    per key (cells with gaps), the prefill path (40 rows) and on a 64 head (= 32-wide blocks)."""
+    out, ref = run_prerope_fa("q53_64", "q4_0", mode=prerope.NORM, n_dims=D, D=D, N=N, n_kv=700, H=6, Hkv=2,
+                              per_head=True, rot=D, skip=32, start=start)
+    assert rel_err(out, ref) < 1e-4
+    # the centred domain turns Q by the same matrix
+    out, ref = run_centred_fa("q53_64", "q4_0", mode=prerope.NORM, n_dims=D, D=D, N=N, rot=D, skip=32, start=start)
+    assert rel_err(out, ref) < 1e-4
+
+
 @pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
 def test_decode_scalar_rotation(mode):
     """40 of 64 channels rotary (not a multiple of 16: the scalar rotation), cells with gaps and out of order."""
@@ -150,7 +164,7 @@ def test_prefill_partial_rotary_per_head_freqs(mode):
 
 
 def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, seed=0, start=None, pairs=None, n_threads=2):
+                   rot=0, skip=0, seed=0, start=None, pairs=None, n_threads=2):
     """FA over a centred post-RoPE cache (ggml_kvq_fa_set_centred) against attention over H R(p)k rebuilt in
     float64 (prerope.centred): the stored rows plus the mean's kept pairs rotated at each cell's position.
     pairs: the pairs with a mean (default: 40% of them at random)."""
@@ -174,13 +188,14 @@ def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
         fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, 1.0 / np.sqrt(D))
         g.L.ggml_kvq_fa_set_centred(fa, g.tensor("i32", n_kv, S, data=pos), g.tensor("f32", D, Hkv, data=mean),
                                     g.tensor("f32", n_dims // 2, Hkv, data=w), n_dims, mode, mscale, rot)
-        assert g.L.ggml_kvq_fa_is_centred(fa)
+        g.L.ggml_kvq_fa_set_hadamard_skip(fa, skip)
+        assert g.L.ggml_kvq_fa_is_centred(fa) and g.L.ggml_kvq_fa_get_hadamard_skip(fa) == skip
         g.compute(fa, n_threads=n_threads)
         out = g.f32(fa).reshape(S, N, H, D)
     finally:
         g.close()
     K = np.stack([prerope.centred(Cd[s].transpose(1, 0, 2), mean, pos[s], w.astype(np.float64), mode, n_dims,
-                                  mscale, rot).transpose(1, 0, 2) for s in range(S)])
+                                  mscale, rot, skip).transpose(1, 0, 2) for s in range(S)])
     return out, attention_ref(Q.transpose(0, 2, 1, 3), K, Vd, mask, 1.0 / np.sqrt(D))
 
 

@@ -311,6 +311,7 @@ struct fa_prerope {
     bool neox = false;
     float mscale = 1.0f;
     int  n_rot_h = 0;                // Walsh-Hadamard block (0: none)
+    int  h_skip = 0;                 // a butterfly stride the Hadamard leaves out (0: none; ggml_kvq_fa_set_hadamard_skip)
     const int32_t * pos = nullptr;   // src[5]
     int64_t pos_stride = 0;          // per stream
     const float * mean = nullptr, * scale = nullptr, * freqs = nullptr;
@@ -324,6 +325,7 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
     }
     pr.on    = true;
     pr.centred = ggml_kvq_fa_is_centred(dst);
+    pr.h_skip = ggml_kvq_fa_get_hadamard_skip(dst);
     pr.neox  = mode == 2;
     pr.pos   = (const int32_t *) dst->src[5]->data;
     pr.pos_stride = dst->src[5]->nb[1] / sizeof(int32_t);
@@ -363,17 +365,26 @@ inline __m256 fa_fwht8(__m256 v) {
 }
 #endif
 
-// unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK).
+// the orthonormal Hadamard's factor: 1/sqrt of the number of values each output mixes
+inline float fa_hadamard_norm(const fa_prerope & pr) {
+    return pr.n_rot_h ? 1.0f/sqrtf((float) (pr.h_skip ? pr.n_rot_h/2 : pr.n_rot_h)) : 1.0f;
+}
+
+// unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK),
+// without the butterfly at stride skip (0: every stride).
 // The butterfly stages commute, so the three in-register stages (h = 1, 2, 4) run first.
-inline void fa_fwht(float * x, int64_t DK, int n) {
+inline void fa_fwht(float * x, int64_t DK, int n, int skip) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (n % 8 == 0) {
+    if (n % 8 == 0 && (skip == 0 || skip >= 8)) {
         for (int64_t d = 0; d < DK; d += 8) {
             _mm256_storeu_ps(x + d, fa_fwht8(_mm256_loadu_ps(x + d)));
         }
         for (int64_t b = 0; b < DK; b += n) {
             float * y = x + b;
             for (int h = 8; h < n; h *= 2) {
+                if (h == skip) {
+                    continue;
+                }
                 for (int i = 0; i < n; i += 2*h) {
                     for (int j = i; j < i + h; j += 8) {
                         const __m256 a = _mm256_loadu_ps(y + j), c = _mm256_loadu_ps(y + j + h);
@@ -389,6 +400,9 @@ inline void fa_fwht(float * x, int64_t DK, int n) {
     for (int64_t b = 0; b < DK; b += n) {
         float * y = x + b;
         for (int h = 1; h < n; h *= 2) {
+            if (h == skip) {
+                continue;
+            }
             for (int i = 0; i < n; i += 2*h) {
                 for (int j = i; j < i + h; ++j) {
                     const float a = y[j], c = y[j + h];
@@ -479,7 +493,7 @@ inline void fa_restore_rotate_row(const fa_prerope & pr, float * x, int64_t DK, 
 }
 
 // k rows of the tile: undo the Hadamard, restore scale and mean, rotate at positions pos[0..n).
-// sc: this head's scale, divided by sqrt(n_rot_h) when the unnormalized transform runs.
+// sc: this head's scale times fa_hadamard_norm (the transform runs unnormalized).
 void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32_t * pos, int64_t n, float * Kf,
                      float * cs, const float * c1, const float * s1, const float * sc) {
     const float * mu = pr.mean  + ik2*DK;
@@ -494,7 +508,7 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
         }
         float * x = Kf + t*DK;
         if (pr.n_rot_h) {
-            fa_fwht(x, DK, pr.n_rot_h);
+            fa_fwht(x, DK, pr.n_rot_h, pr.h_skip);
         }
         fa_restore_rotate_row(pr, x, DK, sc, mu, c, s);
     }
@@ -607,8 +621,9 @@ void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp,
 #if defined(__AVX2__) && defined(__FMA__)
 // fa_prerope_tile_rel with each row held in registers through the transform, scale, mean and
 // rotation (head sizes 64 and 128, full rotary, Hadamard blocks of 8 .. DK). NVH (the Hadamard
-// block in vectors, 0: none) is a template argument so that every index into v[] is a constant.
-template <int NV, int NVH>
+// block in vectors, 0: none) and SKV (the left-out butterfly stride in vectors, 0: none) are template
+// arguments so that every index into v[] is a constant.
+template <int NV, int NVH, int SKV = 0>
 void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, const float * sc, const fa_rope_tab & tab) {
     constexpr int DK = 8*NV;
     const float * mu = pr.mean + ik2*DK;
@@ -627,6 +642,9 @@ void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, 
             }
             #pragma GCC unroll 16
             for (int h = 1; h < NVH; h *= 2) {
+                if (h == SKV) {
+                    continue;
+                }
                 #pragma GCC unroll 16
                 for (int i = 0; i < NV; i += 2*h) {
                     #pragma GCC unroll 16
@@ -683,7 +701,11 @@ bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float *
                 break;
             }
         }
-        f = i < 0 ? nullptr : DK == 64 ? t64[i] : DK == 128 ? t128[i] : nullptr;
+        if (pr.h_skip == 0) {
+            f = i < 0 ? nullptr : DK == 64 ? t64[i] : DK == 128 ? t128[i] : nullptr;
+        } else if (DK == 128 && pr.n_rot_h == 128 && pr.h_skip == 32) {
+            f = fa_prerope_rows<16, 16, 4>;    // q53_64 keys on a 128 head (llama_kvq_new_k_rot)
+        }
         if (f) {
             f(pr, ik2, Kf, n, sc, tab);
             return true;
@@ -705,7 +727,7 @@ void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t
     for (int64_t t = 0; t < n; ++t) {
         float * x = Kf + t*DK;
         if (pr.n_rot_h) {
-            fa_fwht(x, DK, pr.n_rot_h);
+            fa_fwht(x, DK, pr.n_rot_h, pr.h_skip);
         }
         fa_restore_rotate_row(pr, x, DK, sc, mu, tab.c.data() + t*DK, tab.s.data() + t*DK);
     }
@@ -871,14 +893,14 @@ void fa_centred_setup(const fa_prerope & pr, int64_t ik2, int64_t DK, const floa
         }
     }
     const int np = c.np;
-    const float hs = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
+    const float hs = fa_hadamard_norm(pr);
     for (int64_t r = 0; r < R; ++r) {
         const float * q = Q + r*DK;
         if (pr.n_rot_h) {
             for (int64_t d = 0; d < DK; ++d) {
                 qtmp[d] = q[d]*hs;
             }
-            fa_fwht(qtmp, DK, pr.n_rot_h);
+            fa_fwht(qtmp, DK, pr.n_rot_h, pr.h_skip);
             q = qtmp;
         }
         float * al = coef + r*2*np, * be = al + np;
@@ -1094,7 +1116,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     const int32_t * kpos = pr.on ? pr.pos + ik3*pr.pos_stride : nullptr;   // the cells' positions
     if (pr.on && !pr.centred) {
         fa_rope_fill(pr, pr.freqs + w.ik2*(pr.n_dims/2), 1, 1.0f, rope_c1, rope_s1);
-        const float f = pr.n_rot_h ? 1.0f/sqrtf((float) pr.n_rot_h) : 1.0f;
+        const float f = fa_hadamard_norm(pr);
         for (int64_t d = 0; d < DK; ++d) {
             rope_sc[d] = pr.scale[w.ik2*DK + d]*f;
         }

@@ -185,6 +185,9 @@ static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
     if (ggml_kvq_fa_is_centred(op)) {   // no CUDA kernel adds the mean's scores yet (llama refuses the setting)
         return false;
     }
+    if (ggml_kvq_fa_get_hadamard_skip(op) != 0) {   // only q53_64 keys (CPU kernels only) leave a stride out
+        return false;
+    }
     const ggml_tensor * K = op->src[1];
     const ggml_tensor * pos = op->src[5];
     if (pos->type != GGML_TYPE_I32 || pos->nb[0] != sizeof(int32_t) || pos->ne[0] < K->ne[1] || pos->ne[1] != K->ne[3]) {

@@ -277,8 +277,9 @@ GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 //                                      angle at position p is p*w (freq_base, freq_scale,
 //                                      YaRN ramp, rope_freqs and K-sort factors folded in;
 //                                      ggml_kvq_rope_freqs)
-//   int32 op_params[14] = GGML_KVQ_PREROPE_MAGIC | log2(n_rot_h) << 20 | mode << 16 | n_dims
-//                         (mode: 0 NORM, 2 NEOX; n_rot_h = 0: no Hadamard, else 2^k dividing DK)
+//   int32 op_params[14] = GGML_KVQ_PREROPE_MAGIC | log2(n_rot_h) << 20 | mode << 16 | h_skip << 12 | n_dims
+//                         (mode: 0 NORM, 2 NEOX; n_rot_h = 0: no Hadamard, else 2^k dividing DK;
+//                         h_skip = 0, or 1 + log2 of a butterfly stride the Hadamard leaves out: ggml_kvq_fa_set_hadamard_skip)
 //   float op_params[15] = mscale (multiplies cos and sin, as ggml_rope_ext's attn_factor / YaRN)
 // Channels from n_dims on are not rotated (partial rotary).
 //
@@ -292,6 +293,7 @@ GGML_API bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 #define GGML_KVQ_PREROPE_TAG    14
 #define GGML_KVQ_PREROPE_MAGIC  0x52000000   // "R" in the top byte
 #define GGML_KVQ_PREROPE_CENTRED 0x8000      // in the tag's n_dims field (n_dims < 4096)
+#define GGML_KVQ_PREROPE_HSKIP_SHIFT 12      // 3 bits: 0, or 1 + log2 of the left-out stride
 GGML_KVQ_STATIC_ASSERT(GGML_KVQ_PREROPE_TAG > GGML_KVQ_CB_TAG, "pre-RoPE words overlap the codebooks");
 GGML_KVQ_STATIC_ASSERT((GGML_KVQ_PREROPE_TAG + 2) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
 
@@ -305,6 +307,12 @@ GGML_API void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tenso
 GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h);
 // true when fa reads a centred post-RoPE K cache
 GGML_API bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
+// The node's Hadamard leaves out the butterfly at `stride` (a power of two < n_rot_h; 0: none): per block of n_rot_h
+// channels it is the orthonormal Walsh-Hadamard over the other index bits, H_{n/2s} (x) I_2 (x) H_s: entry (i, j) is 0
+// where i and j differ in the stride's bit, else (-1)^popcount(i & j & ~stride) / sqrt(n_rot_h/2). q53_64 keys on a 128 head: the two blocks' 5-bit halves turn
+// together, and so do their 3-bit halves (llama_kvq_new_k_rot).
+GGML_API void ggml_kvq_fa_set_hadamard_skip(struct ggml_tensor * fa, int stride);
+GGML_API int  ggml_kvq_fa_get_hadamard_skip(const struct ggml_tensor * fa);
 
 // The angular frequencies ggml_rope_ext uses (CPU and CUDA kernels): for pair i < n_dims/2,
 // theta(p) = p * w[i], with w[i] = base^(-2i/n_dims) / ff[i] * (freq_scale*(1 - r) + r),

@@ -99,9 +99,10 @@ ggml_tensor * llama_kvq_centred_store(ggml_context * ctx, ggml_tensor * k_rope, 
 int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> & var, int64_t DK, int64_t n_head_kv,
                            int n_dims, bool neox);
 
-// put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node (n_rot_h: the Walsh-Hadamard
-// block the stored K was turned by, 0 for none); throws when fa_node is not one
-void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa, int n_rot_h);
+// put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node (k_rot: the online Hadamard
+// the stored K was turned by, llama_kvq_new_k_rot's tensor, nullptr for none); throws when fa_node is not one
+void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa,
+                              const ggml_tensor * k_rot);
 
 // session states: each layer's K / V type word also says what else decodes the bytes: a pre-RoPE K layer sets
 // LLAMA_KVQ_STATE_PREROPE, a centred one LLAMA_KVQ_STATE_CENTRED, a cache turned by upstream's online Hadamard (attn_rot_k / attn_rot_v) sets
@@ -179,18 +180,26 @@ int32_t llama_memory_kvq_used_cells(llama_memory_i * mem, llama_seq_id seq_id);
 std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors);
 bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
 
-// The online K Hadamard's block: a q53_64 block's halves hold 5- and 3-bit values of channels of different
-// importance (pykvq/ref/q53.py), so with any q53_64 K layer the rotation stays within 32 values; else nrot.
+// The online K Hadamard's input tensor [nrot, nrot] (upstream: nrot = the largest power of two dividing the head
+// size). A q53_64 block's halves hold 5- and 3-bit values of channels of different importance (pykvq/ref/q53.py),
+// so with any q53_64 K layer the rotation never mixes the halves: within each 32-value half for nrot 64, and for
+// nrot >= 128 the Hadamard without its stride-32 butterfly (ggml_kvq_fa_set_hadamard_skip), which turns the
+// 5-bit halves of nrot/64 blocks together and their 3-bit halves together. That layout is marked in the tensor's
+// op_params (llama_kvq_k_rot_skip) for llama_kvq_k_rot_fill and llama_kvq_prerope_attach.
 #define LLAMA_KVQ_K_ROT_MIN 32
+ggml_tensor * llama_kvq_new_k_rot_tensor(ggml_context * ctx, bool q53, int64_t nrot);
 template <typename Layer>
-int64_t llama_kvq_k_rot_block(const std::vector<Layer> & layers, int64_t nrot) {
+ggml_tensor * llama_kvq_new_k_rot(ggml_context * ctx, const std::vector<Layer> & layers, int64_t nrot) {
+    bool q53 = false;
     for (const auto & l : layers) {
-        if (l.k != nullptr && l.k->type == GGML_TYPE_Q53_64) {
-            return nrot < LLAMA_KVQ_K_ROT_MIN ? nrot : LLAMA_KVQ_K_ROT_MIN;
-        }
+        q53 = q53 || (l.k != nullptr && l.k->type == GGML_TYPE_Q53_64);
     }
-    return nrot;
+    return llama_kvq_new_k_rot_tensor(ctx, q53, nrot);
 }
+// the butterfly stride the K rotation tensor leaves out (0: none; nullptr: no rotation)
+int llama_kvq_k_rot_skip(const ggml_tensor * k_rot);
+// fills a host K rotation tensor that leaves a stride out and returns true; false for upstream's plain Hadamard
+bool llama_kvq_k_rot_fill(ggml_tensor * k_rot);
 
 // throws when a K cache of a type with CPU kernels only (q53_64) is in a device buffer (CUDA, RPC, ...), where
 // writing it would abort in the scheduler: the error names the way out

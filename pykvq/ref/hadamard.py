@@ -13,3 +13,15 @@ def hadamard(n: int) -> np.ndarray:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     return h / np.sqrt(n)
+
+
+def hadamard_skip(n: int, skip: int = 0) -> np.ndarray:
+    """The orthonormal Hadamard of size n without its butterfly at stride `skip` (0: hadamard(n)):
+    H_{n/2skip} (x) I_2 (x) H_skip: entry (i, j) is 0 where i and j differ in skip's bit, else
+    (-1)^popcount(i & j & ~skip) / sqrt(n/2) (ggml_kvq_fa_set_hadamard_skip;
+    q53_64 keys on a 128 head turn the two blocks' 5-bit halves together and their 3-bit halves together)."""
+    if not skip:
+        return hadamard(n)
+    if skip & (skip - 1) or not 0 < skip < n:
+        raise ValueError(f"the left-out stride must be a power of two below {n}, got {skip}")
+    return np.kron(np.kron(hadamard(n // (2 * skip)), np.eye(2)), hadamard(skip))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hadamard import hadamard
+from .hadamard import hadamard_skip
 
 NORM, NEOX = 0, 2
 
@@ -58,30 +58,31 @@ def rope(x: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int, n_dims: int, 
     return y
 
 
-def block_rotate(x: np.ndarray, n_rot_h: int) -> np.ndarray:
-    """x [..., D] with each block of n_rot_h channels multiplied by the Hadamard (its own inverse)."""
+def block_rotate(x: np.ndarray, n_rot_h: int, skip: int = 0) -> np.ndarray:
+    """x [..., D] with each block of n_rot_h channels multiplied by the Hadamard (its own inverse), without its
+    butterfly at stride skip when one is given (hadamard.hadamard_skip)."""
     if not n_rot_h:
         return x
-    return (x.reshape(*x.shape[:-1], -1, n_rot_h) @ hadamard(n_rot_h)).reshape(x.shape)
+    return (x.reshape(*x.shape[:-1], -1, n_rot_h) @ hadamard_skip(n_rot_h, skip)).reshape(x.shape)
 
 
-def encode(k: np.ndarray, mean: np.ndarray, scale: np.ndarray, n_rot_h: int = 0) -> np.ndarray:
+def encode(k: np.ndarray, mean: np.ndarray, scale: np.ndarray, n_rot_h: int = 0, skip: int = 0) -> np.ndarray:
     """Pre-RoPE keys [..., n_head_kv, D] -> what the cache quantizes."""
-    return block_rotate((k - mean) / scale, n_rot_h).astype(np.float32)
+    return block_rotate((k - mean) / scale, n_rot_h, skip).astype(np.float32)
 
 
 def decode(c: np.ndarray, mean: np.ndarray, scale: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int,
-           n_dims: int, mscale: float = 1.0, n_rot_h: int = 0) -> np.ndarray:
+           n_dims: int, mscale: float = 1.0, n_rot_h: int = 0, skip: int = 0) -> np.ndarray:
     """Dequantized cache rows [n_kv, n_head_kv, D] -> the post-RoPE keys attention uses (float64)."""
-    return rope(block_rotate(c.astype(np.float64), n_rot_h) * scale + mean, pos, w, mode, n_dims, mscale)
+    return rope(block_rotate(c.astype(np.float64), n_rot_h, skip) * scale + mean, pos, w, mode, n_dims, mscale)
 
 
 def centred(kd: np.ndarray, mean: np.ndarray, pos: np.ndarray, w: np.ndarray, mode: int, n_dims: int,
-            mscale: float = 1.0, n_rot_h: int = 0) -> np.ndarray:
+            mscale: float = 1.0, n_rot_h: int = 0, skip: int = 0) -> np.ndarray:
     """A centred post-RoPE cache: dequantized rows kd [n_kv, n_head_kv, D] hold H R(p)(k - mean) -> the keys
     attention uses, H R(p)k (float64). mean [n_head_kv, D]: the kept pairs, zero elsewhere."""
     m = np.broadcast_to(mean.astype(np.float64), (len(pos),) + mean.shape)
-    return kd.astype(np.float64) + block_rotate(rope(m, pos, w, mode, n_dims, mscale), n_rot_h)
+    return kd.astype(np.float64) + block_rotate(rope(m, pos, w, mode, n_dims, mscale), n_rot_h, skip)
 
 
 def centre_pairs(mean: np.ndarray, var: np.ndarray | None, n_dims: int, mode: int, residual: float = 0.5) -> np.ndarray:
