@@ -256,6 +256,21 @@ def main(argv=None) -> int:
             return np.zeros_like(x)
         return roundtrip_signed(x, 2 ** (bits - 1))
 
+    def sq_search(x, bits, fs=np.linspace(0.7, 1.2, 26)):
+        """sq with each 32-block's scale chosen from fs x the signed-max rule's by least squared error."""
+        half = 2 ** (bits - 1)
+        b = x.reshape(-1, 32).astype(np.float32)
+        vmax = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[:, None], axis=-1)
+        best, err = np.zeros_like(b), np.full(len(b), np.inf)
+        for f in fs:
+            d = (vmax / -half * f).astype(np.float16).astype(np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.clip(np.round(np.where(d != 0, b / d, 0.0)), -half, half - 1) * d
+            e = ((q - b) ** 2).sum(axis=1)
+            better = e < err
+            best[better], err[better] = q[better], e[better]
+        return best.reshape(x.shape)
+
     def alloc(v, n_groups, total):
         """Integer bits per group (sum = total) by greedy water-filling on the groups' geometric-mean v."""
         gm = np.exp(np.log(np.maximum(v, 1e-30)).reshape(n_groups, -1).mean(axis=1))
@@ -265,7 +280,7 @@ def main(argv=None) -> int:
             b[j] += 1
         return b
 
-    def mixed(st_name, bits=None, hadamard_n=32, pairs=True):
+    def mixed(st_name, bits=None, hadamard_n=32, pairs=True, search=False):
         order, widths = [], []
         for i in range(n_layer):
             mean, scale = stats[st_name][i]
@@ -297,7 +312,8 @@ def main(argv=None) -> int:
                     assert len(bs) == 1, "a Hadamard spans groups of different widths"
                     b = bs.pop()
                     blk = yh[:, s0: s0 + span]
-                    blk = rot(sq(rot(blk, hadamard_n), b), hadamard_n) if hadamard_n else sq(blk, b)
+                    quant = sq_search if search else sq
+                    blk = rot(quant(rot(blk, hadamard_n), b), hadamard_n) if hadamard_n else quant(blk, b)
                     out[:, h, o[s0: s0 + span]] = blk
             return out * scale + mean
         fn.widths = widths
@@ -411,6 +427,10 @@ def main(argv=None) -> int:
            4.5, dict(k_pre=mixed("fisher, power 0.15", b))) for b in MIXED_BITS.get(hd, ())],
         *[("K", "pre-RoPE mixed bits (5, 5, 3, 3), 64-wide Hadamard over each 64 of one width (a q53_128 layout)", 4.5,
            dict(k_pre=mixed("fisher, power 0.15", (5, 5, 3, 3), hadamard_n=64)))] * (hd == 128),
+        *[("K", "pre-RoPE mixed bits (5, 5, 3, 3), 64-wide Hadamard over each 64 of one width, each 32-block's scale by least squares (search)", 4.5,
+           dict(k_pre=mixed("fisher, power 0.15", (5, 5, 3, 3), hadamard_n=64, search=True)))] * (hd == 128),
+        *[("K", "pre-RoPE mixed bits (5, 3), 32-wide Hadamard, each 32-block's scale by least squares (search)", 4.5,
+           dict(k_pre=mixed("fisher, power 0.15", (5, 3), search=True)))] * (hd == 64),
         ("K", "pre-RoPE mixed bits auto (water-filling per head): groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard",
          4.5, dict(k_pre=mixed("fisher, power 0.15"))),
         ("K", "pre-RoPE q4_0 groups of 32 by F sigma^2, fisher 0.15, 32-wide Hadamard (the mixed rows' 4-bit control)",
