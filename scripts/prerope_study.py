@@ -219,11 +219,13 @@ def main(argv=None) -> int:
         fv = [(c.gv[i].astype(np.float64) ** 2).mean(axis=0) for i in range(n_layer)]
         v_fscale = [fisher_scale(c.v[i], fv[i], 0.0, power=0.25) for i in range(n_layer)]
 
-    def pre(qtype, st_name=None, hadamard_n=0, cbs=None):
+    def pre(qtype, st_name=None, hadamard_n=0, cbs=None, search=False):
         def fn(i, x):
             mean, scale = stats[st_name][i] if st_name else (0.0, 1.0)
             y = (x - mean) / scale
-            if hadamard_n:
+            if search:
+                y = rot(sq_search(rot(y, hadamard_n), 4), hadamard_n)
+            elif hadamard_n:
                 y = rot(fq(rot(y, hadamard_n), qtype, None if cbs is None else cbs[i]), hadamard_n)
             else:
                 y = fq(y, qtype, None if cbs is None else cbs[i])
@@ -236,14 +238,15 @@ def main(argv=None) -> int:
             return rot(fq(rot(x, hadamard_n), qtype, cb), hadamard_n) if hadamard_n else fq(x, qtype, cb)
         return fn
 
-    def vq(qtype, centre, hadamard_n=64, skip_first=False, fisher=False):
+    def vq(qtype, centre, hadamard_n=64, skip_first=False, fisher=False, search=False):
         def fn(i, x):
             m = np.broadcast_to(v_mean[i] if centre else 0.0, x.shape).copy()
             if skip_first:              # diagnostic: leave the first token of the window (the sink) uncentred
                 m[0] = 0.0
             s = v_fscale[i] if fisher else 1.0      # exact when baked: W_v rows / s, W_o columns * s
             y = (x - m) / s
-            y = rot(fq(rot(y, hadamard_n), qtype), hadamard_n) if hadamard_n else fq(y, qtype)
+            quant = (lambda z, t: sq_search(z, 4)) if search else fq     # search: q4_0's levels and format
+            y = rot(quant(rot(y, hadamard_n), qtype), hadamard_n) if hadamard_n else quant(y, qtype)
             return y * s + m
         return fn
 
@@ -454,6 +457,10 @@ def main(argv=None) -> int:
         ("K", "pre-RoPE nuq4, (x - mean) / max |x - mean|, Fisher codebook", 4.5,
          dict(k_pre=pre("nuq4", "absmax", cbs=cb_pre.get("absmax")))),
         ("V", "q4_0 + online Hadamard (stock default)", 4.5, dict(v=vq("q4_0", False))),
+        ("V", "q4_0 + online Hadamard, each block's scale by least squares (search; a q4_0 encoder, stock format)", 4.5,
+         dict(v=vq("q4_0", False, search=True))),
+        ("K", "pre-RoPE q4_0, (x - mean) * F^0.15 / std^0.7, online Hadamard, each block's scale by least squares (search)", 4.5,
+         dict(k_pre=pre("q4_0", "fisher, power 0.15", hd, search=True))),
         ("V", "q4_0 + online Hadamard, minus V mean", 4.5, dict(v=vq("q4_0", True))),
         ("V", "q4_0 + online Hadamard, minus V mean except the window's first token (diagnostic)", 4.5,
          dict(v=vq("q4_0", True, skip_first=True))),
