@@ -5,6 +5,26 @@
 #include <math.h>
 #include <string.h>
 
+// log2 of a power of two
+static int kvq_log2(int n) {
+    int lg = 0;
+    while ((1 << lg) < n) {
+        ++lg;
+    }
+    return lg;
+}
+
+// the node's pre-RoPE tag word (op_params[GGML_KVQ_PREROPE_TAG])
+static int32_t kvq_tag(const struct ggml_tensor * fa) {
+    int32_t tag;
+    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    return tag;
+}
+
+static void kvq_set_tag(struct ggml_tensor * fa, int32_t tag) {
+    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG, &tag, sizeof(tag));
+}
+
 void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                              struct ggml_tensor * scale, struct ggml_tensor * freqs,
                              int n_dims, int mode, float mscale, int n_rot_h) {
@@ -21,62 +41,43 @@ void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, 
     int lg = 0;
     if (n_rot_h > 0) {
         GGML_ASSERT((n_rot_h & (n_rot_h - 1)) == 0 && n_rot_h >= 2 && k->ne[0] % n_rot_h == 0);
-        while ((1 << lg) < n_rot_h) {
-            ++lg;
-        }
+        lg = kvq_log2(n_rot_h);
     }
     fa->src[5] = pos;
     fa->src[6] = mean;
     fa->src[7] = scale;
     fa->src[8] = freqs;
-    const int32_t tag = GGML_KVQ_PREROPE_MAGIC | (lg << 20) | (mode << 16) | n_dims;
-    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG,     &tag,    sizeof(tag));
+    kvq_set_tag(fa, GGML_KVQ_PREROPE_MAGIC | (lg << 20) | (mode << 16) | n_dims);
     memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG + 1, &mscale, sizeof(mscale));
 }
 
 void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                              struct ggml_tensor * freqs, int n_dims, int mode, float mscale, int n_rot_h) {
     ggml_kvq_fa_set_prerope(fa, pos, mean, mean, freqs, n_dims, mode, mscale, n_rot_h);
-    int32_t tag;
-    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
-    tag |= GGML_KVQ_PREROPE_CENTRED;
-    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG, &tag, sizeof(tag));
+    kvq_set_tag(fa, kvq_tag(fa) | GGML_KVQ_PREROPE_CENTRED);
 }
 
 bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa) {
     if (!ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, NULL)) {
         return false;
     }
-    int32_t tag;
-    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
-    return (tag & GGML_KVQ_PREROPE_CENTRED) != 0;
+    return (kvq_tag(fa) & GGML_KVQ_PREROPE_CENTRED) != 0;
 }
 
 void ggml_kvq_fa_set_hadamard_skip(struct ggml_tensor * fa, int stride) {
     int n_rot_h = 0;
     GGML_ASSERT(ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, &n_rot_h));
     GGML_ASSERT(stride == 0 || (stride > 0 && stride < n_rot_h && (stride & (stride - 1)) == 0));
-    int f = 0;
-    if (stride) {
-        while ((1 << f) < stride) {
-            ++f;
-        }
-        ++f;                                         /* 1 + log2(stride) in 3 bits: strides up to 64 */
-        GGML_ASSERT(f < 8);
-    }
-    int32_t tag;
-    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
-    tag = (tag & ~(7 << GGML_KVQ_PREROPE_HSKIP_SHIFT)) | (f << GGML_KVQ_PREROPE_HSKIP_SHIFT);
-    memcpy(fa->op_params + GGML_KVQ_PREROPE_TAG, &tag, sizeof(tag));
+    const int f = stride ? 1 + kvq_log2(stride) : 0;   /* in 3 bits: strides up to 64 */
+    GGML_ASSERT(f < 8);
+    kvq_set_tag(fa, (kvq_tag(fa) & ~(7 << GGML_KVQ_PREROPE_HSKIP_SHIFT)) | (f << GGML_KVQ_PREROPE_HSKIP_SHIFT));
 }
 
 int ggml_kvq_fa_get_hadamard_skip(const struct ggml_tensor * fa) {
     if (!ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, NULL)) {
         return 0;
     }
-    int32_t tag;
-    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
-    const int f = (tag >> GGML_KVQ_PREROPE_HSKIP_SHIFT) & 7;
+    const int f = (kvq_tag(fa) >> GGML_KVQ_PREROPE_HSKIP_SHIFT) & 7;
     return f ? 1 << (f - 1) : 0;
 }
 
@@ -84,8 +85,7 @@ bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * 
     if (fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[5] == NULL) {
         return false;
     }
-    int32_t tag;
-    memcpy(&tag, fa->op_params + GGML_KVQ_PREROPE_TAG, sizeof(tag));
+    const int32_t tag = kvq_tag(fa);
     if ((tag & 0xFF000000) != GGML_KVQ_PREROPE_MAGIC) {
         return false;
     }
