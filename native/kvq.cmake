@@ -10,6 +10,7 @@ target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/bfp.c
     ${GGML_KVQ_DIR}/nuq.c
     ${GGML_KVQ_DIR}/q53.c
+    ${GGML_KVQ_DIR}/lsq.c
     ${GGML_KVQ_DIR}/prerope.c
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)

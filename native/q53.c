@@ -10,48 +10,8 @@
 #include <math.h>
 #include <string.h>
 
-// one half of a block: q*_0's rule with `half` = 2^(bits-1), its scale d = vmax/-half times the factor f_k
-// (k = 0 .. Q53_N_SCALES-1, f_k = (35 + k)/50: 0.70 .. 1.20, f_15 = 1 is q*_0's own) whose read-back values have
-// the least squared error (double, summed in order; the first of equals). NaN is read as 0, +-inf as +-FLT_MAX,
-// |d| saturates at 65504 (so no block decodes to inf or NaN: docs/FORMATS.md, Edge inputs).
-// Why: for near-Gaussian blocks (keys after the online Hadamard) the signed max is not the best scale: the
-// search cuts the squared error by ~11% (5 bits) and ~13% (3 bits); the format and its decoders are unchanged.
-#define Q53_N_SCALES 26
-static void q53_quantize_half(const float * x, int half, uint8_t d_out[2], uint8_t * q) {
-    float v[QK_Q53/2];
-    float amax = 0.0f, vmax = 0.0f;
-    for (int j = 0; j < QK_Q53/2; ++j) {
-        v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
-        if (amax < fabsf(v[j])) {
-            amax = fabsf(v[j]);
-            vmax = v[j];
-        }
-    }
-    double best = INFINITY;
-    for (int k = 0; k < Q53_N_SCALES; ++k) {
-        const float f = (float) (35 + k) / 50.0f;
-        float d = (vmax / (float) -half) * f;
-        d = fmaxf(-65504.0f, fminf(65504.0f, d));
-        const float id = d != 0.0f ? 1.0f/d : 0.0f;
-        const uint16_t h = ggml_kvq_fp32_to_fp16(d);
-        const float dq = ggml_kvq_fp16_to_fp32(h);
-        uint8_t qk[QK_Q53/2];
-        double e = 0.0;
-        for (int j = 0; j < QK_Q53/2; ++j) {
-            const float t = v[j]*id + ((float) half + 0.5f);
-            const int   i = t < 1.0f ? 0 : (int) t;           // trunc, and nothing below 0
-            qk[j] = (uint8_t) (i > 2*half - 1 ? 2*half - 1 : i);
-            const double r = (double) ((float) (qk[j] - half) * dq) - (double) v[j];
-            e += r*r;
-        }
-        if (e < best) {
-            best = e;
-            d_out[0] = (uint8_t) (h & 0xFF);
-            d_out[1] = (uint8_t) (h >> 8);
-            memcpy(q, qk, sizeof(qk));
-        }
-    }
-}
+// each half: q*_0's rule with a least-squares scale (ggml_kvq_lsq_block, native/lsq.c), half = 2^(bits-1)
+GGML_KVQ_STATIC_ASSERT(QK_Q53/2 == GGML_KVQ_LSQ_N, "a q53_64 half is one least-squares block");
 
 void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {
     const int64_t nb = k / QK_Q53;
@@ -59,8 +19,8 @@ void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {
         const float * xb = x + i*QK_Q53;
         block_q53_64 * b = y + i;
         uint8_t q5[QK_Q53/2], q3[QK_Q53/2];
-        q53_quantize_half(xb, 16, b->d5, q5);
-        q53_quantize_half(xb + QK_Q53/2, 4, b->d3, q3);
+        ggml_kvq_lsq_block(xb, 16, b->d5, q5);
+        ggml_kvq_lsq_block(xb + QK_Q53/2, 4, b->d3, q3);
         uint32_t qh5 = 0, qh3 = 0;
         for (int j = 0; j < 16; ++j) {
             b->qs5[j] = (uint8_t) ((q5[j] & 15) | ((q5[j + 16] & 15) << 4));

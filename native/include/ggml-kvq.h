@@ -358,6 +358,33 @@ GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k
 // Row validation for ggml_validate_row_data (patch 0015): both scales finite.
 GGML_API bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes);
 
+//
+// Least-squares block scales (native/lsq.c, pykvq/ref/scale_search.py). For a block of GGML_KVQ_LSQ_N values and
+// half = 2^(bits-1): q*_0's rule with its scale d = vmax/-half times the factor f_k = (35 + k)/50, k = 0 .. 25
+// (0.70 .. 1.20; f_15 = 1 is q*_0's own), the one whose read-back values have the least squared error (double,
+// summed in order, the first of equals). NaN is read as 0, +-inf as +-FLT_MAX, |d| saturates at 65504.
+// q53_64 always encodes its halves so; q4_0 / q5_0 do where a cache write asks (ggml_kvq_set_encoder): the
+// format is the stock one, so every decoder reads it unchanged.
+//
+#define GGML_KVQ_LSQ_N        32
+#define GGML_KVQ_LSQ_N_SCALES 26
+// d_out: the f16 scale's bytes; q[GGML_KVQ_LSQ_N]: levels in [0, 2*half)
+GGML_API void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
+GGML_API void quantize_row_q4_0_lsq(const float * x, void * y, int64_t k);
+GGML_API void quantize_row_q5_0_lsq(const float * x, void * y, int64_t k);
+
+// The encoder a SET_ROWS into a cache tensor uses: int32 op_params[GGML_KVQ_ENC_TAG] = GGML_KVQ_ENC_MAGIC
+// for least squares (ggml's SET_ROWS reads no op_params). Backends that do not read the tag (CUDA) write
+// the stock encoding, which is equally valid.
+#define GGML_KVQ_ENC_TAG     15
+#define GGML_KVQ_ENC_MAGIC   0x4C530001   // "LS", 1
+enum { GGML_KVQ_ENCODER_STOCK = 0, GGML_KVQ_ENCODER_LSQ = 1 };
+GGML_KVQ_STATIC_ASSERT((GGML_KVQ_ENC_TAG + 1) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
+GGML_API void ggml_kvq_set_encoder(struct ggml_tensor * node, int encoder);
+GGML_API int  ggml_kvq_get_encoder(const struct ggml_tensor * node);
+// the from_float a tagged SET_ROWS into dst uses instead of the type's own, NULL for the type's own
+GGML_API ggml_from_float_t ggml_kvq_encoder_from_float(const struct ggml_tensor * dst);
+
 // Row validation for ggml_validate_row_data (patch 0005): d (and ov) finite, oi < 64.
 GGML_API bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, size_t nbytes);
 

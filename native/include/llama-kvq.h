@@ -27,6 +27,15 @@ static inline ggml_tensor * llama_kvq_set_codebook(ggml_tensor * node, ggml_type
     return node;
 }
 
+// tell a cache write (SET_ROWS) which encoder to use: GGML_KVQ_ENCODER_LSQ takes least-squares block scales where the
+// cache is q4_0 / q5_0 (the stock format either way; a no-op for other types)
+static inline ggml_tensor * llama_kvq_set_encoder(ggml_tensor * node, int encoder) {
+    if (node != nullptr && encoder == GGML_KVQ_ENCODER_LSQ && (node->type == GGML_TYPE_Q4_0 || node->type == GGML_TYPE_Q5_0)) {
+        ggml_kvq_set_encoder(node, encoder);
+    }
+    return node;
+}
+
 // the same for a FLASH_ATTN_EXT node over K of type_k and V of type_v
 static inline void llama_kvq_set_codebooks_fa(ggml_tensor * fa, ggml_type type_k, const int8_t * cb_k, ggml_type type_v, const int8_t * cb_v) {
     if (llama_kvq_is_nuq(type_k) || llama_kvq_is_nuq(type_v)) {

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import scale_search
+
 QK = 64
 HALF = 32
 BITS = (5, 3)
@@ -44,33 +46,12 @@ TYPE_SIZE = 36
 BITS_PER_VALUE = 8 * TYPE_SIZE / QK
 
 
-N_SCALES = 26     # the scale factors f_k = (35 + k)/50 the quantizer tries
+N_SCALES = scale_search.N_SCALES
 
 
 def _quantize_half(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
-    """(fp16 d [nb], q [nb, 32] uint8) of blocks b [nb, 32] by the rule above."""
-    fmax = np.float32(np.finfo(np.float32).max)
-    b = np.clip(np.nan_to_num(b, nan=0.0, posinf=fmax, neginf=-fmax), -fmax, fmax).astype(np.float32)
-    idx = np.abs(b).argmax(axis=-1)[:, None]
-    vmax = np.take_along_axis(b, idx, axis=-1)
-    best = np.full(len(b), np.inf)
-    d_out = np.zeros(len(b), np.float16)
-    q_out = np.zeros(b.shape, np.uint8)
-    for k in range(N_SCALES):
-        f = np.float32(35 + k) / np.float32(50)
-        d = np.clip((vmax / np.float32(-half)) * f, -65504, 65504).astype(np.float32)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
-            t = (b * inv + np.float32(half + 0.5)).astype(np.float32)
-        q = np.clip(np.trunc(t), 0, 2 * half - 1)
-        d16 = d[:, 0].astype(np.float16)
-        back = ((q - half).astype(np.float32) * d16.astype(np.float32)[:, None]).astype(np.float64)
-        e = np.zeros(len(b))
-        for j in range(b.shape[1]):                 # summed in order, as the C reference sums
-            e = e + (back[:, j] - b[:, j].astype(np.float64)) ** 2
-        better = e < best
-        best[better], d_out[better], q_out[better] = e[better], d16[better], q[better]
-    return d_out, q_out
+    """(fp16 d [nb], q [nb, 32] uint8) of blocks b [nb, 32]: pykvq/ref/scale_search.py's rule."""
+    return scale_search.quantize(b, half)
 
 
 def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import scale_search
+
 QK = 32
 
 
@@ -47,3 +49,28 @@ def roundtrip_q4_0(x: np.ndarray) -> np.ndarray:
 
 def roundtrip_q5_0(x: np.ndarray) -> np.ndarray:
     return _roundtrip_signed_max(x, 16)
+
+
+# The same formats written with least-squares block scales (pykvq/ref/scale_search.py): what a
+# pykvq-converted file's q4_0 / q5_0 cache holds on the CPU (native/lsq.c).
+def roundtrip_q4_0_lsq(x: np.ndarray) -> np.ndarray:
+    return scale_search.roundtrip(x, 8)
+
+
+def roundtrip_q5_0_lsq(x: np.ndarray) -> np.ndarray:
+    return scale_search.roundtrip(x, 16)
+
+
+def pack_q4_0(d: np.ndarray, q: np.ndarray) -> bytes:
+    """ggml's block_q4_0 bytes of f16 d [nb] and levels q [nb, 32] in [0, 16): d, then qs[16] (q(j) low
+    nibble, q(j+16) high)."""
+    qs = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2), qs.astype(np.uint8)], axis=1).tobytes()
+
+
+def pack_q5_0(d: np.ndarray, q: np.ndarray) -> bytes:
+    """ggml's block_q5_0 bytes of f16 d [nb] and levels q [nb, 32] in [0, 32): d, qh[4] (bit j = q(j) >> 4),
+    qs[16] as q4_0's."""
+    qh = np.packbits((q >> 4).astype(np.uint8), axis=1, bitorder="little")
+    qs = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2), qh, qs.astype(np.uint8)], axis=1).tobytes()
