@@ -22,6 +22,7 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/cpu/bfp.c
     ${GGML_KVQ_DIR}/cpu/nuq.c
     ${GGML_KVQ_DIR}/cpu/q53.c
+    ${GGML_KVQ_DIR}/cpu/lsq.c
     ${GGML_KVQ_DIR}/cpu/fattn.cpp
 )
 

@@ -14,13 +14,17 @@
 GGML_KVQ_STATIC_ASSERT(QK_Q53/2 == GGML_KVQ_LSQ_N, "a q53_64 half is one least-squares block");
 
 void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_q53_64_with(x, y, k, ggml_kvq_lsq_block);
+}
+
+void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_t k, ggml_kvq_lsq_block_t block) {
     const int64_t nb = k / QK_Q53;
     for (int64_t i = 0; i < nb; ++i) {
         const float * xb = x + i*QK_Q53;
         block_q53_64 * b = y + i;
         uint8_t q5[QK_Q53/2], q3[QK_Q53/2];
-        ggml_kvq_lsq_block(xb, 16, b->d5, q5);
-        ggml_kvq_lsq_block(xb + QK_Q53/2, 4, b->d3, q3);
+        block(xb, 16, b->d5, q5);
+        block(xb + QK_Q53/2, 4, b->d3, q3);
         uint32_t qh5 = 0, qh3 = 0;
         for (int j = 0; j < 16; ++j) {
             b->qs5[j] = (uint8_t) ((q5[j] & 15) | ((q5[j + 16] & 15) << 4));

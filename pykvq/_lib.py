@@ -283,6 +283,7 @@ bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
 void ggml_kvq_fa_set_hadamard_skip(struct ggml_tensor * fa, int stride);
 int ggml_kvq_fa_get_hadamard_skip(const struct ggml_tensor * fa);
 void ggml_kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q);
+void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q);
 void quantize_row_q4_0_lsq(const float * x, void * y, int64_t k);
 void quantize_row_q5_0_lsq(const float * x, void * y, int64_t k);
 void ggml_kvq_set_encoder(struct ggml_tensor * node, int encoder);

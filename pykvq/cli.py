@@ -318,10 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .suite.settings import TRANSFORMS
     p = sub.add_parser("eval", help="quality matrix: KLD / p99 / same top-1 / PPL vs an f16 cache, "
                        "per setting (cache types, converter transforms, rotation)",
-                       description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off][:centred] against the "
+                       description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off][:centred][:stock-scales|:lsq-scales] against the "
                        f"same model with an f16 cache. Transforms: {', '.join(TRANSFORMS)}, kvbits-B (per-layer "
                        "types; K/V 'auto'); what each bakes in: pykvq/suite/settings.py. ':centred' caches a "
                        "@prerope file's keys after RoPE minus the rotated mean (PYKVQ_K_DOMAIN=centred). "
+                       "':stock-scales' writes a converted file's q4_0 / q5_0 rows with ggml's encoder instead of "
+                       "least-squares block scales, ':lsq-scales' a stock file's with them (PYKVQ_ENCODER). "
                        "Converted files are cached.")
     _model_arg(p)
     p.add_argument("-s", "--settings", default="full",

@@ -42,26 +42,30 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
-# k_domain= of Model: what PYKVQ_K_DOMAIN says for that one context (None: the environment's)
+# k_domain= / encoder= of Model: what PYKVQ_K_DOMAIN / PYKVQ_ENCODER say for that one context (None: the environment's)
 K_DOMAINS = (None, "auto", "post", "pre", "centred")
-_K_DOMAIN_LOCK = threading.Lock()
+ENCODERS = (None, "auto", "stock", "lsq")
+_CONTEXT_ENV_LOCK = threading.Lock()
 
 
 @contextmanager
-def _k_domain_env(value: str | None):
-    if value is None:
+def _context_env(**values: str | None):
+    """Set the PYKVQ_<NAME> variables the runtime reads when it makes a context (None: leave as is)."""
+    values = {f"PYKVQ_{k.upper()}": v for k, v in values.items() if v is not None}
+    if not values:
         yield
         return
-    with _K_DOMAIN_LOCK:
-        old = os.environ.get("PYKVQ_K_DOMAIN")
-        os.environ["PYKVQ_K_DOMAIN"] = value
+    with _CONTEXT_ENV_LOCK:
+        old = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
         try:
             yield
         finally:
-            if old is None:
-                os.environ.pop("PYKVQ_K_DOMAIN", None)
-            else:
-                os.environ["PYKVQ_K_DOMAIN"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class Model(Generation, Evaluation):
@@ -82,6 +86,9 @@ class Model(Generation, Evaluation):
     k_domain: where a file converted with --prerope-k has its quantized keys cached (PYKVQ_K_DOMAIN for
     this context): None/"auto" as the file asks (pre-RoPE), "post" plain post-RoPE, "centred" post-RoPE
     minus the file's mean rotated with them (CPU only; docs/prerope.md), "pre" every layer pre-RoPE.
+    encoder: how q4_0 / q5_0 cache rows are written on the CPU (PYKVQ_ENCODER for this context): None/"auto"
+    least-squares block scales for a pykvq-converted file and ggml's stock encoder for any other, "stock" or
+    "lsq" to force one. The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").
 
     Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
     save_logits / kl_divergence (pykvq/evaluation.py).
@@ -92,10 +99,14 @@ class Model(Generation, Evaluation):
                  flash_attn: bool | str | None = None, n_gpu_layers: int = 0, seed: int = 0,
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
-                 n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None):
+                 n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
+                 encoder: str | None = None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
+        if encoder not in ENCODERS:
+            raise ValueError(f"encoder must be one of {', '.join(map(str, ENCODERS))}, got {encoder!r}")
         self._k_domain_env = k_domain
+        self._encoder_env = encoder
         if path is None:
             from .registry import default_model_path
             path = default_model_path()
@@ -173,7 +184,7 @@ class Model(Generation, Evaluation):
         cp.type_v = type_v if cache_type_v else KV_CACHE_TYPE_MODEL
         cp.no_perf = True
         log.clear()
-        with _k_domain_env(k_domain):     # the runtime reads PYKVQ_K_DOMAIN when it makes the context
+        with _context_env(k_domain=k_domain, encoder=encoder):   # the runtime reads them when it makes the context
             self._ctx = L.llama_kvq_init_from_model(self._model, cp, rot_k, rot_v)
         if self._ctx == ffi.NULL:
             self.close()
@@ -272,12 +283,21 @@ class Model(Generation, Evaluation):
             return "post-RoPE"
         return "centred post-RoPE" if env == "centred" else "pre-RoPE"
 
+    @property
+    def encoder(self) -> str:
+        """'least-squares' when q4_0 / q5_0 cache rows are written with least-squares block scales (a
+        pykvq-converted file, or PYKVQ_ENCODER=lsq), else 'stock'."""
+        env = self._encoder_env or os.environ.get("PYKVQ_ENCODER") or "auto"
+        lsq = env == "lsq" or (env == "auto" and self.meta(Keys.General.VERSION) is not None)
+        return "least-squares" if lsq else "stock"
+
     def transforms(self) -> str:
         """The transforms active on the KV cache, in words (for logs)."""
         rot = [w for w, on in self.attn_rotation.items() if on]
         baked = self.baked_transforms()
         return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
-                + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}")
+                + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}"
+                + f"; q4_0/q5_0 scales {self.encoder}")
 
     def _type_name(self, type_id: int) -> str:
         try:

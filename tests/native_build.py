@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # cpu/bfp.c's impl table hands nuq types to cpu/nuq.c (and q53_64 to cpu/q53.c), so every check links them all
-SOURCES = ["cpu/bfp.c", "cpu/nuq.c", "cpu/q53.c", "bfp.c", "nuq.c", "q53.c", "ggml-kvq.c"]
+SOURCES = ["cpu/bfp.c", "cpu/nuq.c", "cpu/q53.c", "cpu/lsq.c", "bfp.c", "nuq.c", "q53.c", "lsq.c", "ggml-kvq.c"]
 # compiler flag -> the /proc/cpuinfo flag a native x86 run needs
 NEED = {"-mavx512vnni": "avx512_vnni", "-mavx512f": "avx512bw", "-mavx2": "avx2"}
 

@@ -23,7 +23,9 @@ LSQ = 1     # GGML_KVQ_ENCODER_LSQ
 
 
 def edge_rows() -> np.ndarray:
-    z = np.zeros((7, 32), np.float32)
+    z = np.zeros((9, 32), np.float32)
+    z[7, 4], z[7, 9] = 1e-39, -3e-40                    # subnormal: 1/d overflows to inf, 0 * inf is NaN
+    z[8, 2], z[8, 3] = np.inf, -np.inf                  # both signs in one block: d saturates, -inf * id overflows
     z[1, 3], z[1, 20] = np.nan, 2.0
     z[2, 5], z[2, 30] = np.inf, -np.inf
     z[3, :] = 3e38
@@ -57,6 +59,18 @@ def c_decode(name: str, buf: bytes, n: int) -> np.ndarray:
     back = np.empty(n, np.float32)
     tr.to_float(ffi.from_buffer(buf), ffi.cast("float *", ffi.from_buffer(back)), n)
     return back
+
+
+def c_blocks(fn, x: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d, q) of each block of 32 by a C block function (the reference's or the CPU's SIMD one)."""
+    x = np.ascontiguousarray(x, np.float32).reshape(-1, 32)
+    d, q = np.zeros(len(x), np.float16), np.zeros(x.shape, np.uint8)
+    db, qb = ffi.new("uint8_t[2]"), ffi.new("uint8_t[32]")
+    for i, row in enumerate(x):
+        fn(ffi.cast("float *", ffi.from_buffer(row)), half, db, qb)
+        d[i] = np.frombuffer(bytes(db), np.float16)[0]
+        q[i] = np.frombuffer(bytes(qb), np.uint8)
+    return d, q
 
 
 def np_lsq(name: str, x: np.ndarray) -> bytes:
@@ -93,6 +107,17 @@ def test_c_encoder_matches_numpy_bit_for_bit(name):
                                                                             neginf=-3.4028235e38), HALF[name]))
 
 
+@pytest.mark.parametrize("impl", ["ggml_kvq_lsq_block", "ggml_kvq_cpu_lsq_block"])
+@pytest.mark.parametrize("half", [4, 8, 16])
+def test_block_rule_matches_numpy_bit_for_bit(impl, half):
+    """The reference block and the CPU's (AVX2: 26 candidates in lanes, sums kept in order per lane)."""
+    x = np.concatenate([cache_like(32 * 300, 5), edge_rows()])
+    d, q = c_blocks(getattr(lib(), impl), x, half)
+    dn, qn = scale_search.quantize(x.reshape(-1, 32), half)
+    np.testing.assert_array_equal(d.view(np.uint16), dn.view(np.uint16))
+    np.testing.assert_array_equal(q, qn)
+
+
 @pytest.mark.parametrize("name", ["q4_0", "q5_0"])
 def test_never_worse_than_ggml_and_better_on_gaussian_blocks(name):
     x = np.random.default_rng(9).standard_normal(32 * 4000).astype(np.float32)
@@ -125,3 +150,34 @@ def test_set_rows_uses_the_encoder_only_where_tagged(name):
         assert g.raw(tagged) != g.raw(plain)
     finally:
         g.close()
+
+
+# --- the runtime: which files get it, and what it buys (SmolLM2-135M, real text) ---
+
+def test_converted_file_gets_least_squares_scales(smollm2_prerope, smollm2, f16_model, wikitext):
+    """A pykvq-converted file's q4_0 cache is written with least-squares scales (its default), a stock
+    file's with ggml's encoder; on the pre-RoPE file the search lowers KLD vs an f16 cache. Measured
+    (16 chunks, q4_0 K and V): 0.0247 stock encoder -> 0.0223 least squares."""
+    from pykvq import Model
+    kld = {}
+    for enc in (None, "stock"):
+        with Model(smollm2_prerope, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True,
+                   encoder=enc) as m:
+            assert m.encoder == ("stock" if enc else "least-squares")
+            assert m.transforms().endswith(f"q4_0/q5_0 scales {m.encoder}")
+            kld[m.encoder] = m.kl_divergence(wikitext, baseline=f16_model, n_chunks=4, progress=False).mean_kld
+    assert kld["least-squares"] < kld["stock"], kld
+    with Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True) as m:
+        assert m.encoder == "stock"
+    with Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, encoder="lsq") as m:
+        assert m.encoder == "least-squares"
+
+
+def test_bad_encoder_setting_is_refused(smollm2, monkeypatch):
+    from pykvq import Model
+    from pykvq.errors import PykvqError
+    with pytest.raises(ValueError, match="encoder must be one of"):
+        Model(smollm2, n_ctx=256, encoder="best")
+    monkeypatch.setenv("PYKVQ_ENCODER", "best")
+    with pytest.raises(PykvqError, match=r"PYKVQ_ENCODER = 'best': expected auto, stock or lsq"):
+        Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)

@@ -28,6 +28,9 @@ from pykvq.suite.store import ResultStore
     ("auto@prerope+kvbits-4.5", "auto@prerope+kvbits-4.5", "prerope-mixed-4.5", ["--prerope-k", "--kv-bits", "4.5"]),
     ("q4_0@prerope:rot-off:centred", "q4_0@prerope:rot-off:centred", "prerope+cb-q4_0",
      ["--prerope-k", "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"]),
+    ("q53_64/q4_0@prerope:stock-scales", "q53_64/q4_0@prerope:stock-scales", "prerope+cb-q53_64-q4_0",
+     ["--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0"]),
+    ("q4_0:lsq-scales", "q4_0:lsq-scales", None, None),
 ])
 def test_setting_syntax_round_trips(spec, label, variant, flags):
     s = parse_setting(spec)
@@ -45,6 +48,9 @@ def test_setting_model_kwargs_and_stock_flag():
     assert not parse_setting("q4_0@smooth+vrot").stock
     assert parse_setting("q4_0@prerope:centred").model_kwargs()["k_domain"] == "centred"
     assert "k_domain" not in parse_setting("q4_0@prerope").model_kwargs()
+    assert parse_setting("q4_0@prerope:stock-scales").model_kwargs()["encoder"] == "stock"
+    assert "encoder" not in parse_setting("q4_0@prerope").model_kwargs()
+    assert not parse_setting("q4_0:lsq-scales").stock and parse_setting("q4_0:stock-scales").stock
 
 
 @pytest.mark.parametrize("spec,msg", [
@@ -54,6 +60,7 @@ def test_setting_model_kwargs_and_stock_flag():
     ("q4_0@fisher", "Fisher codebooks need a nuq type"),
     ("f16:rot-on", "rotation applies to quantized caches only"),
     ("q4_0:centred", "':centred' needs a file with pre-RoPE statistics"),
+    ("nuq4:lsq-scales", "applies to q4_0 / q5_0 caches only"),
 ])
 def test_bad_settings_are_clear_errors(spec, msg):
     with pytest.raises(PykvqError, match=msg):

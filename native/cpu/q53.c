@@ -1,5 +1,5 @@
-// CPU kernels for q53_64 (native/q53.c has the reference): quantize (the reference itself: a cache
-// row is written once per token) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
+// CPU kernels for q53_64 (native/q53.c has the reference): quantize (the reference's rows with the SIMD
+// scale search of cpu/lsq.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
 // half gives one int32 dot product and one float scale, d5·d8 and d3·d8.
 #include "ggml-kvq-cpu.h"
 
@@ -17,7 +17,7 @@ typedef struct {
 GGML_KVQ_STATIC_ASSERT(sizeof(q53_q8_0) == 34, "block_q8_0 size");
 
 void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    quantize_row_q53_64_ref(x, (block_q53_64 *) y, k);
+    ggml_kvq_quantize_row_q53_64_with(x, (block_q53_64 *) y, k, ggml_kvq_cpu_lsq_block);   // the reference's bits
 }
 
 // the 32 values of each half as int8, offsets removed (q5 - 16, q3 - 4)

@@ -39,6 +39,14 @@ void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
 void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference, SIMD
 void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
+// least-squares block scales (cpu/lsq.c; the rule: native/lsq.c): the same bits, the candidate scales side by side
+void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
+void quantize_row_q4_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_q5_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+// the from_float a SET_ROWS into dst takes instead of the type's own where the node asks for least-squares
+// scales (ggml_kvq_set_encoder) and dst is q4_0 / q5_0; NULL otherwise (patch 0016, ops.cpp)
+GGML_BACKEND_API ggml_from_float_t ggml_kvq_cpu_encoder_from_float(const struct ggml_tensor * dst);
+
 // Codebooks for the node about to run (called first thing in ggml_compute_forward, by
 // every thread): when the node or one of src[0..2] is a nuq type, its op_params slots go
 // to this thread's storage in ggml-cpu and in ggml-base (ggml_kvq_bind_codebooks), which

@@ -372,6 +372,11 @@ GGML_API bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes);
 GGML_API void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 GGML_API void quantize_row_q4_0_lsq(const float * x, void * y, int64_t k);
 GGML_API void quantize_row_q5_0_lsq(const float * x, void * y, int64_t k);
+// the rows of q4_0 / q5_0 / q53_64 with another implementation of the block rule (the CPU's SIMD one)
+typedef void (*ggml_kvq_lsq_block_t)(const float * x, int half, uint8_t d_out[2], uint8_t * q);
+GGML_API void ggml_kvq_quantize_row_q4_0_with(const float * x, void * y, int64_t k, ggml_kvq_lsq_block_t block);
+GGML_API void ggml_kvq_quantize_row_q5_0_with(const float * x, void * y, int64_t k, ggml_kvq_lsq_block_t block);
+GGML_API void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 
 // The encoder a SET_ROWS into a cache tensor uses: int32 op_params[GGML_KVQ_ENC_TAG] = GGML_KVQ_ENC_MAGIC
 // for least squares (ggml's SET_ROWS reads no op_params). Backends that do not read the tag (CUDA) write
@@ -382,8 +387,7 @@ enum { GGML_KVQ_ENCODER_STOCK = 0, GGML_KVQ_ENCODER_LSQ = 1 };
 GGML_KVQ_STATIC_ASSERT((GGML_KVQ_ENC_TAG + 1) * 4 <= GGML_MAX_OP_PARAMS, "op_params too small");
 GGML_API void ggml_kvq_set_encoder(struct ggml_tensor * node, int encoder);
 GGML_API int  ggml_kvq_get_encoder(const struct ggml_tensor * node);
-// the from_float a tagged SET_ROWS into dst uses instead of the type's own, NULL for the type's own
-GGML_API ggml_from_float_t ggml_kvq_encoder_from_float(const struct ggml_tensor * dst);
+// (the CPU: ggml_kvq_cpu_encoder_from_float, ggml-kvq-cpu.h)
 
 // Row validation for ggml_validate_row_data (patch 0005): d (and ov) finite, oi < 64.
 GGML_API bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, size_t nbytes);

@@ -11,7 +11,7 @@ land nearest; this rule tries 26 multiples of it and keeps the best:
   for k = 0 .. 25, f_k = float32(35 + k) / 50 (0.70 .. 1.20; f_15 = 1 is q*_0's own):
     d    = clip((vmax / -half) * f_k, -65504, 65504)    (float32)
     id   = 1/d, or 0 when d == 0
-    q    = clip(trunc(x*id + half + 0.5), 0, 2*half - 1)   (float32 arithmetic)
+    q    = clip(trunc(x*id + half + 0.5), 0, 2*half - 1)   (float32 arithmetic; NaN counts as 0)
     read back: (q - half) * float(fp16(d))            (no block decodes to inf or NaN)
     error = sum over the 32 values, in order, of (read back - x)^2 in float64
   keep the k of least error (the first of equals)
@@ -45,7 +45,7 @@ def quantize(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
             t = (b * inv + np.float32(half + 0.5)).astype(np.float32)
-        q = np.clip(np.trunc(t), 0, 2 * half - 1)
+        q = np.clip(np.trunc(np.where(np.isnan(t), 0, t)), 0, 2 * half - 1)   # NaN (0 * an inverse that overflows) is 0
         d16 = d[:, 0].astype(np.float16)
         back = ((q - half).astype(np.float32) * d16.astype(np.float32)[:, None]).astype(np.float64)
         e = np.zeros(len(b))

@@ -1,6 +1,6 @@
 """Settings of the quality matrix: (K type, V type, converter transform, online rotation).
 
-On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off][:centred]
+On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off][:centred][:stock-scales|:lsq-scales]
 
     q4_0              K and V q4_0, unconverted model, rotation at upstream's auto
     q8_0/q4_0         q8_0 keys, q4_0 values
@@ -15,6 +15,8 @@ On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off][:c
     auto@prerope+kvbits-4.5  per-layer types for 4.5 bits/value, fitted in the pre-RoPE key domain
     q4_0:rot-off      upstream's online Hadamard rotation switched off (of the centred keys with @prerope)
     q4_0@prerope:centred  the same file, keys cached after RoPE minus the mean rotated with them (PYKVQ_K_DOMAIN=centred)
+    q4_0@prerope:stock-scales  the same file with ggml's q4_0 / q5_0 encoder (a converted file's default is
+                      least-squares block scales: PYKVQ_ENCODER); q4_0:lsq-scales  a stock file with them
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Setting:
     transform: str = "none"
     rotation: str = "auto"       # upstream's online Hadamard rotation: auto | on | off
     k_domain: str = "auto"       # auto | centred (a @prerope file's keys post-RoPE minus the rotated mean)
+    encoder: str = "auto"        # auto | stock | lsq: q4_0 / q5_0 block scales (auto: lsq for a converted file)
 
     @property
     def label(self) -> str:
@@ -60,13 +63,16 @@ class Setting:
             s += f":rot-{self.rotation}"
         if self.k_domain != "auto":
             s += f":{self.k_domain}"
+        if self.encoder != "auto":
+            s += f":{self.encoder}-scales"
         return s
 
     @property
     def stock(self) -> bool:
         """Only upstream llama.cpp types and no conversion (what a stock build can run)."""
         ours = ("bfp", "nuq", "q53", "auto")
-        return self.transform == "none" and not any(t.startswith(ours) for t in (self.k, self.v))
+        return (self.transform == "none" and self.encoder != "lsq"
+                and not any(t.startswith(ours) for t in (self.k, self.v)))
 
     def variant(self) -> str | None:
         """Name of the converted file (None: the model as fetched). Stable, so files are reused."""
@@ -93,12 +99,17 @@ class Setting:
                   attn_rot_k=self.rotation, attn_rot_v=self.rotation)
         if self.k_domain != "auto":
             kw["k_domain"] = self.k_domain
+        if self.encoder != "auto":
+            kw["encoder"] = self.encoder
         return kw
 
 
 def parse_setting(spec: str) -> Setting:
-    """Parse K[/V][@TRANSFORM][:rot-on|:rot-off][:centred] (see the module doc)."""
-    s, rotation, k_domain = spec.strip(), "auto", "auto"
+    """Parse K[/V][@TRANSFORM][:rot-on|:rot-off][:centred][:stock-scales|:lsq-scales] (see the module doc)."""
+    s, rotation, k_domain, encoder = spec.strip(), "auto", "auto", "auto"
+    m = re.search(r":(stock|lsq)-scales$", s)
+    if m:
+        encoder, s = m.group(1), s[:m.start()]
     if s.endswith(":centred"):
         k_domain, s = "centred", s[:-len(":centred")]
     m = re.search(r":rot-(on|off|auto)$", s)
@@ -123,7 +134,9 @@ def parse_setting(spec: str) -> Setting:
         raise PykvqError(f"setting {spec!r}: rotation applies to quantized caches only")
     if k_domain == "centred" and not transform.startswith("prerope"):
         raise PykvqError(f"setting {spec!r}: ':centred' needs a file with pre-RoPE statistics (@prerope...)")
-    return Setting(k, v, transform, rotation, k_domain)
+    if encoder != "auto" and not {k, v} & {"q4_0", "q5_0", "auto"}:
+        raise PykvqError(f"setting {spec!r}: ':{encoder}-scales' applies to q4_0 / q5_0 caches only")
+    return Setting(k, v, transform, rotation, k_domain, encoder)
 
 
 def parse_settings(specs: str | list[str]) -> list[Setting]:
