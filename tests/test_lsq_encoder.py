@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pykvq import cache_types
+from pykvq import cache_types, log
 from pykvq._lib import ffi, lib
 from pykvq.ref import scale_search
 from pykvq.ref.stock import pack_q4_0, pack_q5_0
@@ -167,10 +167,12 @@ def test_converted_file_gets_least_squares_scales(smollm2_prerope, smollm2, f16_
             assert m.transforms().endswith(f"q4_0/q5_0 scales {m.encoder}")
             kld[m.encoder] = m.kl_divergence(wikitext, baseline=f16_model, n_chunks=4, progress=False).mean_kld
     assert kld["least-squares"] < kld["stock"], kld
-    with Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True) as m:
-        assert m.encoder == "stock"
-    with Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, encoder="lsq") as m:
-        assert m.encoder == "least-squares"
+    # what the runtime itself chose (its log line), for a stock file by default and when forced
+    for enc, said in ((None, "stock encoder (not a pykvq-converted file)"),
+                      ("lsq", "least-squares block scales (PYKVQ_ENCODER)")):
+        with Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, encoder=enc) as m:
+            assert m.encoder == ("least-squares" if enc else "stock")
+            assert f"q4_0 / q5_0 cache writes: {said}" in "".join(log.recent()), said
 
 
 def test_bad_encoder_setting_is_refused(smollm2, monkeypatch):
