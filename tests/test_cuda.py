@@ -44,7 +44,7 @@ def test_codec_host_build_matches_reference(tmp_path):
 def _reference_objects(tmp_path) -> list[str]:
     inc = [f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
     objs = []
-    for src in ("bfp.c", "nuq.c", "ggml-kvq.c"):
+    for src in ("bfp.c", "nuq.c", "lsq.c", "ggml-kvq.c"):
         obj = tmp_path / (src + ".o")
         subprocess.run(["gcc", "-O2", "-std=c11", *inc, "-c", str(NATIVE / src), "-o", str(obj)], check=True)
         objs.append(str(obj))
@@ -85,8 +85,9 @@ def test_row_kernels_emulated(tmp_path):
     """SET_ROWS / CPY quantize and the dequantize kernel (kvq-rows.cuh), their own source under
     the host emulation: bytes equal to the reference quantizer at the rows the indices name (I64
     and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
-    dequantized f32 / f16 equal to the reference dequantizer, for every type."""
-    _run_emulated(tmp_path, "cuda_rows_emu", "checks 48 failures 0")
+    dequantized f32 / f16 equal to the reference dequantizer, for every type; stock q4_0 / q5_0 as a tagged
+    SET_ROWS writes them (least-squares scales), against native/lsq.c."""
+    _run_emulated(tmp_path, "cuda_rows_emu", "checks 54 failures 0")
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

@@ -59,6 +59,30 @@ KVQ_HD float kvq_mul_rn(float a, float b) {
 #endif
 }
 
+KVQ_HD float kvq_add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);     // never fused with a product
+#else
+    return a + b;
+#endif
+}
+
+KVQ_HD double kvq_dsub_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+    return __dsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+
+KVQ_HD double kvq_dsq_add_rn(double acc, double r) {   // acc + r*r, rounded twice as the reference rounds it
+#if defined(__CUDA_ARCH__)
+    return __dadd_rn(acc, __dmul_rn(r, r));
+#else
+    return acc + r*r;
+#endif
+}
+
 KVQ_HD float kvq_rint(float x) {          // round half to even (the default mode on the host)
 #if defined(__CUDA_ARCH__)
     return rintf(x);
@@ -100,6 +124,9 @@ template <> struct kvq_traits<GGML_TYPE_NUQ2O>   { static constexpr int qk = 64;
 // stock types the decode kernel also reads (K of the mixed pairs)
 template <> struct kvq_traits<GGML_TYPE_Q8_0>    { static constexpr int qk = 32; static constexpr int bs = 34; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
 template <> struct kvq_traits<GGML_TYPE_F16>     { static constexpr int qk = 1;  static constexpr int bs = 2;  static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+// stock q4_0 / q5_0 as pykvq writes them for a tagged SET_ROWS (least-squares scales, kvq_lsq_block)
+template <> struct kvq_traits<GGML_TYPE_Q4_0>    { static constexpr int qk = 32; static constexpr int bs = 18; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
+template <> struct kvq_traits<GGML_TYPE_Q5_0>    { static constexpr int qk = 32; static constexpr int bs = 22; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
 
 static_assert(kvq_traits<GGML_TYPE_BFP4_32>::bs == sizeof(block_bfp4_32) && kvq_traits<GGML_TYPE_BFP4_64>::bs == sizeof(block_bfp4_64) &&
               kvq_traits<GGML_TYPE_BFP8_32>::bs == sizeof(block_bfp8_32) && kvq_traits<GGML_TYPE_NUQ4>::bs == sizeof(block_nuq4) &&
@@ -201,11 +228,74 @@ KVQ_HD void kvq_pack_high(const uint8_t * idx, int n, uint8_t * qh) {
     }
 }
 
+// least-squares block scales (native/lsq.c, ggml_kvq_lsq_block): q*_0's levels with half = 2^(bits-1), the scale
+// among 26 multiples of the signed-max one whose read-back values have the least squared error (double, summed in
+// order, the first of equals). d_out: the f16 scale's bytes; q[32]: levels in [0, 2*half)
+KVQ_HD void kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q) {
+    constexpr int N = GGML_KVQ_LSQ_N;
+    constexpr float fmax = 3.40282347e38f;
+    float v[N];
+    float amax = 0.0f, vmax = 0.0f;
+    for (int j = 0; j < N; ++j) {
+        v[j] = kvq_isnan(x[j]) ? 0.0f : fmaxf(-fmax, fminf(fmax, x[j]));
+        if (amax < kvq_fabs(v[j])) {
+            amax = kvq_fabs(v[j]);
+            vmax = v[j];
+        }
+    }
+    const float c = (float) half + 0.5f, top = (float) (2*half - 1);
+    const float base = kvq_div_rn(vmax, (float) -half);
+    double best = 0.0;
+    float  idbest = 0.0f;
+    for (int k = 0; k < GGML_KVQ_LSQ_N_SCALES; ++k) {
+        const float f  = kvq_div_rn((float) (35 + k), 50.0f);
+        const float d  = fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, f)));
+        const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+        uint8_t h[2];
+        kvq_put_f16(h, d);
+        const float dq = kvq_f16_bytes(h);
+        double e = 0.0;
+        for (int j = 0; j < N; ++j) {
+            const float t  = kvq_add_rn(kvq_mul_rn(v[j], id), c);
+            const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;   // NaN: 0
+            const double r = kvq_dsub_rn((double) kvq_mul_rn((float) ((int) tc - half), dq), (double) v[j]);
+            e = kvq_dsq_add_rn(e, r);
+        }
+        if (k == 0 || e < best) {
+            best = e;
+            idbest = id;
+            d_out[0] = h[0];
+            d_out[1] = h[1];
+        }
+    }
+    for (int j = 0; j < N; ++j) {
+        const float t  = kvq_add_rn(kvq_mul_rn(v[j], idbest), c);
+        const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;
+        q[j] = (uint8_t) (int) tc;
+    }
+}
+
 // x: qk floats; y: one block. cb: the codebook (nuq types; never NULL here).
 template <ggml_type T>
 KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) {
     constexpr int qk = kvq_traits<T>::qk;
-    if constexpr (T == GGML_TYPE_BFP4_32 || T == GGML_TYPE_BFP4_64 || T == GGML_TYPE_BFP8_32) {
+    if constexpr (T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q5_0) {
+        uint8_t q[32];
+        kvq_lsq_block(x, T == GGML_TYPE_Q4_0 ? 8 : 16, y, q);
+        const int off = T == GGML_TYPE_Q4_0 ? 2 : 6;       // q5_0: qh[4] (bit j = q(j) >> 4) before qs
+        for (int j = 0; j < 16; ++j) {
+            y[off + j] = (uint8_t) ((q[j] & 15) | ((q[j + 16] & 15) << 4));
+        }
+        if constexpr (T == GGML_TYPE_Q5_0) {
+            uint32_t qh = 0;
+            for (int j = 0; j < 32; ++j) {
+                qh |= (uint32_t) (q[j] >> 4) << j;
+            }
+            for (int j = 0; j < 4; ++j) {
+                y[2 + j] = (uint8_t) (qh >> (8*j));
+            }
+        }
+    } else if constexpr (T == GGML_TYPE_BFP4_32 || T == GGML_TYPE_BFP4_64 || T == GGML_TYPE_BFP8_32) {
         constexpr int bits = T == GGML_TYPE_BFP8_32 ? 8 : 4;
         float amax = 0.0f;
         for (int j = 0; j < qk; ++j) {

@@ -1,7 +1,8 @@
 // pykvq: the cache types in ggml-cuda (patch 0008 calls the two entry points below).
 //
 //   SET_ROWS f32 -> type      quantize on write, one thread per block (the codec of kvq-codec.cuh,
-//                             bit for bit the reference quantizer)
+//                             bit for bit the reference quantizer); also stock q4_0 / q5_0 where the
+//                             node asks for least-squares scales (a pykvq-converted file's cache)
 //   CPY f32 -> type, type -> f32 / f16   the K-shift round trip (same shapes); type -> same type
 //                             (contiguous: cache copies) as bytes
 //   FLASH_ATTN_EXT            one query token and a compiled K/V pair: kvq-fattn.cuh's decode
@@ -56,6 +57,23 @@ static kvq_cb kvq_node_codebook(const ggml_tensor * node, ggml_type type, bool s
         default: GGML_ABORT("pykvq: %s is not a pykvq type", ggml_type_name(type)); \
     }
 
+// the types a SET_ROWS / CPY quantizes into: pykvq's, and stock q4_0 / q5_0 where a SET_ROWS asks for
+// least-squares scales (ggml_kvq_set_encoder; kvq_lsq_write)
+#define KVQ_QUANT_CASES(F, ...)                                                   \
+    if (type == GGML_TYPE_Q4_0) {                                                 \
+        F(GGML_TYPE_Q4_0, __VA_ARGS__);                                           \
+    } else if (type == GGML_TYPE_Q5_0) {                                          \
+        F(GGML_TYPE_Q5_0, __VA_ARGS__);                                           \
+    } else {                                                                      \
+        KVQ_TYPE_CASES(F, __VA_ARGS__)                                            \
+    }
+
+// a cache write pykvq encodes although the type is stock: q4_0 / q5_0 with least-squares scales
+static bool kvq_lsq_write(const ggml_tensor * op) {
+    return op->op == GGML_OP_SET_ROWS && (op->type == GGML_TYPE_Q4_0 || op->type == GGML_TYPE_Q5_0) &&
+           ggml_kvq_get_encoder(op) == GGML_KVQ_ENCODER_LSQ;
+}
+
 static int kvq_grid(int64_t total) {
     return (int) ((total + KVQ_CUDA_BLOCK - 1) / KVQ_CUDA_BLOCK);
 }
@@ -95,9 +113,9 @@ static void kvq_quantize_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst
         idx ? idx->ne[1] : 1, idx ? idx->ne[2] : 1, idx ? idx->nb[0] : 0, idx ? idx->nb[1] : 0, idx ? idx->nb[2] : 0, \
         dst->nb[1], dst->nb[2], dst->nb[3])
     if (idx && idx->type == GGML_TYPE_I32) {
-        KVQ_TYPE_CASES(KVQ_Q, int32_t)
+        KVQ_QUANT_CASES(KVQ_Q, int32_t)
     } else {
-        KVQ_TYPE_CASES(KVQ_Q, int64_t)
+        KVQ_QUANT_CASES(KVQ_Q, int64_t)
     }
 #undef KVQ_Q
     CUDA_CHECK(cudaGetLastError());
@@ -386,7 +404,7 @@ static void kvq_fattn_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 // ---- entry points ----------------------------------------------------------------------------
 
 static bool kvq_involved(const ggml_tensor * op) {
-    if (ggml_kvq_type_is_kvq(op->type)) {
+    if (ggml_kvq_type_is_kvq(op->type) || kvq_lsq_write(op)) {
         return true;
     }
     // a pre-RoPE K cache of any type: upstream's kernels would read it as rotated keys
@@ -418,7 +436,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
         case GGML_OP_TRANSPOSE:
             return GGML_KVQ_CUDA_NOT_OURS;
         case GGML_OP_SET_ROWS:
-            return ggml_kvq_type_is_kvq(op->type) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
+            return (ggml_kvq_type_is_kvq(op->type) || kvq_lsq_write(op)) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
                    (op->src[1]->type == GGML_TYPE_I64 || op->src[1]->type == GGML_TYPE_I32) &&
                    src0->ne[0] == op->ne[0] && kvq_rows_fit(op)
                 ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;

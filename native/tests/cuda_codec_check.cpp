@@ -127,6 +127,28 @@ static void check_type(const char * name, const int8_t * cb,
     }
 }
 
+// stock q4_0 / q5_0 with least-squares scales (a tagged SET_ROWS): the quantize bytes only (the kernels that read
+// them are ggml-cuda's own)
+template <ggml_type T>
+static void check_lsq(const char * name, void (*ref_q)(const float *, void *, int64_t)) {
+    constexpr int qk = kvq_traits<T>::qk;
+    constexpr int bs = kvq_traits<T>::bs;
+    const int n = 128, nrows = 96, nb = n / qk;
+    std::vector<float> x = make_rows(n, nrows);
+    std::vector<uint8_t> qref((size_t) nb * bs), qgot((size_t) nb * bs);
+    for (int r = 0; r < nrows; ++r) {
+        const float * xr = &x[(size_t) r * n];
+        ref_q(xr, qref.data(), n);
+        for (int b = 0; b < nb; ++b) {
+            kvq_quantize_block<T>(xr + b*qk, qgot.data() + b*bs, nullptr);
+        }
+        ++checks;
+        for (size_t i = 0; i < qref.size(); ++i) {
+            if (qref[i] != qgot[i]) { fail("quantize", name, r, (int) i); break; }
+        }
+    }
+}
+
 // the bfp reference functions have the ggml trait signature; adapt them
 #define BFP_ADAPT(name, block_t)                                                                              \
     static void q_##name(const float * x, void * y, int64_t k, const int8_t *) { quantize_row_##name##_ref(x, (block_t *) y, k); } \
@@ -214,6 +236,8 @@ int main() {
     check_nuq<GGML_TYPE_NUQ2>("nuq2", quantize_row_nuq2_ref_cb, dequantize_row_nuq2_cb);
     check_nuq<GGML_TYPE_NUQ3O>("nuq3o", quantize_row_nuq3o_ref_cb, dequantize_row_nuq3o_cb);
     check_nuq<GGML_TYPE_NUQ2O>("nuq2o", quantize_row_nuq2o_ref_cb, dequantize_row_nuq2o_cb);
+    check_lsq<GGML_TYPE_Q4_0>("q4_0 least squares", quantize_row_q4_0_lsq);
+    check_lsq<GGML_TYPE_Q5_0>("q5_0 least squares", quantize_row_q5_0_lsq);
     printf("checks %d failures %d\n", checks, failures);
     return failures != 0;
 }
