@@ -6,15 +6,17 @@ setting: KV-cache size at the demo context and the mean KL divergence of the nex
 distribution against the f16 cache on a few chunks of WikiText-2 test. Nothing is hard-coded:
 every number is measured by this run.
 
-pykvq's setting for SmolLM2-135M is `nuq4@prerope` (the suite's notation, pykvq/suite/settings.py):
-nuq4 keys and values with Fisher codebooks, keys cached before RoPE, centred and scaled per channel,
-then turned by upstream's online Hadamard. It is the lowest KLD measured at 4.5 bits/value for this
-model (docs/prerope.md, ablation through the suite: 0.0301 vs stock q4_0's 0.0455 over 16 chunks).
-It needs a converted GGUF (convert/to_gguf.py --prerope-k --cache-type-k nuq4 --cache-type-v nuq4):
-the first run converts once (45 s measured on 2 cores from an empty cache: HF checkpoint,
-calibration text, Fisher statistics, codebooks) into the cache the suite uses too
-($PYKVQ_CACHE/converted, pykvq.suite.converted), and later runs reuse it. The best setting that
-needs no conversion, plain nuq4 (0.0419 in docs/RESULTS.md), is hardly better than q4_0.
+pykvq's setting for SmolLM2-135M is `q53_64/q4_0@prerope` (the suite's notation, pykvq/suite/settings.py):
+keys cached before RoPE, centred and scaled per channel, turned by the online Hadamard and stored as q53_64
+(per 64 channels the 32 the loss reads most in 5 bits, the rest in 3); values in stock q4_0; every block's
+scale chosen by least squares. It is the lowest KLD measured at 4.5 bits/value for this model
+(docs/prerope.md, through the suite over 16 chunks: 0.0177, against 0.0223 for q4_0 keys, 0.0230 for nuq4
+with Fisher codebooks and 0.0443 for stock q4_0). It needs a converted GGUF (convert/to_gguf.py
+--prerope-k --cache-type-k q53_64 --cache-type-v q4_0): the first run converts once (under a minute on
+2 cores: HF checkpoint, calibration text, Fisher statistics, the pair layout) into the cache the suite
+uses too ($PYKVQ_CACHE/converted, pykvq.suite.converted), and later runs reuse it. q53_64 has CPU kernels
+only; `q4_0@prerope` is the setting that also runs on CUDA. The best setting that needs no conversion,
+plain nuq4 (0.0419 in docs/RESULTS.md), is hardly better than q4_0.
 
 Pure parts (rows, table, the one-line explanation) are separate from the I/O (conversion,
 models, printing) so they can be tested on their own.
@@ -39,7 +41,7 @@ EVAL_CHUNKS = 4             # chunks of WikiText-2 test for the KLD
 MAX_TOKENS = 48
 
 # (row label, suite setting): the baseline, the stock peer, pykvq's setting for the default model
-PYKVQ_SETTING = "nuq4@prerope"
+PYKVQ_SETTING = "q53_64/q4_0@prerope"
 ROWS = (("f16", "f16"), ("q4_0 (stock llama.cpp)", "q4_0"), (f"{PYKVQ_SETTING} (pykvq)", PYKVQ_SETTING))
 
 
@@ -97,10 +99,15 @@ def table_footer(rows: list[Row], n_chunks: int, n_ctx: int, text_name: str) -> 
 
 
 def explain(setting: str, types: str, k_domain: str, scale_method: str | None, rotation: dict,
-            codebooks: set[str], codebook_method: str | None = None, made_by: str | None = None) -> str:
-    """One line: which setting is pykvq's and what it does (pure; the facts come from the model)."""
+            codebooks: set[str], codebook_method: str | None = None, made_by: str | None = None,
+            block_scales: str | None = None) -> str:
+    """One line: which setting is pykvq's and what it does (pure; the facts come from the model).
+    block_scales: 'least squares' when the blocks' scales are searched (q53_64, and q4_0 / q5_0 in a
+    converted file)."""
     rot = "+".join(w for w, on in sorted(rotation.items()) if on)
     parts = [f"{types} K+V"]
+    if "q53_64" in types.split("/")[0]:
+        parts.append("keys in q53_64 (the 32 channels of every 64 the loss reads most in 5 bits, the rest in 3)")
     if codebooks == {"file"}:
         parts.append("per-layer " + (f"{codebook_method} " if codebook_method else "") + "codebooks from the converter")
     elif codebooks:
@@ -109,6 +116,8 @@ def explain(setting: str, types: str, k_domain: str, scale_method: str | None, r
         parts.append("keys cached before RoPE, centred and scaled per channel"
                      + (f" ({scale_method})" if scale_method else ""))
     parts.append(f"online Hadamard on {rot}" if rot else "no online rotation")
+    if block_scales:
+        parts.append(f"block scales by {block_scales}")
     made = f" ({made_by})" if made_by else ""
     return (f"pykvq's setting: {setting} = " + ", ".join(parts) + made
             + "; the lowest KLD measured at 4.5 bits/value for SmolLM2 (docs/prerope.md)")
@@ -124,8 +133,10 @@ def explain_model(setting: str, m: Model) -> str:
     if s.variant():
         flags = " ".join(TRANSFORMS.get(s.transform) or [])
         made_by = f"convert/to_gguf.py {flags}".rstrip() + ", converted once and cached"
+    searched = {"q53_64"} | ({"q4_0", "q5_0"} if m.encoder == "least-squares" else set())
+    scales = "least squares" if {m.cache_type_k, m.cache_type_v} & searched else None
     return explain(setting, types, m.k_domain, m.meta(Keys.Cache.K_SCALE_METHOD), m.attn_rotation, books,
-                   m.meta(Keys.Cache.CODEBOOK_METHOD), made_by)
+                   m.meta(Keys.Cache.CODEBOOK_METHOD), made_by, scales)
 
 
 # ---- I/O -------------------------------------------------------------------------------------

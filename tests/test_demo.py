@@ -28,7 +28,7 @@ def test_table_rows(table):
     assert f16.mean_kld == pytest.approx(0.0, abs=1e-6) and f16.same_top1 == 1.0
     assert q4.mean_kld > 0 and ours.mean_kld > 0     # measured, and quantization costs something
     assert all(r.n_tokens == f16.n_tokens > 0 for r in rows)
-    assert (f16.cache_k, q4.cache_k, ours.cache_k) == ("f16", "q4_0", "nuq4")
+    assert (f16.cache_k, q4.cache_k, ours.cache_k, ours.cache_v) == ("f16", "q4_0", "q53_64", "q4_0")
 
 
 def test_kv_sizes_match_the_models(table, smollm2):
@@ -39,8 +39,8 @@ def test_kv_sizes_match_the_models(table, smollm2):
             info = m.kv_cache_info()
             if spec == demo.PYKVQ_SETTING:           # the explanation comes from what the file holds
                 line = demo.explain_model(spec, m)
-                assert "before RoPE" in line and "fisher codebooks from the converter" in line, line
-                assert "--prerope-k" in line
+                assert "before RoPE" in line and "keys in q53_64" in line, line
+                assert "--prerope-k" in line and "block scales by least squares" in line, line
             if spec == "q4_0":                       # stock: upstream's default online Hadamard on K and V
                 assert m.attn_rotation == {"K": True, "V": True}
         assert row.n_ctx == info.n_ctx == 1024
