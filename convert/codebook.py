@@ -111,10 +111,11 @@ def fit(x: np.ndarray, fisher: np.ndarray, fmt: str, method: str = "fisher", *, 
 
 
 def weighted_error(x: np.ndarray, fisher: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> float:
-    """sum F (x - Q(x))^2 over the samples: the loss-increase estimate of a cache type."""
+    """sum F (x - Q(x))^2 over the samples: the loss-increase estimate of a cache type (q4_0 / q5_0 with
+    least-squares block scales: what the runtime writes for a converted file, docs/FORMATS.md)."""
     from pykvq.ref import roundtrip
     if type_name in nuq.FORMATS:
         y = nuq.roundtrip(x, type_name, cb)
     else:
-        y = roundtrip(x, type_name)
+        y = roundtrip(x, type_name, lsq=True)
     return float((fisher.astype(np.float64) * (x.astype(np.float64) - y) ** 2).sum())

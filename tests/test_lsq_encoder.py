@@ -183,3 +183,15 @@ def test_bad_encoder_setting_is_refused(smollm2, monkeypatch):
     monkeypatch.setenv("PYKVQ_ENCODER", "best")
     with pytest.raises(PykvqError, match=r"PYKVQ_ENCODER = 'best': expected auto, stock or lsq"):
         Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)
+
+
+def test_reference_roundtrip_names_the_encoder():
+    """pykvq.ref.roundtrip(..., lsq=True) is what a converted file's q4_0 / q5_0 cache holds (the converter's
+    error estimates use it); without it, ggml's encoder."""
+    from pykvq.ref import roundtrip
+    from pykvq.ref.stock import roundtrip_q4_0
+    x = cache_like(32 * 64, 4)
+    np.testing.assert_array_equal(roundtrip(x, "q4_0", lsq=True), scale_search.roundtrip(x, 8))
+    np.testing.assert_array_equal(roundtrip(x, "q5_0", lsq=True), scale_search.roundtrip(x, 16))
+    np.testing.assert_array_equal(roundtrip(x, "q4_0"), roundtrip_q4_0(x))
+    np.testing.assert_array_equal(roundtrip(x, "q8_0", lsq=True), roundtrip(x, "q8_0"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bfp, nuq, q53, stock  # noqa: F401
+from . import bfp, nuq, q53, scale_search, stock  # noqa: F401
 
 # the vec_dot_type of each K cache type in the pinned tree (iq4_nl, q4_1, q5_1 pair with q8_0/q8_1)
 VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_0", "iq4_nl": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0",
@@ -22,8 +22,11 @@ VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_0", "iq4_nl": "q8_0", "q5_0": "q8_0"
 _STANDIN = {"q4_1": "q4_0", "iq4_nl": "q4_0", "q5_1": "q5_0"}
 
 
-def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
-    """Quantize and dequantize the last axis of x (float32) with a cache type."""
+def roundtrip(x: np.ndarray, type_name: str, *, lsq: bool = False) -> np.ndarray:
+    """Quantize and dequantize the last axis of x (float32) with a cache type. lsq: q4_0 / q5_0 with
+    least-squares block scales (scale_search), as the runtime writes a pykvq-converted file's cache."""
+    if lsq and type_name in ("q4_0", "q5_0"):
+        return scale_search.roundtrip(x, 8 if type_name == "q4_0" else 16)
     t = _STANDIN.get(type_name, type_name)
     x = np.asarray(x, dtype=np.float32)
     if t == "f32":
