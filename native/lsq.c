@@ -6,23 +6,21 @@
 // the online Hadamard) that is not the scale whose levels land nearest: searching 26 multiples of it cuts the
 // squared error by ~11-13%. Only the stored d changes, so every decoder (CPU, CUDA, RPC, old builds) reads
 // the result unchanged.
-#include "ggml-kvq.h"
+// the rule rounds every product before it is added (as numpy does): no fused multiply-add, whatever the target
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
-#include <float.h>
-#include <math.h>
+#include "lsq-rule.h"
+
 #include <string.h>
 
 void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q) {
     enum { N = GGML_KVQ_LSQ_N, NS = GGML_KVQ_LSQ_N_SCALES };
     float v[N];
-    float amax = 0.0f, vmax = 0.0f;
-    for (int j = 0; j < N; ++j) {
-        v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
-        if (amax < fabsf(v[j])) {
-            amax = fabsf(v[j]);
-            vmax = v[j];
-        }
-    }
+    const float vmax = ggml_kvq_lsq_values(x, v);
     float id[NS], dq[NS];
     uint16_t h[NS];
     for (int k = 0; k < NS; ++k) {
@@ -33,17 +31,11 @@ void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q
         dq[k] = ggml_kvq_fp16_to_fp32(h[k]);
     }
     // every candidate's error summed over j in order (as the reference sums), the candidates side by side:
-    // 26 independent sums the compiler can vectorize, and the same bits as one candidate at a time
-    const float c = (float) half + 0.5f, top = (float) (2*half - 1);
+    // independent sums, and the same bits as one candidate at a time
     double e[NS] = { 0.0 };
     for (int j = 0; j < N; ++j) {
-        const float  vj = v[j];
-        const double vd = (double) vj;
         for (int k = 0; k < NS; ++k) {
-            const float t = vj*id[k] + c;
-            // trunc, clipped to [0, 2*half - 1] before the conversion (NaN, from a d whose inverse overflows, is 0)
-            const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;
-            const double r = (double) (((float) (int) tc - (float) half) * dq[k]) - vd;
+            const double r = (double) ((float) (ggml_kvq_lsq_level(v[j], id[k], half) - half) * dq[k]) - (double) v[j];
             e[k] += r*r;
         }
     }
@@ -56,9 +48,7 @@ void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q
     d_out[0] = (uint8_t) (h[best] & 0xFF);
     d_out[1] = (uint8_t) (h[best] >> 8);
     for (int j = 0; j < N; ++j) {
-        const float t  = v[j]*id[best] + c;
-        const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;
-        q[j] = (uint8_t) (int) tc;
+        q[j] = (uint8_t) ggml_kvq_lsq_level(v[j], id[best], half);
     }
 }
 

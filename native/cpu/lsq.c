@@ -1,29 +1,25 @@
 // CPU encoders with least-squares block scales (native/lsq.c has the rule): the same bits as the reference, the
 // 26 candidate scales side by side in AVX2 registers. A cache row is written once per token, but at decode that
 // is one thread's work on the critical path (~3 us a block in scalar code), so the search must be cheap.
-#include "ggml-kvq-cpu.h"
+// the rule rounds every product before it is added (as numpy does): no fused multiply-add, the intrinsics included
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
-#include <float.h>
-#include <math.h>
+#include "ggml-kvq-cpu.h"
+#include "../lsq-rule.h"
+
 #include <string.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-// keep a product from being fused into a following add (the reference rounds both)
-#define LSQ_NOFUSE(x) __asm__("" : "+x"(x))
-
 void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q) {
     enum { N = GGML_KVQ_LSQ_N, NS = GGML_KVQ_LSQ_N_SCALES, NV = (NS + 7)/8 };
     float v[N];
-    float amax = 0.0f, vmax = 0.0f;
-    for (int j = 0; j < N; ++j) {
-        v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
-        if (amax < fabsf(v[j])) {
-            amax = fabsf(v[j]);
-            vmax = v[j];
-        }
-    }
+    const float vmax = ggml_kvq_lsq_values(x, v);
     // the candidates' d, 1/d and f16 d (lanes past NS: never read back)
     float id[8*NV];
     uint16_t h[8*NV];
@@ -61,19 +57,14 @@ void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t
         const __m256  vj = _mm256_set1_ps(v[j]);
         const __m256d vd = _mm256_set1_pd((double) v[j]);
         for (int g = 0; g < NV; ++g) {
-            __m256 p = _mm256_mul_ps(vj, vid[g]);
-            LSQ_NOFUSE(p);
-            const __m256 t = _mm256_add_ps(p, c);
+            const __m256 t = _mm256_add_ps(_mm256_mul_ps(vj, vid[g]), c);
             // t >= 1 ? min(t, top) : 0 (NaN: 0), then trunc
             const __m256 tc = _mm256_and_ps(_mm256_min_ps(t, top), _mm256_cmp_ps(t, one, _CMP_GE_OQ));
             const __m256 w  = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvttps_epi32(tc)), hv), vdq[g]);
             const __m256d r0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)), vd);
             const __m256d r1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)), vd);
-            __m256d s0 = _mm256_mul_pd(r0, r0), s1 = _mm256_mul_pd(r1, r1);
-            LSQ_NOFUSE(s0);
-            LSQ_NOFUSE(s1);
-            e[2*g]     = _mm256_add_pd(e[2*g], s0);
-            e[2*g + 1] = _mm256_add_pd(e[2*g + 1], s1);
+            e[2*g]     = _mm256_add_pd(e[2*g], _mm256_mul_pd(r0, r0));
+            e[2*g + 1] = _mm256_add_pd(e[2*g + 1], _mm256_mul_pd(r1, r1));
         }
     }
     double err[8*NV];
@@ -88,13 +79,8 @@ void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t
     }
     d_out[0] = (uint8_t) (h[best] & 0xFF);
     d_out[1] = (uint8_t) (h[best] >> 8);
-    const float cs = (float) half + 0.5f, tops = (float) (2*half - 1);
     for (int j = 0; j < N; ++j) {
-        float p = v[j]*id[best];
-        LSQ_NOFUSE(p);
-        const float t  = p + cs;
-        const float tc = t >= 1.0f ? (t < tops ? t : tops) : 0.0f;
-        q[j] = (uint8_t) (int) tc;
+        q[j] = (uint8_t) ggml_kvq_lsq_level(v[j], id[best], half);
     }
 }
 

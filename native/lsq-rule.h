@@ -1,0 +1,32 @@
+// pykvq: the scalar pieces of the least-squares block rule (native/lsq.c; pykvq/ref/scale_search.py), shared by the
+// reference and the CPU's SIMD search. The including file turns off fused multiply-add first (LSQ_NO_FMA below):
+// the rule rounds every product before it is added, as numpy does.
+#pragma once
+
+#include "ggml-kvq.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+
+// v: x with NaN read as 0 and +-inf as +-FLT_MAX; returns the signed value of largest |v| (the first of equals)
+static inline float ggml_kvq_lsq_values(const float * x, float * v) {
+    float amax = 0.0f, vmax = 0.0f;
+    for (int j = 0; j < GGML_KVQ_LSQ_N; ++j) {
+        v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
+        if (amax < fabsf(v[j])) {
+            amax = fabsf(v[j]);
+            vmax = v[j];
+        }
+    }
+    return vmax;
+}
+
+// the level of v at inverse scale id: trunc(v*id + half + 0.5) clipped to [0, 2*half - 1] before the conversion
+// (a value of the other sign than vmax can overflow int when d saturates: +-inf in one block), NaN (0 times an
+// inverse that overflows) as 0
+static inline int ggml_kvq_lsq_level(float v, float id, int half) {
+    const float t   = v*id + ((float) half + 0.5f);
+    const float top = (float) (2*half - 1);
+    return (int) (t >= 1.0f ? (t < top ? t : top) : 0.0f);
+}
