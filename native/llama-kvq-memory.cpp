@@ -314,17 +314,17 @@ static const char * kvq_centring_unsupported(const llama_model & model, uint32_t
 
 // the encoder of the cache's q4_0 / q5_0 writes: least-squares block scales (ggml_kvq_lsq_block) for a pykvq-converted
 // file, the stock one otherwise, so that a stock GGUF's cache stays exactly upstream's. PYKVQ_ENCODER = auto | stock | lsq
-static int kvq_pick_encoder(const llama_model & model, const std::vector<ggml_type> & types) {
+static int kvq_pick_encoder(const llama_model & model, bool logged) {
     const char * env = getenv("PYKVQ_ENCODER");
     if (env != nullptr && strcmp(env, "auto") != 0 && strcmp(env, "stock") != 0 && strcmp(env, "lsq") != 0) {
         throw std::runtime_error(format("PYKVQ_ENCODER = '%s': expected auto, stock or lsq", env));
     }
+    const bool forced    = env != nullptr && strcmp(env, "auto") != 0;
     const bool converted = model.gguf_kv.count(LLAMA_KVQ_KEY_GENERAL_VERSION) > 0;
-    const bool lsq = env != nullptr && strcmp(env, "auto") != 0 ? strcmp(env, "lsq") == 0 : converted;
-    const bool any = std::any_of(types.begin(), types.end(), [](ggml_type t) { return t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q5_0; });
-    if (any) {
+    const bool lsq       = forced ? strcmp(env, "lsq") == 0 : converted;
+    if (logged) {
         LLAMA_LOG_INFO("%s: q4_0 / q5_0 cache writes: %s (%s)\n", "llama_kv_cache", lsq ? "least-squares block scales" : "stock encoder",
-                       env != nullptr && strcmp(env, "auto") != 0 ? "PYKVQ_ENCODER" : converted ? "a pykvq-converted file" : "not a pykvq-converted file");
+                       forced ? "PYKVQ_ENCODER" : converted ? "a pykvq-converted file" : "not a pykvq-converted file");
     }
     return lsq ? GGML_KVQ_ENCODER_LSQ : GGML_KVQ_ENCODER_STOCK;
 }
@@ -332,16 +332,10 @@ static int kvq_pick_encoder(const llama_model & model, const std::vector<ggml_ty
 uint32_t llama_kv_cache::kvq_set_k_domain() {
     n_prerope = 0;
     n_centred = 0;
-    {
-        std::vector<ggml_type> types;
-        for (const auto & layer : layers) {
-            types.push_back(layer.k->type);
-            if (layer.v != nullptr) {
-                types.push_back(layer.v->type);
-            }
-        }
-        kvq_encoder = kvq_pick_encoder(model, types);
-    }
+    // logged where it matters: some layer's K or V is q4_0 / q5_0
+    const auto searched = [](const ggml_tensor * t) { return t != nullptr && (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q5_0); };
+    kvq_encoder = kvq_pick_encoder(model, std::any_of(layers.begin(), layers.end(),
+                                                      [&](const auto & l) { return searched(l.k) || searched(l.v); }));
     const char * env = getenv("PYKVQ_K_DOMAIN");
     // auto: quantized K layers; post: none; pre: every layer, an f16 K cache too (for equivalence tests);
     // centred: quantized K layers cached after RoPE, minus the file's mean rotated with them

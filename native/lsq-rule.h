@@ -1,7 +1,14 @@
 // pykvq: the scalar pieces of the least-squares block rule (native/lsq.c; pykvq/ref/scale_search.py), shared by the
-// reference and the CPU's SIMD search. The including file turns off fused multiply-add first (LSQ_NO_FMA below):
-// the rule rounds every product before it is added, as numpy does.
+// reference and the CPU's SIMD search. Include it first: it turns off fused multiply-add for the rest of the file
+// (the intrinsics included), because the rule rounds every product before it is added, as numpy does (clang on ARM,
+// and GCC on any target with FMA, would fuse).
 #pragma once
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 #include "ggml-kvq.h"
 
@@ -29,4 +36,21 @@ static inline int ggml_kvq_lsq_level(float v, float id, int half) {
     const float t   = v*id + ((float) half + 0.5f);
     const float top = (float) (2*half - 1);
     return (int) (t >= 1.0f ? (t < top ? t : top) : 0.0f);
+}
+
+// the rule's choice among the candidates: the least error e[k] over k < GGML_KVQ_LSQ_N_SCALES (the first of equals);
+// its f16 scale h[k] to d_out and the levels of v at its inverse scale id[k] to q
+static inline void ggml_kvq_lsq_store(const double * e, const float * v, const float * id, const uint16_t * h, int half,
+                                      uint8_t d_out[2], uint8_t * q) {
+    int best = 0;
+    for (int k = 1; k < GGML_KVQ_LSQ_N_SCALES; ++k) {
+        if (e[k] < e[best]) {
+            best = k;
+        }
+    }
+    d_out[0] = (uint8_t) (h[best] & 0xFF);
+    d_out[1] = (uint8_t) (h[best] >> 8);
+    for (int j = 0; j < GGML_KVQ_LSQ_N; ++j) {
+        q[j] = (uint8_t) ggml_kvq_lsq_level(v[j], id[best], half);
+    }
 }

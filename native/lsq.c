@@ -6,14 +6,7 @@
 // the online Hadamard) that is not the scale whose levels land nearest: searching 26 multiples of it cuts the
 // squared error by ~11-13%. Only the stored d changes, so every decoder (CPU, CUDA, RPC, old builds) reads
 // the result unchanged.
-// the rule rounds every product before it is added (as numpy does): no fused multiply-add, whatever the target
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
-#include "lsq-rule.h"
+#include "lsq-rule.h"     // first: no fused multiply-add in this file
 
 #include <string.h>
 
@@ -39,17 +32,7 @@ void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q
             e[k] += r*r;
         }
     }
-    int best = 0;
-    for (int k = 1; k < NS; ++k) {
-        if (e[k] < e[best]) {        // the first of equals
-            best = k;
-        }
-    }
-    d_out[0] = (uint8_t) (h[best] & 0xFF);
-    d_out[1] = (uint8_t) (h[best] >> 8);
-    for (int j = 0; j < N; ++j) {
-        q[j] = (uint8_t) ggml_kvq_lsq_level(v[j], id[best], half);
-    }
+    ggml_kvq_lsq_store(e, v, id, h, half, d_out, q);
 }
 
 // q4_0: d[2] qs[16] (qs byte j: q(j) low nibble, q(j+16) high), as ggml-common.h's block_q4_0

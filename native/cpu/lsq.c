@@ -1,15 +1,8 @@
 // CPU encoders with least-squares block scales (native/lsq.c has the rule): the same bits as the reference, the
 // 26 candidate scales side by side in AVX2 registers. A cache row is written once per token, but at decode that
 // is one thread's work on the critical path (~3 us a block in scalar code), so the search must be cheap.
-// the rule rounds every product before it is added (as numpy does): no fused multiply-add, the intrinsics included
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
+#include "../lsq-rule.h"  // first: no fused multiply-add in this file, the intrinsics included
 #include "ggml-kvq-cpu.h"
-#include "../lsq-rule.h"
 
 #include <string.h>
 
@@ -39,13 +32,13 @@ void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t
             vdq[g] = _mm256_cvtph_ps(hh);
             _mm_storeu_si128((__m128i *) (h + 8*g), hh);
 #else
-            float dd[8], dq[8*NV];
+            float dd[8];
             _mm256_storeu_ps(dd, d);
             for (int l = 0; l < 8; ++l) {
                 h[8*g + l] = ggml_kvq_fp32_to_fp16(dd[l]);
-                dq[8*g + l] = ggml_kvq_fp16_to_fp32(h[8*g + l]);
+                dd[l] = ggml_kvq_fp16_to_fp32(h[8*g + l]);
             }
-            vdq[g] = _mm256_loadu_ps(dq + 8*g);
+            vdq[g] = _mm256_loadu_ps(dd);
 #endif
             _mm256_storeu_ps(id + 8*g, vid[g]);
             e[2*g] = e[2*g + 1] = _mm256_setzero_pd();
@@ -71,17 +64,7 @@ void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t
     for (int g = 0; g < 2*NV; ++g) {
         _mm256_storeu_pd(err + 4*g, e[g]);
     }
-    int best = 0;
-    for (int k = 1; k < NS; ++k) {
-        if (err[k] < err[best]) {        // the first of equals
-            best = k;
-        }
-    }
-    d_out[0] = (uint8_t) (h[best] & 0xFF);
-    d_out[1] = (uint8_t) (h[best] >> 8);
-    for (int j = 0; j < N; ++j) {
-        q[j] = (uint8_t) ggml_kvq_lsq_level(v[j], id[best], half);
-    }
+    ggml_kvq_lsq_store(err, v, id, h, half, d_out, q);
 }
 
 #else

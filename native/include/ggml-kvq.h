@@ -379,8 +379,8 @@ GGML_API void ggml_kvq_quantize_row_q5_0_with(const float * x, void * y, int64_t
 GGML_API void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 
 // The encoder a SET_ROWS into a cache tensor uses: int32 op_params[GGML_KVQ_ENC_TAG] = GGML_KVQ_ENC_MAGIC
-// for least squares (ggml's SET_ROWS reads no op_params). Backends that do not read the tag (CUDA) write
-// the stock encoding, which is equally valid.
+// for least squares (ggml's SET_ROWS reads no op_params). The CPU and pykvq's CUDA kernels read it; a backend
+// that does not writes the stock encoding, which is equally valid.
 #define GGML_KVQ_ENC_TAG     15
 #define GGML_KVQ_ENC_MAGIC   0x4C530001   // "LS", 1
 enum { GGML_KVQ_ENCODER_STOCK = 0, GGML_KVQ_ENCODER_LSQ = 1 };

@@ -49,19 +49,14 @@ BITS_PER_VALUE = 8 * TYPE_SIZE / QK
 N_SCALES = scale_search.N_SCALES
 
 
-def _quantize_half(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
-    """(fp16 d [nb], q [nb, 32] uint8) of blocks b [nb, 32]: pykvq/ref/scale_search.py's rule."""
-    return scale_search.quantize(b, half)
-
-
 def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(d5, q5, d3, q3) of the last axis of x (a multiple of 64) as [nb] f16 and [nb, 32] uint8 arrays."""
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % QK:
         raise ValueError(f"q53_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
     b = x.reshape(-1, QK)
-    d5, q5 = _quantize_half(b[:, :HALF], 1 << (BITS[0] - 1))
-    d3, q3 = _quantize_half(b[:, HALF:], 1 << (BITS[1] - 1))
+    d5, q5 = scale_search.quantize(b[:, :HALF], 1 << (BITS[0] - 1))
+    d3, q3 = scale_search.quantize(b[:, HALF:], 1 << (BITS[1] - 1))
     return d5, q5, d3, q3
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import scale_search
-
 QK = 32
 
 
@@ -51,16 +49,8 @@ def roundtrip_q5_0(x: np.ndarray) -> np.ndarray:
     return _roundtrip_signed_max(x, 16)
 
 
-# The same formats written with least-squares block scales (pykvq/ref/scale_search.py): what a
-# pykvq-converted file's q4_0 / q5_0 cache holds on the CPU (native/lsq.c).
-def roundtrip_q4_0_lsq(x: np.ndarray) -> np.ndarray:
-    return scale_search.roundtrip(x, 8)
-
-
-def roundtrip_q5_0_lsq(x: np.ndarray) -> np.ndarray:
-    return scale_search.roundtrip(x, 16)
-
-
+# The bytes of these formats, from levels of scale_search.quantize (what a pykvq-converted file's q4_0 / q5_0
+# cache holds: pykvq.ref.roundtrip(..., lsq=True) for its values).
 def pack_q4_0(d: np.ndarray, q: np.ndarray) -> bytes:
     """ggml's block_q4_0 bytes of f16 d [nb] and levels q [nb, 32] in [0, 16): d, then qs[16] (q(j) low
     nibble, q(j+16) high)."""
