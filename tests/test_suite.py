@@ -73,6 +73,18 @@ def test_matrices_parse():
     assert matrix("q8_0,nuq4") == [Setting("q8_0", "q8_0"), Setting("nuq4", "nuq4")]
 
 
+def test_headline_speed_comes_from_the_row_that_decodes_that_cache():
+    bench = {"f16": {}, "q4_0": {}, "nuq4": {}, "q4_0@prerope": {}}
+    assert report.bench_label("q4_0", bench) == "q4_0"
+    assert report.bench_label("nuq4@fisher", bench) == "nuq4"          # codebooks: same read path
+    assert report.bench_label("q4_0@prerope", bench) == "q4_0@prerope"
+    assert report.bench_label("nuq4@prerope", bench) is None           # pre-RoPE decodes differently
+    assert report.bench_label("q4_0@prerope:centred", bench) is None
+    assert report.bench_label("auto@kvbits-3.6", bench) is None
+    # every headline row exists in the matrices the suite runs
+    assert set(report.HEADLINE) <= {s.label for s in matrix("full")}
+
+
 def test_pareto_front():
     rows = [{"label": a, "bits_per_value": b, "mean_kld": k} for a, b, k in
             [("a", 4.5, 0.04), ("b", 4.5, 0.05), ("c", 3.6, 0.17), ("d", 8.5, 0.004), ("e", 4.25, 0.11),

@@ -12,7 +12,20 @@ from .speed import UPSTREAM_F16
 from .store import load
 
 HEADLINE = ["q8_0", "q4_0", "q8_0/q4_0", "bfp4_32", "nuq4", "nuq4@fisher", "nuq3o@fisher", "q8_0/nuq3o",
-            "auto@kvbits-3.6", "nuq2o@fisher"]
+            "auto@kvbits-3.6", "nuq2o@fisher",
+            "q4_0@prerope", "nuq4@prerope", "q53_64/q4_0@prerope", "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"]
+
+
+def bench_label(label: str, bench_rows: dict) -> str | None:
+    """The speed row that measures a quality row's cache: the same setting, or for a transform that
+    leaves the cache's read path alone (codebooks, smoothing, V rotation) the plain type. A pre-RoPE
+    file decodes differently and per-layer files have their own mix: those need their own row."""
+    if label in bench_rows:
+        return label
+    base, _, transform = label.partition("@")
+    if transform and not transform.startswith("prerope") and "kvbits" not in transform and base in bench_rows:
+        return base
+    return None
 
 
 def pareto_front(rows: list[dict]) -> list[dict]:
@@ -127,7 +140,10 @@ def quality_md(d: dict, model: str, img: str | None) -> list[str]:
           "attention on; every row against the unconverted model with an f16 cache. `K/V` = different "
           "types; `@fisher` = converted with Fisher codebooks for that type; `@smooth+vrot` = pair smoothing "
           "and V Hadamard baked in (plus codebooks); `@kvbits-B` = per-layer types for a B-bit budget; "
-          "`@prerope` = pre-RoPE centred key cache (`--prerope-k`; `prerope-mean`: mean only, no scale); "
+          "`@prerope` = pre-RoPE centred key cache (`--prerope-k`, Fisher-weighted per-channel scale; "
+          "`prerope-mean`: mean only, no scale; `prerope-std`: the std as the scale), a converted file's q4_0 / "
+          "q5_0 written with least-squares block scales (`:stock-scales`: ggml's encoder); `:centred` = the same "
+          "file, keys after RoPE minus the rotated mean; `q53_64` = 5 / 3-bit key halves (pre-RoPE files only); "
           "`:rot-off` = upstream's online Hadamard rotation off (default: upstream's auto). **bold** = on "
           "the Pareto front (no row has both fewer bits and lower KLD). ± = standard error of the mean KLD.",
           "", "| setting | bits/value | KV size vs f16 | mean KLD | p99 KLD | same top-1 | PPL | rotation/baked |",
@@ -254,8 +270,8 @@ def headline_md(models: dict[str, dict]) -> list[str]:
             if not r:
                 continue
             dec = "-"
-            base_label = label.split("@")[0] if "@" in label and not label.startswith("auto") else label
-            if s and base_label in s["rows"] and "f16" in s["rows"]:
+            base_label = bench_label(label, s["rows"]) if s else None
+            if base_label and "f16" in s["rows"]:
                 sr, fr = s["rows"][base_label]["tokens_per_s"], s["rows"]["f16"]["tokens_per_s"]
                 dec = f"{sr[scol] / fr[scol]:.2f}×"
                 if UPSTREAM_F16 in s["rows"]:

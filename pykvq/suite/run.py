@@ -16,19 +16,24 @@ from .settings import matrix, parse_settings
 
 PRESETS = {
     "full": dict(settings="full", n_ctx=512, chunks=16,
-                 bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o,q4_0@prerope,q4_0@prerope:centred,nuq4@prerope",
+                 bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o,q4_0@prerope,q4_0@prerope:centred,nuq4@prerope,"
+                             "q53_64/q4_0@prerope",
                  depths=[0, 4096, 8192], pp=512, tg=32,
-                 passkey_types="f16,q4_0,nuq4,nuq2o,q4_0@prerope", lengths=None, trials=2),
+                 passkey_types="f16,q4_0,nuq4,nuq2o,q4_0@prerope,q53_64/q4_0@prerope", lengths=None, trials=2),
     "quick": dict(settings="quick", n_ctx=256, chunks=2, bench_types="f16,q4_0,nuq4,q4_0@prerope", depths=[0, 256], pp=64,
                   tg=8, passkey_types="f16,nuq4", lengths=[256, 512], trials=1),
 }
 # per model, on top of "full": a 1.5B model on 2 cores gets the core matrix and shorter runs
 MODEL_OVERRIDES = {
     "qwen2.5-coder-1.5b": dict(settings="q8_0,q4_0,q8_0/q4_0,bfp4_32,nuq4,nuq4@fisher,nuq3o@fisher,"
-                                        "nuq2o@fisher,q8_0/nuq3o,q4_0@prerope,q4_0@prerope:centred,nuq4@prerope,q8_0/q4_0@prerope,"
+                                        "nuq2o@fisher,q8_0/nuq3o,q4_0@prerope,q4_0@prerope:centred,q4_0@prerope-mean,q4_0@prerope-std,"
+                                        "q4_0@prerope:rot-off,q4_0@prerope:stock-scales,q4_0/f16@prerope,nuq4@prerope,"
+                                        "q53_64/q4_0@prerope,q8_0/q4_0@prerope,"
                                         "auto@prerope+kvbits-4.5,auto@prerope+kvbits-3.6,auto@prerope+kvbits-2.75",
-                               chunks=4, bench_types="f16,q8_0,q4_0,nuq4,nuq3o,q4_0@prerope,q4_0@prerope:centred", depths=[0, 4096],
-                               passkey_types="f16,q4_0,nuq4,q8_0/q4_0,q8_0/nuq3o,q4_0@prerope", lengths=[1024, 2048],
+                               chunks=4, bench_types="f16,q8_0,q4_0,nuq4,nuq3o,q4_0@prerope,q4_0@prerope:centred,q53_64/q4_0@prerope",
+                               depths=[0, 4096],
+                               passkey_types="f16,q4_0,nuq4,q8_0/q4_0,q8_0/nuq3o,q4_0@prerope,q53_64/q4_0@prerope",
+                               lengths=[1024, 2048],
                                trials=2),
 }
 
