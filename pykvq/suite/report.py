@@ -9,6 +9,7 @@ import datetime
 from pathlib import Path
 
 from .speed import UPSTREAM_F16
+from .settings import Setting, parse_setting
 from .store import load
 
 HEADLINE = ["q8_0", "q4_0", "q8_0/q4_0", "bfp4_32", "nuq4", "nuq4@fisher", "nuq3o@fisher", "q8_0/nuq3o",
@@ -22,10 +23,11 @@ def bench_label(label: str, bench_rows: dict) -> str | None:
     file decodes differently and per-layer files have their own mix: those need their own row."""
     if label in bench_rows:
         return label
-    base, _, transform = label.partition("@")
-    if transform and not transform.startswith("prerope") and "kvbits" not in transform and base in bench_rows:
-        return base
-    return None
+    s = parse_setting(label)
+    same_read_path = (s.k != "auto" and not s.transform.startswith("prerope")
+                      and (s.rotation, s.k_domain, s.encoder) == ("auto", "auto", "auto"))
+    plain = Setting(s.k, s.v).label
+    return plain if same_read_path and plain in bench_rows else None
 
 
 def pareto_front(rows: list[dict]) -> list[dict]:

@@ -159,12 +159,12 @@ MATRICES = {
              "q8_0/nuq3o", "auto@kvbits-2.75", "auto@kvbits-3.6", "auto@kvbits-4.5",
              "q4_0@prerope", "q4_0@prerope:centred", "q4_0@prerope-mean", "q4_0@prerope:rot-off", "nuq4@prerope",
              "q4_0/f16@prerope", "q4_0@prerope-std", "q4_0@prerope:stock-scales", "q53_64/q4_0@prerope",
-             "q53_64/f16@prerope", "q8_0/q4_0@prerope", "auto@prerope+kvbits-4.5", "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"],
+             "q53_64/f16@prerope", "q8_0/q4_0@prerope",
+             "auto@prerope+kvbits-4.5", "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"],
     "core": ["q8_0", "q4_0", "q4_0:rot-off", "q8_0/q4_0", "bfp4_32", "nuq4", "nuq3o", "nuq2o",
              "nuq4@fisher", "nuq3o@fisher", "nuq2o@fisher", "nuq3o@smooth+vrot", "q8_0/nuq3o",
              "q4_0@prerope", "q4_0@prerope:centred", "nuq4@prerope", "q53_64/q4_0@prerope", "q8_0/q4_0@prerope",
-             "auto@prerope+kvbits-4.5",
-             "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"],
+             "auto@prerope+kvbits-4.5", "auto@prerope+kvbits-3.6", "auto@prerope+kvbits-2.75"],
     "quick": ["q8_0", "q4_0", "nuq4"],
 }
 
