@@ -99,6 +99,31 @@ def prerope_key_fisher(c: Calib, layer: int, g: Geometry, d: Domain) -> np.ndarr
     return (_k_baked(c.gk[layer], g, d, grad=True).astype(np.float64) ** 2).mean(axis=0)
 
 
+def prerope_key_moments(c: Calib, layer: int, g: Geometry, d: Domain) -> tuple[np.ndarray, ...]:
+    """(mean, std, absmax around the mean, Fisher), each float64 [n_kv, head_dim], of prerope_keys' channels:
+    from the samples when calibration kept them, else from the runtime's moments (calib.KeyMoments) through the
+    same baked transforms, which act per channel (a positive scale, a permutation, the layout). The Fisher is
+    the gradients' when calibration took them (backprop), else the runtime's forward estimate."""
+    km = c.km[layer] if c.km is not None else None
+    if c.k is not None:
+        kp = prerope_keys(c, layer, g, d).astype(np.float64)
+        mean = kp.mean(axis=0)
+        std, absmax = kp.std(axis=0), np.abs(kp - mean).max(axis=0)
+    else:
+        if d.k_angle is not None:
+            raise ValueError("a learned pair angle needs calibration samples, not moments")
+        mean = _k_baked(km.mean[None], g, d, grad=False)[0]
+        std = _k_baked(np.sqrt(np.maximum(km.sq - km.mean ** 2, 0.0))[None], g, d, grad=False)[0]
+        absmax = _k_baked(np.maximum(km.hi - km.mean, km.mean - km.lo)[None], g, d, grad=False)[0]
+    if c.gk is not None and c.sensitivity == "backprop":
+        fisher = prerope_key_fisher(c, layer, g, d)
+    elif km is not None:
+        fisher = _k_baked(np.sqrt(km.fisher)[None], g, d, grad=True)[0].astype(np.float64) ** 2
+    else:
+        fisher = None
+    return mean, std, absmax, fisher
+
+
 def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
     if d.k_prerope:
         if d.k_mean is None or d.k_div is None:

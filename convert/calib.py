@@ -64,9 +64,19 @@ def calibration_text(spec: str) -> tuple[str, str]:
 
 
 @dataclass
+class KeyMoments:
+    """One layer's pre-RoPE K per [n_kv, head_dim] channel, NORM order: what --prerope-k needs without samples."""
+    mean: np.ndarray         # float64 E[k]
+    sq: np.ndarray           # float64 E[k^2]
+    lo: np.ndarray           # smallest k
+    hi: np.ndarray           # largest k
+    fisher: np.ndarray       # E[(dL/dk)^2], or its forward-pass estimate (sensitivity "forward")
+
+
+@dataclass
 class Calib:
-    q: list[np.ndarray]      # per layer [T, n_head, head_dim], NORM order, pre-RoPE
-    k: list[np.ndarray]      # per layer [T, n_kv, head_dim]
+    q: list[np.ndarray] | None   # per layer [T, n_head, head_dim], NORM order, pre-RoPE (None: moments only)
+    k: list[np.ndarray] | None   # per layer [T, n_kv, head_dim]
     pos: np.ndarray          # [T] positions (each sequence starts at 0)
     source: str
     # with fisher=True: V (HF channel order, as the cache stores it) and the LM loss's
@@ -74,10 +84,66 @@ class Calib:
     v: list[np.ndarray] | None = None
     gk: list[np.ndarray] | None = None
     gv: list[np.ndarray] | None = None
+    km: list[KeyMoments] | None = None   # runtime calibration: per-layer K moments (always there)
+    sensitivity: str = "backprop"        # where gk / gv / km.fisher come from: "backprop" or "forward"
 
     def k_pair_rms(self, layer: int) -> np.ndarray:
         """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""
+        if self.k is None:
+            sq = self.km[layer].sq
+            return np.sqrt(sq[..., 0::2] + sq[..., 1::2])
         return pair_rms(self.k[layer])
+
+
+def key_sensitivity(q_sq: np.ndarray, g: Geometry) -> np.ndarray:
+    """Forward-pass stand-in for the keys' diagonal Fisher, [n_kv, head_dim] NORM order, from the queries'
+    mean squares q_sq [n_head, head_dim] (NORM order): a key error dk moves the score of query q by q.dk/sqrt(d),
+    after RoPE has turned q and k by the same angle per pair, so a pre-RoPE key channel weighs the pair energy of
+    the queries of its group, E|q_pair|^2 / 2, summed over the group, over d. The loss's own factor per score
+    (dL/ds) is left out: the --prerope-k scale and q53_64's layout only compare channels within a head."""
+    qs = np.asarray(q_sq, np.float64).copy()
+    r = g.n_rot_pairs
+    pair = 0.5 * (qs[:, 0:2 * r:2] + qs[:, 1:2 * r:2])
+    qs[:, 0:2 * r:2] = pair
+    qs[:, 1:2 * r:2] = pair
+    return qs.reshape(g.n_head_kv, g.group, g.head_dim).sum(axis=1) / g.head_dim
+
+
+def value_sensitivity(wo: np.ndarray, g: Geometry) -> np.ndarray:
+    """Forward stand-in for V's diagonal Fisher, [n_kv, head_dim]: an error in a value channel reaches the
+    residual stream through its W_o columns (one per query head of the group); their squared norms, summed."""
+    col = (np.asarray(wo, np.float64) ** 2).sum(axis=0).reshape(g.n_head, g.head_dim)
+    return col.reshape(g.n_head_kv, g.group, g.head_dim).sum(axis=1)
+
+
+def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None) -> Calib:
+    """A Calib from pykvq.calibrate's RuntimeStats (channels in the GGUF's order, made NORM here). Sensitivities
+    are the forward estimates above; with samples, per-token gk / gv carry them (constant over tokens) for the
+    codebooks and budgets; v_sens (per layer value_sensitivity [n_kv, head_dim]) is needed for gv."""
+    idx = hf_to_norm(g) if g.layout == "neox" else np.arange(g.head_dim)
+    n = len(st.layers)
+    if n != g.n_layer:
+        raise ConvertError(f"runtime calibration saw {n} layers, the GGUF has {g.n_layer}")
+    for i, ls in enumerate(st.layers):
+        for w, heads in (("q", g.n_head), ("k", g.n_head_kv), ("v", g.n_head_kv)):
+            if ls.mean[w].shape != (heads, g.head_dim):
+                raise ConvertError(f"layer {i}: the runtime's {w.upper()} is {list(ls.mean[w].shape)} per token, "
+                                   f"the converter expects [{heads}, {g.head_dim}] (per-layer head sizes or counts "
+                                   "are not supported)")
+    km = [KeyMoments(ls.mean["k"][:, idx], ls.sq["k"][:, idx], ls.lo["k"][:, idx], ls.hi["k"][:, idx],
+                     key_sensitivity(ls.sq["q"][:, idx], g)) for ls in st.layers]
+    have = all("k" in ls.samples for ls in st.layers)
+    q = [ls.samples["q"][..., idx] for ls in st.layers] if have else None
+    k = [ls.samples["k"][..., idx] for ls in st.layers] if have else None
+    v = [ls.samples["v"] for ls in st.layers] if have else None
+    T = st.n_seq * st.seq_len
+    gk = gv = None
+    if have:
+        gk = [np.broadcast_to(np.sqrt(m.fisher).astype(np.float32), (T, g.n_head_kv, g.head_dim)) for m in km]
+        if v_sens is not None:
+            gv = [np.broadcast_to(np.sqrt(f).astype(np.float32), (T, g.n_head_kv, g.head_dim)) for f in v_sens]
+    pos = np.concatenate([np.arange(st.seq_len)] * st.n_seq)
+    return Calib(q, k, pos, st.source, v, gk, gv, km=km, sensitivity="forward")
 
 
 def collect_cached(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,

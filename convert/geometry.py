@@ -57,11 +57,14 @@ def _scalar(v, what: str) -> int:
     return int(v)
 
 
-def geometry(m: GGUFModel) -> Geometry:
+def geometry(m: GGUFModel, layout: str | None = None) -> Geometry:
+    """The file's attention geometry. layout: the rope layout of an architecture outside SUPPORTED_ARCHS, as
+    the runtime's graph rotates it (pykvq.calibrate reads it from the ROPE nodes); None refuses such an arch."""
     arch = m.arch
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in SUPPORTED_ARCHS and layout is None:
         raise ConvertError(f"architecture {arch!r} is not supported; the converter handles "
-                           f"{', '.join(SUPPORTED_ARCHS)} (llama covers Mistral and SmolLM)")
+                           f"{', '.join(SUPPORTED_ARCHS)} (llama covers Mistral and SmolLM), and any architecture "
+                           "for --prerope-k alone (calibrated in the runtime)")
     n_head = _scalar(m.arch_meta("attention.head_count"), "head counts")
     n_head_kv = _scalar(m.arch_meta("attention.head_count_kv", n_head), "KV head counts")
     n_embd = int(m.arch_meta("embedding_length"))
@@ -72,7 +75,10 @@ def geometry(m: GGUFModel) -> Geometry:
     if n_rot % 2 or n_rot > head_dim or head_dim % 2:
         raise ConvertError(f"odd rotary geometry (head_dim {head_dim}, n_rot {n_rot})")
     rf = m.tensors.get("rope_freqs.weight")
-    layout = "norm" if m.meta(Keys.Rope.LAYOUT) == Values.ROPE_LAYOUT_NORM else SUPPORTED_ARCHS[arch]
+    if m.meta(Keys.Rope.LAYOUT) == Values.ROPE_LAYOUT_NORM:
+        layout = "norm"
+    else:
+        layout = SUPPORTED_ARCHS.get(arch, layout)
     return Geometry(arch=arch, n_layer=m.layer_count(), n_head=n_head, n_head_kv=n_head_kv,
                     head_dim=head_dim, n_rot=n_rot, freq_base=float(m.arch_meta("rope.freq_base", 10000.0)),
                     layout=layout, rope_freqs=None if rf is None else np.asarray(rf.data, np.float32)[: n_rot // 2])

@@ -64,6 +64,10 @@ class Options:
     def needs_fisher(self) -> bool:
         return self.codebook_method() != "none" or self.kv_bits is not None
 
+    def needs_samples(self) -> bool:
+        """Whether calibration must keep every token's Q / K / V (not only per-channel moments)."""
+        return (self.smooth_qk or self.learn_k or self.rotate_v == "learned" or self.needs_fisher())
+
     def needs_gradients(self) -> bool:
         """Whether calibration must take the loss's gradients (Fisher codebooks, budgets, the fisher K scale)."""
         return (self.needs_fisher() or self.rotate_v == "learned" or
@@ -133,10 +137,12 @@ def _scale(m: GGUFModel, i: int, q_f: np.ndarray, k_f: np.ndarray, stats: dict) 
             m.tensors[t.name] = rows.scale_rows(t, f, stats)
 
 
-def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None) -> Report:
-    """Transform m in place; returns what was chosen per layer."""
-    from .geometry import geometry
-    g = geometry(m)
+def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None,
+          geometry=None) -> Report:
+    """Transform m in place; returns what was chosen per layer. geometry: the file's (convert.geometry), when
+    the caller has it with the runtime's rope layout (an architecture outside the converter's table)."""
+    from .geometry import geometry as geometry_of
+    g = geometry or geometry_of(m)
     if m.meta(Keys.General.VERSION) is not None:
         raise ConvertError("the input was already converted by pykvq; convert the original instead")
     rope_scaling = str(m.arch_meta("rope.scaling.type", "none"))
@@ -178,7 +184,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     key_kind = opts.ksort_key if opts.ksort_key != "auto" else ("calib" if calib is not None else "weight")
     if importance:
         key_kind = "importance"
-        if calib.gk is None:
+        if calib.gk is None and calib.km is None:
             raise ConvertError("--cache-type-k q53_64 needs Fisher calibration statistics (the keys' gradients)")
     if opts.ksort and key_kind == "calib" and calib is None:
         raise ConvertError("--ksort-key calib needs calibration text")
@@ -187,7 +193,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     method = opts.codebook_method()
     if opts.needs_fisher() and (calib is None or calib.gk is None):
         raise ConvertError("codebooks and per-layer types need Fisher calibration statistics")
-    if opts.prerope_k and opts.prerope_scale == "fisher" and calib.gk is None:
+    if opts.prerope_k and opts.prerope_scale == "fisher" and calib.gk is None and calib.km is None:
         raise ConvertError("--prerope-k-scale fisher needs Fisher calibration statistics (the keys' gradients)")
     for t in opts.ladder if opts.kv_bits is not None else ():
         layer_types.bits_per_value(t)
@@ -244,8 +250,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             if importance:          # what an error in the pair costs the loss: sum of F_c var_c (pykvq/ref/q53.py)
                 d0 = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
                                          layout=gl.layout)
-                kp = cache_domain.prerope_keys(calib, i, g, d0).astype(np.float64)
-                imp = cache_domain.prerope_key_fisher(calib, i, g, d0) * kp.var(axis=0)
+                _, k_std, _, fk = cache_domain.prerope_key_moments(calib, i, g, d0)
+                imp = fk * k_std ** 2
                 perm = q53.importance_layout(imp[:, ch[:, 0]] + imp[:, ch[:, 1]])
             else:
                 key = calib.k_pair_rms(i) / s if key_kind == "calib" else \
@@ -271,10 +277,9 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                   v_matrix=None if vr is None else (vr.a, vr.a_inv),
                                   rot_k=online_rot_k, rot_v=online_rot_v)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
-            kp = cache_domain.prerope_keys(calib, i, g, dom)
-            fk = cache_domain.prerope_key_fisher(calib, i, g, dom) if opts.prerope_scale == "fisher" else None
-            mean, scale = prerope.stats(kp, opts.prerope_scale, fisher=fk)
-            std = prerope.stats(kp, "std")[1]
+            k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
+            mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk)
+            std = prerope.stats_from_moments(k_mean, k_std, None, "std")[1]
             out = [(Tensors.K_MEAN, mean), (Tensors.K_SCALE, scale)]
             if opts.prerope_scale != "std":     # the centred cache chooses its mean pairs by the std
                 out.append((Tensors.K_STD, std))

@@ -53,18 +53,27 @@ CLIP = 16.0          # fisher: within [median / CLIP, median * CLIP] of its head
 def stats(k: np.ndarray, method: str = DEFAULT_SCALE, fisher: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(mean, scale), each float32 [n_kv, head_dim], of pre-RoPE keys k [T, n_kv, head_dim] (file layout);
     method fisher needs fisher = E[(dL/dk)^2] [n_kv, head_dim] of the same keys."""
-    if method not in SCALES:
-        raise ValueError(f"pre-RoPE K scale must be one of {SCALES}, got {method!r}")
     k64 = np.asarray(k, np.float64)
     mean = k64.mean(axis=0)
+    absmax = np.abs(k64 - mean).max(axis=0) if method == "absmax" else None
+    return stats_from_moments(mean, k64.std(axis=0), absmax, method, fisher)
+
+
+def stats_from_moments(mean: np.ndarray, std: np.ndarray, absmax: np.ndarray | None, method: str = DEFAULT_SCALE,
+                       fisher: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """stats() from per-channel moments ([n_kv, head_dim] each: mean, std, largest |k - mean|; absmax only for
+    method absmax): what runtime calibration (pykvq.calibrate) gives without keeping the keys."""
+    if method not in SCALES:
+        raise ValueError(f"pre-RoPE K scale must be one of {SCALES}, got {method!r}")
+    mean = np.asarray(mean, np.float64)
     if method == "one":
         scale = np.ones_like(mean)
     elif method == "fisher":
         if fisher is None or np.shape(fisher) != mean.shape:
             raise ValueError(f"the fisher scale needs the keys' diagonal Fisher {mean.shape}")
-        scale = fisher_scale(k64.std(axis=0), np.asarray(fisher, np.float64))
+        scale = fisher_scale(np.asarray(std, np.float64), np.asarray(fisher, np.float64))
     else:
-        spread = np.abs(k64 - mean).max(axis=0) if method == "absmax" else k64.std(axis=0)
+        spread = np.asarray(absmax if method == "absmax" else std, np.float64)
         floor = STD_FLOOR * np.median(spread, axis=1, keepdims=True)
         scale = np.maximum(spread, floor)
         scale = np.where(scale > 0, scale, 1.0)            # a head whose keys never move (all-zero rows)

@@ -27,7 +27,7 @@ if __package__ in (None, ""):             # run as a script: make `convert` and 
 
 from convert import calib as calib_mod                         # noqa: E402
 from convert import pipeline                                   # noqa: E402
-from convert.geometry import geometry                          # noqa: E402
+from convert.geometry import SUPPORTED_ARCHS, geometry        # noqa: E402
 from convert.gguf_io import ConvertError, GGUFModel, read_gguf, write_gguf  # noqa: E402
 from pykvq.keys import Tensors, suffix                          # noqa: E402
 
@@ -43,7 +43,18 @@ what each transform needs:
   needs the patched runtime: --ksort (per-head rope frequencies; stock llama.cpp refuses such a file)
   runs on stock llama.cpp too: --smooth-qk, --rotate-v
   needs calibration and the patched runtime's pre-RoPE key cache: --prerope-k (adds per-layer
-    blk.N.kvq_k_mean / blk.N.kvq_k_scale; no weight changes)
+    blk.N.kvq_k_mean / blk.N.kvq_k_scale; no weight changes; any architecture the runtime runs with
+    standard RoPE, the others only llama / qwen2)
+
+what each step costs (a GGUF input; --sensitivity forward, the default):
+  calibration   runs the GGUF itself in pykvq's llama.cpp over --calib-seqs x --calib-len tokens (imatrix-style:
+                quantized, memory-mapped weights): about one prefill of those tokens; memory about the
+                model's own. Moments only, unless smoothing / learned transforms / codebooks need every token's
+                Q / K / V (then + layers x tokens x (n_head + 2 n_head_kv) x head_dim x 4 bytes). Cached in
+                $PYKVQ_CACHE/calib/runtime
+  writing       tensor by tensor from the memory-mapped input; the disk needs about the input's size
+  --sensitivity backprop  instead dequantizes the GGUF to an f32 HF checkpoint (~4x the parameters in bytes, on
+                disk and in memory) and runs transformers' forward and backward: ~10x the GGUF's size in RAM
 
 examples:
   python convert/to_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf -o smol-kvq.gguf --ksort --smooth-qk --rotate-v hadamard
@@ -102,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
                         "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
                         "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope.md)")
+    p.add_argument("--sensitivity", choices=("forward", "backprop"), default=None,
+                   help="where calibration's channel weights come from. forward (default for a GGUF input): "
+                        "pykvq's runtime runs "
+                        "the GGUF (any architecture with standard RoPE, memory about the model's); the keys' "
+                        "weight is the energy of the queries that read each channel, V's the norm of its W_o "
+                        "columns. backprop: the diagonal Fisher from transformers' backward pass on an f32 HF "
+                        "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for an HF input or with --hf-dir)")
     p.add_argument("--calib", default=None, metavar="FILE|canterbury",
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
@@ -193,6 +211,59 @@ def _calibration_hf_dir(src: Path, args) -> Path:
     return hf_checkpoint(src)
 
 
+def _check_resources(gguf_path: Path, out: Path, runtime: bool) -> None:
+    """Fail before any work when the output's disk cannot take about the input's size, or (runtime
+    calibration) memory cannot hold about the model: the message says how much is there and how much is needed."""
+    import shutil
+    need = gguf_path.stat().st_size
+    where = out.parent if out.parent.exists() else Path(".")
+    free = shutil.disk_usage(where).free
+    if free < need * 1.02 + (64 << 20):
+        raise ConvertError(f"not enough disk for {out.name}: {free / 2**30:.2f} GiB free in {where}, the output "
+                           f"needs about {need / 2**30:.2f} GiB (the input's size)")
+    if runtime:
+        avail = None
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        if avail is not None and avail < need * 0.5:
+            raise ConvertError(f"not enough memory to calibrate {gguf_path.name}: {avail / 2**30:.2f} GiB "
+                               f"available, running the model needs about {need / 2**30:.2f} GiB")
+
+
+def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, args, opts, progress,
+                   unknown_arch: bool):
+    """Calibration in pykvq's runtime (pykvq.calibrate) -> (Calib, the geometry with the runtime's rope layout)."""
+    from convert import rows
+    from pykvq import calibrate
+    from pykvq.errors import PykvqError
+    try:
+        st = calibrate.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                      samples=opts.needs_samples(), source=source, progress=progress)
+    except PykvqError as e:
+        raise ConvertError(f"calibration in the runtime failed: {e}") from None
+    if unknown_arch:
+        g = g.with_layout(st.rope_layout)
+    elif st.rope_layout != g.layout:
+        raise ConvertError(f"the runtime rotates {g.arch}'s keys in the {st.rope_layout} layout, the converter "
+                           f"expected {g.layout}")
+    if st.n_rot != g.n_rot:
+        raise ConvertError(f"the runtime's K RoPE turns {st.n_rot} of {g.head_dim} channels, the file says "
+                           f"rope.dimension_count {g.n_rot}")
+    v_sens = None
+    if opts.needs_fisher():
+        v_sens = [calib_mod.value_sensitivity(rows.to_f32(m.tensors[f"blk.{i}.attn_output.weight"]), g)
+                  for i in range(g.n_layer)]
+    log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
+             st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
+    c = calib_mod.from_runtime(st, g, v_sens)
+    c.tokens_per_s = st.tokens_per_s
+    return c, g
+
+
 def convert(args) -> dict:
     src, out = Path(args.src), Path(args.outfile)
     if not src.exists():
@@ -239,7 +310,17 @@ def convert(args) -> dict:
         else:
             raise ConvertError(f"{src} is neither a GGUF file nor an HF checkpoint directory (no config.json)")
         m = read_gguf(gguf_path)
-        g = geometry(m)
+        if args.sensitivity is None:    # an HF checkpoint at hand: its backward pass costs no extra copy
+            args.sensitivity = "backprop" if (hf or args.hf_dir) else "forward"
+        forward = args.sensitivity == "forward"
+        stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
+                                              or opts.learn_k or opts.needs_fisher()
+                                              or opts.resolved_types()[0] == "q53_64"))
+        # an architecture outside the converter's table: only the pre-RoPE statistics, whose layout the runtime's
+        # graph tells (checked against the file's rope dimension count after calibration)
+        g = geometry(m, layout="norm" if forward and stats_only else None)
+        unknown_arch = g.arch not in SUPPORTED_ARCHS
+        _check_resources(gguf_path, out, forward and not hf)
         log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot, g.layout)
         calib = None
@@ -249,13 +330,17 @@ def convert(args) -> dict:
         if needs_calib:
             t1 = time.time()
             text, source = calib_mod.calibration_text(args.calib or "canterbury")
-            hf_dir = src if hf else _calibration_hf_dir(src, args)
-            log.info("calibrating on %s: %d x %d tokens", source, args.calib_seqs, args.calib_len)
-            calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                      source=source, progress=progress,
-                                      fisher=opts.needs_gradients())
+            log.info("calibrating on %s: %d x %d tokens (%s)", source, args.calib_seqs, args.calib_len,
+                     "in pykvq's runtime, forward sensitivities" if forward else "transformers, backprop Fisher")
+            if forward:
+                calib, g = _runtime_calib(gguf_path, m, g, text, source, args, opts, progress, unknown_arch)
+            else:
+                hf_dir = src if hf else _calibration_hf_dir(src, args)
+                calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                                 source=source, progress=progress,
+                                                 fisher=opts.needs_gradients())
             t_cal = time.time() - t1
-        rep = pipeline.apply(m, opts, calib, progress=progress)
+        rep = pipeline.apply(m, opts, calib, progress=progress, geometry=g)
         if hf:
             _cast_weights(m, "f16" if args.outtype == "auto" else args.outtype)
         total = sum(t.data.nbytes for t in m.tensors.values())
@@ -265,6 +350,7 @@ def convert(args) -> dict:
         write_gguf(m, out, progress=upd)
         if hasattr(bar, "close"):
             bar.close()
+    calib_tps = getattr(calib, "tokens_per_s", None)
     k, v = opts.resolved_types()
     if rep.layer_types_k:       # per-layer types: name the most common ones
         k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
@@ -285,6 +371,8 @@ def convert(args) -> dict:
                       for r in rep.k_learned],
         "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
         "prerope_k": dict(rep.prerope) if opts.prerope_k else None,
+        "sensitivity": args.sensitivity if calib is not None else None,
+        "calibration_tokens_per_s": round(calib_tps, 1) if calib is not None and calib_tps else None,
         "codebook_errors": rep.cb_errors,
     }
     return summary

@@ -142,6 +142,19 @@ int32_t llama_kvq_codebook_source(const struct llama_context * ctx, int32_t il, 
 int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 int32_t llama_kvq_model_n_layer_types(const struct llama_model * model, bool v);
 int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);
+/* runtime calibration (native/llama-kvq-calib.cpp; pykvq/calibrate.py); which: 0 q, 1 k, 2 v */
+struct llama_kvq_calib;
+struct llama_kvq_calib * llama_kvq_calib_init(bool keep_samples);
+void llama_kvq_calib_free(struct llama_kvq_calib * calib);
+void llama_kvq_calib_attach(struct llama_kvq_calib * calib, struct llama_context_params * params);
+bool llama_kvq_calib_end_batch(struct llama_kvq_calib * calib);
+const char * llama_kvq_calib_error(const struct llama_kvq_calib * calib);
+int32_t llama_kvq_calib_n_layer(const struct llama_kvq_calib * calib);
+bool llama_kvq_calib_rope(const struct llama_kvq_calib * calib, int32_t * mode, int32_t * n_dims);
+bool llama_kvq_calib_shape(const struct llama_kvq_calib * calib, int32_t il, int32_t which,
+                           int64_t * head_dim, int64_t * n_head, int64_t * n_tokens);
+int64_t llama_kvq_calib_get(const struct llama_kvq_calib * calib, int32_t il, int32_t which, const char * what,
+                            void * dst, int64_t capacity);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);

@@ -150,6 +150,26 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from pathlib import Path
+
+    from . import calibrate
+    if args.text is None:
+        from convert.calib import canterbury_text
+        text, source = canterbury_text(), "canterbury"
+    else:
+        text, source = Path(args.text).read_text(encoding="utf-8", errors="replace"), Path(args.text).name
+    st = calibrate.collect(_resolve_model(args.model), text, n_seq=args.seqs, seq_len=args.len,
+                           samples=args.samples, source=source, progress=True, n_threads=args.threads)
+    st.save(args.output)
+    k = st.layers[0]
+    print(f"wrote {args.output}: {len(st.layers)} layers, {st.n_seq} x {st.seq_len} tokens of {source} in "
+          f"{st.seconds:.1f} s ({st.tokens_per_s:.0f} tokens/s); rope layout {st.rope_layout}, {st.n_rot} rotated "
+          f"channels; layer 0 K [{k.mean['k'].shape[0]} heads x {k.mean['k'].shape[1]}], largest |mean| "
+          f"{abs(k.mean['k']).max():.3g}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .serve import serve
     extra = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
@@ -294,6 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_args(p)
     p.add_argument("--no-model", action="store_true", help="only library and system info")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("calibrate", help="per-layer statistics of pre-RoPE Q / K and V, gathered in the runtime "
+                                         "(what convert/to_gguf.py --prerope-k uses)")
+    _model_arg(p)
+    p.add_argument("-o", "--output", required=True, help="where to write the statistics (.npz)")
+    p.add_argument("--text", default=None, help="calibration text file (default: the Canterbury corpus)")
+    p.add_argument("--seqs", type=int, default=4, help="sequences (default 4)")
+    p.add_argument("--len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--samples", action="store_true", help="keep every token's Q / K / V too")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("fetch", help="download a known model into the cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")

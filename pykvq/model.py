@@ -100,7 +100,7 @@ class Model(Generation, Evaluation):
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
-                 encoder: str | None = None):
+                 encoder: str | None = None, _calibration=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
         if encoder not in ENCODERS:
@@ -183,6 +183,9 @@ class Model(Generation, Evaluation):
         cp.type_k = type_k if cache_type_k else KV_CACHE_TYPE_MODEL
         cp.type_v = type_v if cache_type_v else KV_CACHE_TYPE_MODEL
         cp.no_perf = True
+        if _calibration is not None:    # pykvq.calibrate: its collector reads the graph; a decode is one ubatch
+            cp.n_ubatch = cp.n_batch
+            L.llama_kvq_calib_attach(_calibration, ffi.addressof(cp))
         log.clear()
         with _context_env(k_domain=k_domain, encoder=encoder):   # the runtime reads them when it makes the context
             self._ctx = L.llama_kvq_init_from_model(self._model, cp, rot_k, rot_v)

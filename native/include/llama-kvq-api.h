@@ -46,6 +46,38 @@ LLAMA_API int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 // total. -1 when the context has no attention KV cache or seq_id is out of range.
 LLAMA_API int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);
 
+
+// ---- runtime calibration (native/llama-kvq-calib.cpp; pykvq.calibrate) ---------------------------------------
+// Per layer: statistics of Q and K before RoPE (src[0] of the ROPE nodes named Qcur-<il> / Kcur-<il>) and of V,
+// gathered by the graph's eval callback while the context decodes calibration text, as llama-imatrix does.
+struct llama_kvq_calib;
+
+LLAMA_API struct llama_kvq_calib * llama_kvq_calib_init(bool keep_samples);
+LLAMA_API void llama_kvq_calib_free(struct llama_kvq_calib * calib);
+
+// make params feed calib: sets params->cb_eval / cb_eval_user_data (a context made with them collects)
+LLAMA_API void llama_kvq_calib_attach(struct llama_kvq_calib * calib, struct llama_context_params * params);
+
+// the callback itself (ggml_backend_sched_eval_callback), for callers that chain it behind their own
+LLAMA_API bool llama_kvq_calib_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
+
+// after each llama_decode: settles the batch (V per layer); false once anything failed (llama_kvq_calib_error)
+LLAMA_API bool llama_kvq_calib_end_batch(struct llama_kvq_calib * calib);
+LLAMA_API const char * llama_kvq_calib_error(const struct llama_kvq_calib * calib);
+
+// the K ROPE nodes' mode (GGML_ROPE_TYPE_*: 0 normal, 2 neox, ...) and rotated dims; false before any
+LLAMA_API bool llama_kvq_calib_rope(const struct llama_kvq_calib * calib, int32_t * mode, int32_t * n_dims);
+
+// layers seen; the shape gathered for layer il's which (0 q, 1 k, 2 v): false when none
+LLAMA_API int32_t llama_kvq_calib_n_layer(const struct llama_kvq_calib * calib);
+LLAMA_API bool llama_kvq_calib_shape(const struct llama_kvq_calib * calib, int32_t il, int32_t which,
+                                     int64_t * head_dim, int64_t * n_head, int64_t * n_tokens);
+
+// copy a statistic of layer il's which, per [n_head, head_dim] channel: "sum", "sq" (double), "min", "max" (float),
+// or "samples" (float [n_tokens, n_head, head_dim], kept with keep_samples). dst NULL: the element count. -1: unknown
+LLAMA_API int64_t llama_kvq_calib_get(const struct llama_kvq_calib * calib, int32_t il, int32_t which,
+                                      const char * what, void * dst, int64_t capacity);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,6 +12,8 @@ On the command line a setting is written  K[/V][@TRANSFORM][:rot-on|:rot-off][:c
     q4_0@prerope      pre-RoPE, centred key cache (--prerope-k; nuq types get codebooks fitted in that domain)
     q4_0@prerope-mean the same with the mean only (no per-channel scale): an ablation
     q4_0@prerope-std  the same with the per-channel std as the scale (the default is Fisher-weighted): an ablation
+    q4_0@prerope-backprop  the same, calibrated by transformers' backward pass (the diagonal Fisher) instead of the
+                      runtime's forward pass (the converter's default for a GGUF)
     auto@prerope+kvbits-4.5  per-layer types for 4.5 bits/value, fitted in the pre-RoPE key domain
     q4_0:rot-off      upstream's online Hadamard rotation switched off (of the centred keys with @prerope)
     q4_0@prerope:centred  the same file, keys cached after RoPE minus the mean rotated with them (PYKVQ_K_DOMAIN=centred)
@@ -41,6 +43,8 @@ TRANSFORMS = {
     "prerope": ["--prerope-k"],                            # pre-RoPE centred key cache (issue 20)
     "prerope-mean": ["--prerope-k", "--prerope-k-scale", "one"],
     "prerope-std": ["--prerope-k", "--prerope-k-scale", "std"],   # the scale before the Fisher-weighted default
+    # calibration by transformers' backward pass (the Fisher) instead of the runtime's forward pass (issue 36)
+    "prerope-backprop": ["--prerope-k", "--sensitivity", "backprop"],
 }
 _KVBITS = re.compile(r"^(prerope\+)?kvbits-(\d+(?:\.\d+)?)$")
 

@@ -1,0 +1,154 @@
+"""Calibration inside the runtime (pykvq/calibrate.py, native/llama-kvq-calib.cpp) and the converter's default
+forward-sensitivity path (convert/calib.from_runtime, cache_domain.prerope_key_moments).
+
+References: transformers running the same weights (dequantized from the GGUF) on the same token ids for the
+pre-RoPE keys and values; numpy over the kept samples for the native moments; the numpy definition of the
+scale for the converted file's tensors.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convert import cache_domain, prerope
+from convert.calib import calibration_text, from_runtime, key_sensitivity, value_sensitivity
+from convert.geometry import geometry, pair_channels
+from convert.gguf_io import read_gguf
+from pykvq import calibrate
+from pykvq.keys import Tensors
+
+N_SEQ, SEQ_LEN = 2, 128
+
+
+@pytest.fixture(scope="module")
+def text():
+    return calibration_text("canterbury")[0]
+
+
+@pytest.fixture(scope="module")
+def stats(smollm2, text):
+    return calibrate.collect(smollm2, text, n_seq=N_SEQ, seq_len=SEQ_LEN, samples=True, n_threads=2)
+
+
+def test_shapes_and_layout(stats, smollm2):
+    g = geometry(read_gguf(smollm2))
+    assert len(stats.layers) == g.n_layer == 30
+    assert stats.rope_layout == "norm" and stats.n_rot == g.n_rot == 64       # llama: NORM pairs, full rotary
+    for ls in stats.layers:
+        assert ls.n == N_SEQ * SEQ_LEN
+        assert ls.mean["q"].shape == (9, 64) and ls.mean["k"].shape == (3, 64) and ls.mean["v"].shape == (3, 64)
+        assert ls.samples["k"].shape == (N_SEQ * SEQ_LEN, 3, 64)
+
+
+def test_native_moments_match_numpy_over_the_samples(stats):
+    """The C accumulation (double sums, float extremes) against numpy over the very samples it kept."""
+    for ls in stats.layers[::7]:
+        for w in ("q", "k", "v"):
+            x = ls.samples[w].astype(np.float64)
+            np.testing.assert_allclose(ls.mean[w], x.mean(axis=0), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(ls.sq[w], (x ** 2).mean(axis=0), rtol=1e-12, atol=1e-12)
+            np.testing.assert_array_equal(ls.lo[w], ls.samples[w].min(axis=0))
+            np.testing.assert_array_equal(ls.hi[w], ls.samples[w].max(axis=0))
+
+
+def test_keys_and_values_match_transformers(stats, smollm2, smollm2_hf, text):
+    """Runtime pre-RoPE K and V against transformers' k_proj / v_proj outputs on the same token ids (HF's K
+    channels interleaved into the GGUF's NORM order). The runtime multiplies with 8-bit activations against the
+    4-bit weights, so values agree to a few percent of the layer's spread, not bit for bit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from convert.calib import hf_to_norm
+    from pykvq.model import Model
+    g = geometry(read_gguf(smollm2))
+    with Model(smollm2, n_ctx=256) as m:
+        ids = calibrate.windows(m.tokenize(text, add_special=False), N_SEQ, SEQ_LEN)[0]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf, torch_dtype=torch.float32).eval()
+    got = {}
+    layers = (0, 11, 29)
+    hooks = [getattr(hf.model.layers[i].self_attn, f"{w}_proj").register_forward_hook(
+             lambda _m, _i, out, key=(w, i): got.__setitem__(key, out[0].detach().numpy())) for i in layers for w in "kv"]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    idx = hf_to_norm(g)
+    for i in layers:
+        rk = stats.layers[i].samples["k"][:SEQ_LEN]
+        rv = stats.layers[i].samples["v"][:SEQ_LEN]
+        hk = got[("k", i)].reshape(SEQ_LEN, 3, 64)[..., idx]
+        hv = got[("v", i)].reshape(SEQ_LEN, 3, 64)
+        for r, h in ((rk, hk), (rv, hv)):
+            err = np.abs(r - h).mean() / np.abs(h).mean()
+            assert err < 0.05, (i, err)
+            assert np.corrcoef(r.ravel(), h.ravel())[0, 1] > 0.995
+
+
+def test_key_sensitivity_by_hand():
+    """Pair energy of the group's queries, per pre-RoPE key channel (a 2-query-head, 1-KV-head, 4-channel case)."""
+    from convert.geometry import Geometry
+    g = Geometry("llama", 1, 2, 1, 4, 4, 10000.0, "norm", None)
+    q_sq = np.array([[1.0, 3.0, 0.0, 2.0], [5.0, 1.0, 4.0, 4.0]])
+    # head 0 pairs: (1+3)/2 = 2, (0+2)/2 = 1; head 1: 3, 4; summed over the group, over d = 4
+    np.testing.assert_allclose(key_sensitivity(q_sq, g), [[5 / 4, 5 / 4, 5 / 4, 5 / 4]])
+    q_sq = np.array([[1.0, 3.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(key_sensitivity(q_sq, g), [[0.5, 0.5, 0.25, 0.25]])
+    wo = np.arange(16, dtype=np.float64).reshape(2, 8)            # [n_embd 2, n_head 2 x head_dim 4]
+    np.testing.assert_allclose(value_sensitivity(wo, g),
+                               [[0 + 64 + 16 + 144, 1 + 81 + 25 + 169, 4 + 100 + 36 + 196, 9 + 121 + 49 + 225]])
+
+
+def test_moments_path_equals_samples_path(stats, smollm2):
+    """The pre-RoPE statistics from the runtime's moments alone equal those computed from its samples, through a
+    smoothing scale and a K-sort permutation (the per-channel maps they go through)."""
+    g = geometry(read_gguf(smollm2))
+    with_samples = from_runtime(stats, g)
+    moments_only = from_runtime(stats, g)
+    moments_only.q = moments_only.k = moments_only.v = None
+    rng = np.random.default_rng(0)
+    s = np.exp2(rng.integers(-2, 3, size=(g.n_head_kv, g.n_pairs))).astype(np.float32)
+    perm = np.stack([rng.permutation(g.head_dim // 2) for _ in range(g.n_head_kv)])
+    from convert.geometry import pair_perms_to_channels
+    for dom in (cache_domain.Domain(), cache_domain.Domain(k_scale=s, k_perm=pair_perms_to_channels(perm, g))):
+        for i in (0, 17):
+            a = cache_domain.prerope_key_moments(with_samples, i, g, dom)
+            b = cache_domain.prerope_key_moments(moments_only, i, g, dom)
+            for x, y in zip(a, b):
+                np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6 * float(np.abs(x).max()))
+    assert pair_channels(g).shape == (32, 2)
+
+
+def test_default_conversion_calibrates_in_the_runtime(smollm2, tmp_path, monkeypatch):
+    """A GGUF input with --prerope-k and no --hf-dir: no HF checkpoint and no transformers pass (both made to
+    fail here); the file's mean and scale are the runtime's statistics through prerope.stats_from_moments with
+    the forward key sensitivity."""
+    from convert import calib as calib_mod
+    from convert import hf_checkpoint, to_gguf
+
+    def refuse(*a, **k):
+        raise AssertionError("the default conversion must not build an HF checkpoint or run transformers")
+    monkeypatch.setattr(hf_checkpoint, "hf_checkpoint", refuse)
+    monkeypatch.setattr(calib_mod, "collect", refuse)
+    out = tmp_path / "smol-pre.gguf"
+    s = to_gguf.convert(to_gguf.build_parser().parse_args(
+        [str(smollm2), "-o", str(out), "--prerope-k", "--calib-seqs", str(N_SEQ), "--calib-len", str(SEQ_LEN),
+         "--no-progress"]))
+    assert s["sensitivity"] == "forward" and s["calibration_tokens_per_s"] > 0
+    text = calibration_text("canterbury")[0]
+    st = calibrate.collect_cached(smollm2, text, n_seq=N_SEQ, seq_len=SEQ_LEN)     # the converter's cache entry
+    m = read_gguf(out)
+    g = geometry(read_gguf(smollm2))
+    for i in (0, 29):
+        ls = st.layers[i]
+        std = np.sqrt(np.maximum(ls.sq["k"] - ls.mean["k"] ** 2, 0))
+        mean, scale = prerope.stats_from_moments(ls.mean["k"], std, None, "fisher",
+                                                 fisher=key_sensitivity(ls.sq["q"], g))
+        np.testing.assert_array_equal(np.asarray(m.tensors[Tensors.K_MEAN.format(bid=i)].data), mean)
+        np.testing.assert_allclose(np.asarray(m.tensors[Tensors.K_SCALE.format(bid=i)].data), scale, rtol=1e-6)
+
+
+def test_too_short_text_is_a_clear_error(smollm2):
+    with pytest.raises(calibrate.CalibrationError, match="too short"):
+        calibrate.collect(smollm2, "a few words", n_seq=2, seq_len=64)
