@@ -103,7 +103,8 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
             samples: bool = False, source: str = "", progress: bool | None = None,
             n_threads: int | None = None) -> RuntimeStats:
     """Statistics of every layer's pre-RoPE Q / K and V over n_seq windows of text (each its own sequence,
-    positions from 0). The text is tokenized by the model's own tokenizer without special tokens."""
+    positions from 0). The text is tokenized by the model's own tokenizer; a model that adds BOS gets one first in
+    each window, as it runs in use."""
     from .model import Model
     if n_seq < 1 or seq_len < 2:
         raise CalibrationError(f"need at least one sequence of 2 tokens, got {n_seq} x {seq_len}")
@@ -116,7 +117,9 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
         calib = L.llama_kvq_calib_init(bool(samples))
         m = Model(model_path, n_ctx=seq_len, n_batch=seq_len, cache_type_k="f16", cache_type_v="f16",
                   n_threads=n_threads, _calibration=calib)
-        seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len)
+        seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len - 1 if m.add_bos else seq_len)
+        if m.add_bos:               # as the model runs in use: a BOS first (its attention sink) where it wants one
+            seqs = [[m.bos] + s for s in seqs]
         t0 = time.time()
         bar = progress_bar(seqs, desc="calibrating", enable=progress, unit="seq")
         for i, s in enumerate(bar):

@@ -87,14 +87,12 @@ def test_keys_and_values_match_transformers(stats, smollm2, smollm2_hf, text):
 
 
 def test_key_sensitivity_by_hand():
-    """Pair energy of the group's queries, per pre-RoPE key channel (a 2-query-head, 1-KV-head, 4-channel case)."""
+    """Query energy of the group per pre-RoPE key channel, and W_o column energy per value channel
+    (2 query heads, 1 KV head, 4 channels)."""
     from convert.geometry import Geometry
     g = Geometry("llama", 1, 2, 1, 4, 4, 10000.0, "norm", None)
     q_sq = np.array([[1.0, 3.0, 0.0, 2.0], [5.0, 1.0, 4.0, 4.0]])
-    # head 0 pairs: (1+3)/2 = 2, (0+2)/2 = 1; head 1: 3, 4; summed over the group, over d = 4
-    np.testing.assert_allclose(key_sensitivity(q_sq, g), [[5 / 4, 5 / 4, 5 / 4, 5 / 4]])
-    q_sq = np.array([[1.0, 3.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
-    np.testing.assert_allclose(key_sensitivity(q_sq, g), [[0.5, 0.5, 0.25, 0.25]])
+    np.testing.assert_allclose(key_sensitivity(q_sq, g), [[6 / 4, 4 / 4, 4 / 4, 6 / 4]])
     wo = np.arange(16, dtype=np.float64).reshape(2, 8)            # [n_embd 2, n_head 2 x head_dim 4]
     np.testing.assert_allclose(value_sensitivity(wo, g),
                                [[0 + 64 + 16 + 144, 1 + 81 + 25 + 169, 4 + 100 + 36 + 196, 9 + 121 + 49 + 225]])
