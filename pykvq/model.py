@@ -131,6 +131,8 @@ class Model(Generation, Evaluation):
         reclaim_log()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
+        if _calibration is not None:    # no repacked copy of the weights beside the mapped file: memory ~ the file
+            mp.use_extra_bufts = False
         log.clear()
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if self._model == ffi.NULL:
