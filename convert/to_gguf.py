@@ -114,12 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
                         "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope.md)")
     p.add_argument("--sensitivity", choices=("forward", "backprop"), default=None,
-                   help="where calibration's channel weights come from. forward (default for a GGUF input): "
-                        "pykvq's runtime runs "
+                   help="where calibration's channel weights come from. forward (the default for a GGUF input "
+                        "without codebooks or --kv-bits): pykvq's runtime runs "
                         "the GGUF (any architecture with standard RoPE, memory about the model's); the keys' "
                         "weight is the energy of the queries that read each channel, V's the norm of its W_o "
                         "columns. backprop: the diagonal Fisher from transformers' backward pass on an f32 HF "
-                        "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for an HF input or with --hf-dir)")
+                        "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for an HF input, with --hf-dir, "
+                        "and for codebooks / --kv-bits, whose budgets compare layers: forward weights cannot)")
     p.add_argument("--calib", default=None, metavar="FILE|canterbury",
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
@@ -310,8 +311,11 @@ def convert(args) -> dict:
         else:
             raise ConvertError(f"{src} is neither a GGUF file nor an HF checkpoint directory (no config.json)")
         m = read_gguf(gguf_path)
-        if args.sensitivity is None:    # an HF checkpoint at hand: its backward pass costs no extra copy
-            args.sensitivity = "backprop" if (hf or args.hf_dir) else "forward"
+        if args.sensitivity is None:
+            # an HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets
+            # compare errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder
+            # --kv-bits 3.6: KLD 0.104 forward vs 0.036 backprop), so they keep the backward pass.
+            args.sensitivity = "backprop" if (hf or args.hf_dir or opts.needs_fisher()) else "forward"
         forward = args.sensitivity == "forward"
         stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
                                               or opts.learn_k or opts.needs_fisher()

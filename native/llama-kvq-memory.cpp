@@ -465,6 +465,11 @@ uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem) {
     if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
         return kv->kvq_set_k_domain();
     }
+    // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and
+    // build_attn's iSWA overload reads both (patch 0012). Hybrid memories build attention elsewhere: not yet.
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        return iswa->get_base()->kvq_set_k_domain() + iswa->get_swa()->kvq_set_k_domain();
+    }
     return 0;
 }
 
