@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "per layer, KV head and channel are measured on calibration text and written as "
                         "blk.N.kvq_k_mean / kvq_k_scale (and kvq_k_std) (pykvq.cache.k_domain = prerope); codebooks and "
                         "--kv-bits are fitted in this domain. Measured (KLD vs f16, q4_0 K+V): Qwen2.5-Coder-1.5B "
-                        "5.6 -> 0.011, SmolLM2 0.044 -> 0.022, gemma3-270m 0.094 -> 0.018 (docs/RESULTS.md). Needs "
+                        "5.6 -> 0.011, SmolLM2 0.044 -> 0.022, gemma3-270m 0.096 -> 0.017 (docs/RESULTS.md). Needs "
                         "flash attention; any architecture the runtime runs with standard RoPE")
     p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
                    help="scale of --prerope-k, per channel: fisher = std^0.7 / F^0.15 with F the channel's "
