@@ -86,6 +86,7 @@ class Calib:
     gv: list[np.ndarray] | None = None
     km: list[KeyMoments] | None = None   # runtime calibration: per-layer K moments (always there)
     sensitivity: str = "backprop"        # where gk / gv / km.fisher come from: "backprop" or "forward"
+    tokens_per_s: float | None = None    # runtime calibration: its speed (for the converter's summary)
 
     def k_pair_rms(self, layer: int) -> np.ndarray:
         """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""
@@ -142,7 +143,7 @@ def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None) -> Cal
         if v_sens is not None:
             gv = [np.broadcast_to(np.sqrt(f).astype(np.float32), (T, g.n_head_kv, g.head_dim)) for f in v_sens]
     pos = np.concatenate([np.arange(st.seq_len)] * st.n_seq)
-    return Calib(q, k, pos, st.source, v, gk, gv, km=km, sensitivity="forward")
+    return Calib(q, k, pos, st.source, v, gk, gv, km=km, sensitivity="forward", tokens_per_s=st.tokens_per_s)
 
 
 def collect_cached(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
@@ -194,12 +195,13 @@ def collect(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_l
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pykvq.calibrate import CalibrationError, windows
     tok = AutoTokenizer.from_pretrained(hf_dir)
     ids = tok(text, return_tensors="np")["input_ids"][0]
-    if len(ids) < n_seq * seq_len:
-        raise ConvertError(f"calibration text too short: {len(ids)} tokens, need {n_seq * seq_len}")
-    stride = len(ids) // n_seq
-    seqs = [ids[i * stride: i * stride + seq_len] for i in range(n_seq)]
+    try:
+        seqs = windows(ids, n_seq, seq_len)
+    except CalibrationError as e:
+        raise ConvertError(str(e)) from None
     model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     model.eval()
     layers = model.model.layers

@@ -261,9 +261,7 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
                   for i in range(g.n_layer)]
     log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
              st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
-    c = calib_mod.from_runtime(st, g, v_sens)
-    c.tokens_per_s = st.tokens_per_s
-    return c, g
+    return calib_mod.from_runtime(st, g, v_sens), g
 
 
 def convert(args) -> dict:
@@ -327,7 +325,8 @@ def convert(args) -> dict:
         unknown_arch = g.arch not in SUPPORTED_ARCHS
         _check_resources(gguf_path, out, forward and not hf)
         log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
-                 src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot, g.layout)
+                 src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot,
+                 "from the runtime's graph" if unknown_arch else g.layout)
         calib = None
         needs_calib = (opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
                        or opts.needs_fisher() or opts.learn_k or opts.rotate_v == "learned" or opts.prerope_k)
@@ -355,7 +354,6 @@ def convert(args) -> dict:
         write_gguf(m, out, progress=upd)
         if hasattr(bar, "close"):
             bar.close()
-    calib_tps = getattr(calib, "tokens_per_s", None)
     k, v = opts.resolved_types()
     if rep.layer_types_k:       # per-layer types: name the most common ones
         k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
@@ -377,7 +375,7 @@ def convert(args) -> dict:
         "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
         "prerope_k": dict(rep.prerope) if opts.prerope_k else None,
         "sensitivity": args.sensitivity if calib is not None else None,
-        "calibration_tokens_per_s": round(calib_tps, 1) if calib is not None and calib_tps else None,
+        "calibration_tokens_per_s": round(calib.tokens_per_s, 1) if calib is not None and calib.tokens_per_s else None,
         "codebook_errors": rep.cb_errors,
     }
     return summary

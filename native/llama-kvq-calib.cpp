@@ -27,27 +27,24 @@
 #include <string>
 #include <vector>
 
-namespace {
-
-struct calib_slot {             // one of a layer's q / k / v
+// (named, not in the anonymous namespace: llama_kvq_calib, a public type, holds them)
+struct kvq_calib_slot {         // one of a layer's q / k / v
     int64_t hd = 0, nh = 0, n_tok = 0;
     std::vector<double> sum, sq;
     std::vector<float>  lo, hi;
     std::vector<float>  raw;    // keep_samples: [n_tok, nh, hd]
 };
 
-struct captured {
+struct kvq_calib_captured {
     int64_t ne[3];
     std::vector<float> x;       // logical order, ne[0] fastest
 };
 
-} // namespace
-
 struct llama_kvq_calib {
     bool keep_samples = false;
-    std::vector<std::array<calib_slot, 3>> layers;                      // q, k, v
-    std::map<const ggml_tensor *, captured> pending;                   // Qcur* / Kcur* copies of this batch
-    std::map<int, std::vector<captured>> pending_v;                    // Vcur* copies of this batch per layer
+    std::vector<std::array<kvq_calib_slot, 3>> layers;                // q, k, v
+    std::map<const ggml_tensor *, kvq_calib_captured> pending;        // Qcur* / Kcur* copies of this batch
+    std::map<int, std::vector<kvq_calib_captured>> pending_v;         // Vcur* copies of this batch per layer
     std::string error;
     std::vector<uint8_t> staging;
     int32_t rope_mode = -1, rope_n_dims = -1;                          // of the K ROPE nodes (all the same)
@@ -70,14 +67,15 @@ int layer_of(const char * name, const char * prefix) {
     return (*end == '\0' && il >= 0 && il < 100000) ? (int) il : -1;
 }
 
+bool readable(const ggml_tensor * t) {
+    return (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16) && t->ne[3] == 1;
+}
+
 // t's values as f32 in logical order (any strides, host or device buffer); false for a type it cannot read
-bool read_f32(llama_kvq_calib * c, const ggml_tensor * t, captured & out) {
-    if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16 && t->type != GGML_TYPE_BF16) {
-        c->error = std::string("tensor ") + t->name + " has type " + ggml_type_name(t->type) + " (f32/f16/bf16 expected)";
-        return false;
-    }
-    if (t->ne[3] != 1) {
-        c->error = std::string("tensor ") + t->name + " has a 4th dimension";
+bool read_f32(llama_kvq_calib * c, const ggml_tensor * t, kvq_calib_captured & out) {
+    if (!readable(t)) {
+        c->error = std::string("tensor ") + t->name + " has type " + ggml_type_name(t->type) +
+                   (t->ne[3] != 1 ? " and a 4th dimension" : "") + " (3-D f32/f16/bf16 expected)";
         return false;
     }
     const size_t nbytes = ggml_nbytes(t);
@@ -118,11 +116,11 @@ bool read_f32(llama_kvq_calib * c, const ggml_tensor * t, captured & out) {
     return true;
 }
 
-bool accumulate(llama_kvq_calib * c, int il, int which, const captured & x) {
+bool accumulate(llama_kvq_calib * c, int il, int which, const kvq_calib_captured & x) {
     if ((int) c->layers.size() <= il) {
         c->layers.resize(il + 1);
     }
-    calib_slot & s = c->layers[il][which];
+    kvq_calib_slot & s = c->layers[il][which];
     const int64_t hd = x.ne[0], nh = x.ne[1], nt = x.ne[2], n = hd*nh;
     if (s.hd == 0) {
         s.hd = hd;
@@ -156,10 +154,12 @@ bool accumulate(llama_kvq_calib * c, int il, int which, const captured & x) {
 }
 
 bool wants(const ggml_tensor * t) {
+    const bool qk = layer_of(t->name, "Qcur") >= 0 || layer_of(t->name, "Kcur") >= 0;
     if (t->op == GGML_OP_ROPE) {
-        return layer_of(t->name, "Qcur") >= 0 || layer_of(t->name, "Kcur") >= 0;
+        return qk;
     }
-    return layer_of(t->name, "Qcur") >= 0 || layer_of(t->name, "Kcur") >= 0 || layer_of(t->name, "Vcur") >= 0;
+    // a candidate of a type read_f32 cannot read is not what a ROPE takes (and if it is, on_rope says so)
+    return (qk || layer_of(t->name, "Vcur") >= 0) && readable(t);
 }
 
 bool on_rope(llama_kvq_calib * c, const ggml_tensor * t) {
@@ -177,7 +177,7 @@ bool on_rope(llama_kvq_calib * c, const ggml_tensor * t) {
         c->rope_mode = mode;
         c->rope_n_dims = n_dims;
     }
-    captured x;
+    kvq_calib_captured x;
     auto it = c->pending.find(src);
     if (it != c->pending.end()) {
         x = std::move(it->second);
@@ -222,9 +222,8 @@ bool llama_kvq_calib_eval_cb(struct ggml_tensor * t, bool ask, void * user_data)
         on_rope(c, t);
         return true;
     }
-    captured x;
+    kvq_calib_captured x;
     if (!read_f32(c, t, x)) {
-        c->error.clear();               // a candidate of a type we cannot read: not the one a ROPE takes, or an error there
         return true;
     }
     const int iv = layer_of(t->name, "Vcur");
@@ -248,9 +247,9 @@ bool llama_kvq_calib_end_batch(struct llama_kvq_calib * c) {
             if (il >= (int) c->layers.size() || c->layers[il][1].hd == 0) {
                 continue;                       // a layer without a rotated K (no KV of its own)
             }
-            const calib_slot & k = c->layers[il][1];
+            const kvq_calib_slot & k = c->layers[il][1];
             const int64_t nt = k.n_tok - c->layers[il][2].n_tok;   // the tokens K gained in this batch
-            const captured * pick = nullptr;
+            const kvq_calib_captured * pick = nullptr;
             for (const auto & v : cands) {
                 if (v.ne[0] == k.hd && v.ne[1] == k.nh && v.ne[2] == nt) {
                     pick = &v;                  // the last of that shape: what build_attn took
@@ -289,7 +288,7 @@ bool llama_kvq_calib_shape(const struct llama_kvq_calib * c, int32_t il, int32_t
     if (il < 0 || il >= (int32_t) c->layers.size() || which < 0 || which > 2 || c->layers[il][which].hd == 0) {
         return false;
     }
-    const calib_slot & s = c->layers[il][which];
+    const kvq_calib_slot & s = c->layers[il][which];
     *head_dim = s.hd;
     *n_head = s.nh;
     *n_tokens = s.n_tok;
@@ -301,7 +300,7 @@ int64_t llama_kvq_calib_get(const struct llama_kvq_calib * c, int32_t il, int32_
     if (il < 0 || il >= (int32_t) c->layers.size() || which < 0 || which > 2) {
         return -1;
     }
-    const calib_slot & s = c->layers[il][which];
+    const kvq_calib_slot & s = c->layers[il][which];
     const std::string w = what;
     const void * src;
     int64_t n;

@@ -90,8 +90,9 @@ class RuntimeStats:
                    int(n_rot))
 
 
-def windows(tokens: list[int], n_seq: int, seq_len: int) -> list[list[int]]:
-    """n_seq windows of seq_len tokens spread evenly over the text (as the converter always took them)."""
+def windows(tokens, n_seq: int, seq_len: int) -> list:
+    """n_seq windows of seq_len tokens spread evenly over the tokens (a list or an array; the same rule for both
+    calibrations, pykvq's runtime and convert/calib.py's transformers pass)."""
     if len(tokens) < n_seq * seq_len:
         raise CalibrationError(f"calibration text too short: {len(tokens)} tokens, need {n_seq * seq_len} "
                                f"({n_seq} x {seq_len})")
@@ -105,16 +106,14 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
     """Statistics of every layer's pre-RoPE Q / K and V over n_seq windows of text (each its own sequence,
     positions from 0). The text is tokenized by the model's own tokenizer; a model that adds BOS gets one first in
     each window, as it runs in use."""
+    from ._lib import lib
     from .model import Model
     if n_seq < 1 or seq_len < 2:
         raise CalibrationError(f"need at least one sequence of 2 tokens, got {n_seq} x {seq_len}")
-    calib = None
+    L = lib()
+    calib = L.llama_kvq_calib_init(bool(samples))
     m = None
     try:
-        L = None
-        from ._lib import lib
-        L = lib()
-        calib = L.llama_kvq_calib_init(bool(samples))
         m = Model(model_path, n_ctx=seq_len, n_batch=seq_len, cache_type_k="f16", cache_type_v="f16",
                   n_threads=n_threads, _calibration=calib)
         seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len - 1 if m.add_bos else seq_len)
@@ -142,8 +141,7 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
     finally:
         if m is not None:
             m.close()
-        if calib is not None:
-            L.llama_kvq_calib_free(calib)
+        L.llama_kvq_calib_free(calib)
 
 
 def _read(L, calib, n_layer: int, name: str) -> list[LayerStats]:

@@ -11,7 +11,6 @@ Prints a markdown table (docs/RESULTS.md, "Converter cost").
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -21,10 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def _child_peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 def _run(cmd: list[str], env: dict) -> tuple[float, float]:
