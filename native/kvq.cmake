@@ -12,6 +12,7 @@ target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/q53.c
     ${GGML_KVQ_DIR}/lsq.c
     ${GGML_KVQ_DIR}/prerope.c
+    ${GGML_KVQ_DIR}/ggml-kvq-rpc.cpp
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
 target_compile_definitions(ggml-base PUBLIC GGML_KVQ)

@@ -379,6 +379,14 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
     return n_prerope;
 }
 
+// a model tensor's values; zeros for a model loaded without its weights (the tools' -fit probe only sizes graphs)
+static void kvq_tensor_values(const ggml_tensor * t, std::vector<float> & out) {
+    out.assign(ggml_nelements(t), 0.0f);
+    if (t->data != nullptr && t->buffer != nullptr) {
+        ggml_backend_tensor_get(t, out.data(), 0, ggml_nbytes(t));
+    }
+}
+
 uint32_t llama_kv_cache::kvq_set_centred() {
     const bool neox = llama_model_rope_type(&model) == LLAMA_ROPE_TYPE_NEOX;
     // the mean pairs kept are chosen by the keys' variance: the file's kvq_k_std, or its scales where they
@@ -400,14 +408,12 @@ uint32_t llama_kv_cache::kvq_set_centred() {
             continue;
         }
         const int64_t DK = ml.kvq_k_mean->ne[0], n_head_kv = ml.kvq_k_mean->ne[1];
-        layer.k_centre.resize(DK*n_head_kv);
-        ggml_backend_tensor_get(ml.kvq_k_mean, layer.k_centre.data(), 0, ggml_nbytes(ml.kvq_k_mean));
+        kvq_tensor_values(ml.kvq_k_mean, layer.k_centre);
         std::vector<float> var;
         const ggml_tensor * sd = ml.kvq_k_std != nullptr ? ml.kvq_k_std : std_scale ? ml.kvq_k_scale : nullptr;
         have_std = have_std && sd != nullptr;
         if (sd != nullptr) {
-            var.resize(DK*n_head_kv);
-            ggml_backend_tensor_get(sd, var.data(), 0, ggml_nbytes(sd));
+            kvq_tensor_values(sd, var);
             for (float & x : var) {
                 x *= x;
             }

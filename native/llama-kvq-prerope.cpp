@@ -7,6 +7,7 @@
 #include "llama-kvq.h"
 
 #include "ggml-backend.h"
+#include "ggml-kvq-rpc.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,17 +38,25 @@ std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     const char * backend = reg ? ggml_backend_reg_name(reg) : "?";
     const char * env = getenv("PYKVQ_K_DOMAIN");
-    if (env != nullptr && strcmp(env, "centred") == 0) {
+    const bool centred = env != nullptr && strcmp(env, "centred") == 0;
+    int caps = 0;
+    if (strcmp(backend, "CUDA") == 0) {
+        caps = GGML_KVQ_RPC_PREROPE;
+    } else if (strcmp(backend, "RPC") == 0) {
+        // an RPC device's description is its worker's endpoint; the worker said in HELLO what its backends run
+        caps = std::max(0, ggml_kvq_rpc_worker_caps(ggml_backend_dev_description(dev)));
+        backend = "this RPC worker's backend";
+    }
+    if (centred && !(caps & GGML_KVQ_RPC_CENTRED)) {
         return std::string("the centred key cache (PYKVQ_K_DOMAIN=centred) has CPU kernels only, not ") + backend + " (device " +
                ggml_backend_dev_name(dev) + "): keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use PYKVQ_K_DOMAIN=pre";
     }
-    if (strcmp(backend, "CUDA") == 0) {   // the one device backend with pre-RoPE kernels
-        return "";
+    if (!centred && !(caps & GGML_KVQ_RPC_PREROPE)) {
+        return std::string("the pre-RoPE key cache has kernels for CPU and CUDA only, not for ") + backend + " (device " +
+               ggml_backend_dev_name(dev) + "): run with PYKVQ_K_DOMAIN=post (post-RoPE keys), or keep the KV cache on the "
+               "CPU (-nkvo / offload_kqv = false)";
     }
-    // an RPC worker's backend is not known here, so RPC is refused too
-    return std::string("the pre-RoPE key cache has GPU kernels for CUDA only, not for ") + backend + " (device " +
-           ggml_backend_dev_name(dev) + "): run with PYKVQ_K_DOMAIN=post (post-RoPE keys), or keep the KV cache on the "
-           "CPU (-nkvo / offload_kqv = false)";
+    return "";
 }
 
 void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor * scale, int il) {

@@ -4,17 +4,21 @@
 1. llama-server, 4 parallel clients, each with its own ~N-token WikiText prompt (a few thousand tokens of
    context per slot) asking for M tokens: aggregate decode tokens/s, prompt tokens/s, wall time per cache type.
 2. llama.cpp's RPC backend: llama-bench decode (tg) and prefill (pp) tokens/s locally and with every layer on
-   two loopback ggml-rpc-server workers, per cache type.
+   two loopback ggml-rpc-server workers, per cache type, and the KLD of the RPC run against the local one
+   (llama-perplexity, 2 x 512 tokens of WikiText).
 
     .venv/bin/python scripts/serve_bench.py [--types f16,q4_0,nuq4] [--prompt-tokens 2000] [--threads 2]
+    .venv/bin/python scripts/serve_bench.py --model FILE.gguf --skip-server --types q4_0   # e.g. a --prerope-k file
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
 import json
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pykvq import Model  # noqa: E402
-from pykvq.data import wikitext_test  # noqa: E402
+from pykvq.data import wikitext_test, wikitext_test_path  # noqa: E402
 from pykvq.registry import fetch  # noqa: E402
 from pykvq.serve import RpcWorkers, Server  # noqa: E402
 
@@ -55,9 +59,23 @@ def server_run(model: Path, cache: str, texts: list[str], n_predict: int, thread
             "total_tps": (gen + prompt) / wall}
 
 
+def rpc_kld(model: Path, cache: str, threads: int, endpoints: str) -> float:
+    """Mean KLD of the RPC run's logits against the local run's (2 chunks of 512 tokens)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "local.kld"
+        common = [str(BIN / "llama-perplexity"), "-m", str(model), "-f", str(wikitext_test_path()), "-c", "512",
+                  "--chunks", "2", "-b", "512", "-ctk", cache, "-ctv", cache, "-fa", "on", "-t", str(threads),
+                  "--kl-divergence-base", str(base)]
+        subprocess.run([*common, "-ngl", "0"], capture_output=True, text=True, check=True)
+        res = subprocess.run([*common, "--rpc", endpoints, "-ngl", "99", "--kl-divergence"],
+                             capture_output=True, text=True, check=True)
+        return float(re.search(r"Mean\s+KLD:\s+(-?[0-9.]+)", res.stdout + res.stderr).group(1))
+
+
 def rpc_bench(model: Path, cache: str, threads: int, depth: int) -> dict:
     out = {}
     with RpcWorkers(2, threads=max(1, threads // 2)) as workers:
+        out["kld"] = rpc_kld(model, cache, threads, workers.endpoints)
         for where, extra in (("local", ["-ngl", "0"]), ("rpc", ["-rpc", workers.endpoints, "-ngl", "99"])):
             cmd = [str(BIN / "llama-bench"), "-m", str(model), "-ctk", cache, "-ctv", cache, "-fa", "1",
                    "-p", "512", "-n", "32", "-d", str(depth), "-r", "2", "-t", str(threads), "-o", "json", *extra]
@@ -76,11 +94,29 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--depth", type=int, default=2048, help="KV depth for the RPC decode benchmark")
     ap.add_argument("--skip-rpc", action="store_true")
+    ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--model", default="smollm2-135m", help="a registry name or a GGUF path")
     args = ap.parse_args()
-    model = fetch("smollm2-135m")
+    model = Path(args.model) if Path(args.model).is_file() else fetch(args.model)
     types = args.types.split(",")
-    texts = prompts(model, args.prompt_tokens, args.clients)
+    if not args.skip_server:
+        server_table(model, types, args)
+    if args.skip_rpc:
+        return 0
+    print(f"\nRPC ({model.name}): llama-bench, two loopback workers vs local, depth {args.depth}; "
+          "KLD of the RPC run against the local run (2 x 512 tokens)")
+    print("| cache | local tg | rpc tg | rpc/local | local pp512 | rpc pp512 | rpc/local | KLD rpc vs local |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in types:
+        r = rpc_bench(model, t, args.threads, args.depth)
+        print(f"| {t} | {r['local_tg']:.1f} | {r['rpc_tg']:.1f} | {r['rpc_tg'] / r['local_tg']:.2f}x | "
+              f"{r['local_pp']:.1f} | {r['rpc_pp']:.1f} | {r['rpc_pp'] / r['local_pp']:.2f}x | {r['kld']:.2e} |",
+              flush=True)
+    return 0
 
+
+def server_table(model: Path, types: list[str], args) -> None:
+    texts = prompts(model, args.prompt_tokens, args.clients)
     print(f"llama-server, {args.clients} parallel clients, ~{args.prompt_tokens}-token prompts, "
           f"{args.predict} tokens each, {args.threads} threads")
     rows = [server_run(model, t, texts, args.predict, args.threads) for t in types]
@@ -90,16 +126,6 @@ def main() -> int:
     for r in rows:
         print(f"| {r['cache']} | {r['wall_s']:.1f} | {r['gen_tps']:.1f} | {r['gen_tps'] / base['gen_tps']:.2f}x "
               f"| {r['total_tps']:.1f} | {r['total_tps'] / base['total_tps']:.2f}x |")
-    if args.skip_rpc:
-        return 0
-    print(f"\nRPC: llama-bench, two loopback workers vs local, depth {args.depth}")
-    print("| cache | local tg | rpc tg | rpc/local | local pp512 | rpc pp512 | rpc/local |")
-    print("|---|---|---|---|---|---|---|")
-    for t in types:
-        r = rpc_bench(model, t, args.threads, args.depth)
-        print(f"| {t} | {r['local_tg']:.1f} | {r['rpc_tg']:.1f} | {r['rpc_tg'] / r['local_tg']:.2f}x | "
-              f"{r['local_pp']:.1f} | {r['rpc_pp']:.1f} | {r['rpc_pp'] / r['local_pp']:.2f}x |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -149,5 +149,8 @@ def tool(name: str) -> Path:
     return p
 
 
-def run_tool(name: str, *args, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(tool(name)), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def run_tool(name: str, *args, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs build/bin/<name>; env adds to (not replaces) this process's environment."""
+    full_env = {**os.environ, **env} if env else None
+    return subprocess.run([str(tool(name)), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=full_env)

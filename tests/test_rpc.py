@@ -1,7 +1,9 @@
 """llama.cpp's RPC backend with pykvq caches: the layers and their KV cache on two ggml-rpc-server workers.
 
 The workers are pykvq's build/bin/ggml-rpc-server on loopback ports (a second machine works the same way,
-see README). A run with `--rpc a,b -ngl 99` must equal the local run: same greedy tokens, KLD ~ 0.
+see README). A run with `--rpc a,b -ngl 99` must equal the local run: same greedy tokens, KLD ~ 0, for stock and
+pykvq types, file codebooks, converted files and pre-RoPE / centred key caches (the worker says in HELLO which
+key domains its backend runs; native/include/ggml-kvq-rpc.h).
 """
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ def workers():
         yield w.endpoints
 
 
-def complete(model, *args, rpc: str | None = None):
+def complete(model, *args, rpc: str | None = None, env: dict | None = None):
     extra = ["--rpc", rpc, "-ngl", "99"] if rpc else ["-ngl", "0"]
     res = run_tool("llama-completion", "-m", model, "-p", PROMPT, "-n", "24", "--temp", "0", "-no-cnv",
-                   "-fa", "on", "-c", "512", "-t", "2", "-lv", "4", *extra, *args, timeout=300)
+                   "-fa", "on", "-c", "512", "-t", "2", "-lv", "4", *extra, *args, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout, res.stderr
 
@@ -52,28 +54,126 @@ def test_rpc_greedy_equals_local(smollm2, smollm2_codebooks, smollm2_converted, 
         assert "keys are K-sorted" in log and "bfp4_32" in log, log[-3000:]
 
 
-def test_prerope_cache_is_refused_over_rpc(smollm2_prerope, workers):
-    """A pre-RoPE key cache has GPU kernels for CUDA only; the client cannot know an RPC worker's backend,
-    so offloading one there is refused before anything runs, naming the ways out."""
-    res = run_tool("llama-completion", "-m", smollm2_prerope, "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv",
-                   "-fa", "on", "-c", "512", "-t", "2", "-ctk", "q4_0", "-ctv", "q4_0", "--rpc", workers, "-ngl", "99",
-                   timeout=300)
+@pytest.mark.parametrize("domain", ["pre", "centred"])
+def test_prerope_cache_runs_over_rpc(smollm2_prerope, workers, domain):
+    """A pre-RoPE (or centred) key cache on two CPU workers: they said in HELLO that their backend has the
+    kernels, so the layers and their caches go there, and the answer is the local one."""
+    env = {"PYKVQ_K_DOMAIN": domain}
+    local, _ = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", env=env)
+    remote, log = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", rpc=workers, env=env)
+    assert remote == local and len(local) > len(PROMPT) + 20
+    assert len(set(re.findall(r"- (RPC\d) \(127\.0\.0\.1:\d+\) \|", log))) == 2, log[-3000:]
+    assert "offloaded 31/31 layers" in log
+    assert ("pre-RoPE" if domain == "pre" else "centred") in log, log[-3000:]
+
+
+class _CapsProxy:
+    """A loopback proxy in front of a real pykvq worker that rewrites the HELLO answer's padding byte to
+    `mark` and forwards everything else: a worker whose backend lacks the pre-RoPE kernels (no such backend is
+    built here). HELLO is the first command of every connection."""
+
+    def __init__(self, target: str, mark: int):
+        host, port = target.rsplit(":", 1)
+        self.target, self.mark = (host, int(port)), mark
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.endpoint = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @staticmethod
+    def _recv(conn, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = conn.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError
+            buf += chunk
+        return buf
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while chunk := a.recv(1 << 16):
+                b.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            try:   # shutdown, not close alone: it wakes the other direction's recv and the worker sees EOF
+                b.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            b.close()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            worker = socket.create_connection(self.target)
+            try:
+                req = self._recv(client, 9)
+                req += self._recv(client, struct.unpack("<Q", req[1:9])[0])
+                worker.sendall(req)
+                size = self._recv(worker, 8)
+                rsp = bytearray(self._recv(worker, struct.unpack("<Q", size)[0]))
+                rsp[3] = self.mark
+                client.sendall(size + rsp)
+            except (ConnectionError, OSError):
+                client.close(), worker.close()
+                continue
+            threading.Thread(target=self._pipe, args=(client, worker), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(worker, client), daemon=True).start()
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("domain,mark", [("pre", 0x82), ("centred", 0x92)])
+def test_prerope_cache_is_refused_on_worker_without_kernels(smollm2_prerope, workers, domain, mark):
+    """A pykvq worker whose HELLO says its backend has no kernels for this key domain (0x82: none; 0x92:
+    pre-RoPE only, as a CUDA worker says) gets no pre-RoPE / centred cache: a clear refusal before anything runs."""
+    proxy = _CapsProxy(workers.split(",")[0], mark)
+    try:
+        res = run_tool("llama-completion", "-m", smollm2_prerope, "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv",
+                       "-fa", "on", "-c", "512", "-t", "2", "-ctk", "q4_0", "-ctv", "q4_0", "--rpc", proxy.endpoint,
+                       "-ngl", "99", env={"PYKVQ_K_DOMAIN": domain}, timeout=300)
+    finally:
+        proxy.close()
     assert res.returncode != 0
-    assert "GPU kernels for CUDA only, not for RPC" in res.stderr, res.stderr[-3000:]
-    assert "PYKVQ_K_DOMAIN=post" in res.stderr and "-nkvo" in res.stderr
+    want = ("the pre-RoPE key cache has kernels for CPU and CUDA only, not for this RPC worker's backend"
+            if domain == "pre" else "the centred key cache (PYKVQ_K_DOMAIN=centred) has CPU kernels only, not this RPC")
+    assert want in res.stderr, res.stderr[-3000:]
+    assert "-nkvo" in res.stderr
 
 
-def test_rpc_perplexity_kld_is_zero(smollm2, passage, workers, tmp_path):
+def test_hello_mark_of_this_build_says_cpu_runs_both_domains(workers):
+    """The real worker's HELLO byte: pykvq, layout 2, pre-RoPE and centred kernels (its backend is the CPU)."""
+    host, port = workers.split(",")[0].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as conn:
+        req = bytes(24)
+        conn.sendall(bytes([14]) + struct.pack("<Q", len(req)) + req)
+        size = struct.unpack("<Q", _CapsProxy._recv(conn, 8))[0]
+        rsp = _CapsProxy._recv(conn, size)
+    assert rsp[3] == 0x82 | 0x10 | 0x20, hex(rsp[3])
+
+
+@pytest.mark.parametrize("case", ["nuq4", "prerope-q4_0"])
+def test_rpc_perplexity_kld_is_zero(smollm2, smollm2_prerope, passage, workers, tmp_path, case):
+    """KLD of the RPC run against the local run: ~0 (the same kernels run on the workers' CPU)."""
     text = tmp_path / "passage.txt"
     text.write_text(passage)
     base = tmp_path / "local.kld"
-    common = ["-m", smollm2, "-f", text, "-c", "512", "--chunks", "2", "-b", "512", "-ctk", "nuq4", "-ctv", "nuq4",
-              "-fa", "on", "-t", "2"]
+    model, ct = (smollm2, "nuq4") if case == "nuq4" else (smollm2_prerope, "q4_0")
+    common = ["-m", model, "-f", text, "-c", "512", "--chunks", "2", "-b", "512", "-ctk", ct, "-ctv", ct,
+              "-fa", "on", "-t", "2", "-lv", "4"]
     res = run_tool("llama-perplexity", *common, "-ngl", "0", "--kl-divergence-base", base, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     res = run_tool("llama-perplexity", *common, "--rpc", workers, "-ngl", "99", "--kl-divergence-base", base,
                    "--kl-divergence", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert case == "nuq4" or "pre-RoPE key cache in 30 of 30 layers" in res.stderr, res.stderr[-3000:]
     kld = float(re.search(r"Mean\s+KLD:\s+(-?[0-9.]+)", res.stdout + res.stderr).group(1))
     assert abs(kld) < 1e-4, kld
 

@@ -2,7 +2,37 @@
 
 // pykvq over llama.cpp's RPC backend (patch 0013-kvq-rpc). pykvq's cache types and their node parameters
 // (codebooks and pre-RoPE tags in op_params, src[5..8]) travel in ggml-rpc's tensor serialisation unchanged;
-// what a stock worker lacks is the code to run them. A pykvq worker answers HELLO with this byte in the
-// response's padding, where a stock worker sends 0, and a pykvq client refuses any other value.
-// High bit: pykvq; low bits: the layout of pykvq's node parameters. Bump it when that layout changes.
-#define GGML_KVQ_RPC_MARK 0x81
+// what a stock worker lacks is the code to run them. A pykvq worker answers HELLO with a mark in the
+// response's padding byte, where a stock worker sends 0, and a pykvq client refuses any other worker.
+//
+// The mark: bit 7 pykvq; bits 0-3 the layout of pykvq's node parameters (bump it when that layout changes);
+// bits 4-6 what every backend of the worker runs beyond the plain cache types, so that the client can accept
+// a pre-RoPE or centred key cache on a worker that has the kernels and refuse it, by name, on one that has not.
+#include "ggml-backend.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define GGML_KVQ_RPC_MARK     0x82   // pykvq, node-parameter layout 2 (layout 1 had no capability bits)
+#define GGML_KVQ_RPC_CAPS     0x70
+#define GGML_KVQ_RPC_PREROPE  0x10   // pre-RoPE keys in flash attention (CPU, CUDA)
+#define GGML_KVQ_RPC_CENTRED  0x20   // centred post-RoPE keys (CPU)
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// worker side: the HELLO padding byte for a worker computing on these backends
+GGML_API uint8_t ggml_kvq_rpc_hello_mark(const ggml_backend_t * backends, size_t n_backends);
+// what a backend of this build runs: GGML_KVQ_RPC_* bits
+GGML_API uint8_t ggml_kvq_rpc_backend_caps(ggml_backend_t backend);
+
+// client side: true when the worker at endpoint is a pykvq worker of this layout; remembers its capabilities
+GGML_API bool ggml_kvq_rpc_accept_worker(const char * endpoint, uint8_t mark);
+// the GGML_KVQ_RPC_* bits of the worker at endpoint (as its HELLO said); -1 when no HELLO was seen from it
+GGML_API int  ggml_kvq_rpc_worker_caps(const char * endpoint);
+
+#ifdef __cplusplus
+}
+#endif

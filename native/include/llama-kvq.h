@@ -83,8 +83,8 @@ struct llama_kvq_prerope_fa {
 // why a layer cannot have a pre-RoPE key cache (nullptr: it can)
 const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla);
 
-// "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/cuda/kvq-prerope.cuh),
-// else the error the context raises, naming the device and the ways out
+// "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/cuda/kvq-prerope.cuh, or an RPC
+// worker whose HELLO says its backends have them), else the error the context raises, naming the device and the ways out
 std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev);
 
 // the file's statistics of layer il, checked once when the context turns the layer pre-RoPE: F32, finite,
