@@ -16,6 +16,10 @@ Steps (each writes $OUT or results/gpu/):
   ops       test-backend-ops -b CUDA0 on SET_ROWS / CPY / FLASH_ATTN_EXT for the pykvq types
             (GPU against the CPU backend, NMSE bounds of test-backend-ops) and ROPE (all cases):
             every case must be OK and none "not supported" (supports_op claims them all)
+  perf      test-backend-ops perf -o FLASH_ATTN_EXT: decode (one query row) over 256 / 8k / 32k cells in
+            SmolLM2's and Qwen2.5-1.5B's head shapes, pykvq's types and the pre-RoPE K cache next to
+            f16 / q8_0 / q4_0 (native/tests/kvq-backend-ops.inc), as µs per call and ratios; printed,
+            not failed on (--perf-backend CPU runs it on any machine)
   fallback  llama-completion -ngl 99 -fa on per cache setting: the scheduler's graph split count
             must equal the f16 cache's (a pykvq op left to the CPU adds splits), and the
             generated text is printed
@@ -46,7 +50,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["build", "ops", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
+STEPS = ["build", "ops", "perf", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
 # stock baselines first; "K/V" = different K and V types
 SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
             "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
@@ -131,6 +135,56 @@ def step_ops(a) -> dict:
         if op != "ROPE" and (fail or unsupported or ok == 0 or r.returncode != 0):
             a.failures.append(f"test-backend-ops {op}: {out[op]}")
     return out
+
+
+PERF_RE = re.compile(r"FLASH_ATTN_EXT\(hsk=(\d+),hsv=\d+,nh=(\d+),nr23=\[(\d+),1\],kv=(\d+),nb=1,[^)]*?"
+                     r"type_K=(\w+),type_V=(\w+)[^)]*?(,prerope=[\d/]+)?\):.*?([\d.]+) us/run")
+PERF_SHAPES = {(64, 3, 3): "head 64, 3 KV heads x 3 (SmolLM2)", (128, 2, 6): "head 128, 2 KV heads x 6 (Qwen2.5-1.5B)"}
+
+
+def perf_table(text: str) -> tuple[list[dict], str]:
+    """The pykvq decode cases of a test-backend-ops perf log: rows and a markdown table (µs per call; the
+    ratio is stock q4_0's time / this one's, so > 1 is faster than q4_0, and the same against f16)."""
+    rows = []
+    for m in PERF_RE.finditer(text):
+        hs, nh, nr, kv = map(int, m.group(1, 2, 3, 4))
+        if (hs, nh, nr) in PERF_SHAPES:
+            rows.append({"hs": hs, "nh": nh, "nr": nr, "kv": kv, "k": m.group(5), "v": m.group(6),
+                         "prerope": bool(m.group(7)), "us": float(m.group(8))})
+    kvs = sorted({r["kv"] for r in rows})
+    us = {(r["hs"], r["k"], r["v"], r["prerope"], r["kv"]): r["us"] for r in rows}
+    lines = []
+    for (hs, nh, nr), name in PERF_SHAPES.items():
+        lines += [f"\n{name}: µs per FLASH_ATTN_EXT call (×q4_0, ×f16: their time / this one's)\n",
+                  "| K / V | " + " | ".join(f"{kv} cells" for kv in kvs) + " |", "|---" * (1 + len(kvs)) + "|"]
+        seen = []
+        for r in rows:
+            key = (r["k"], r["v"], r["prerope"])
+            if r["hs"] != hs or key in seen:
+                continue
+            seen.append(key)
+            cells = []
+            for kv in kvs:
+                t, q4, f16 = (us.get((hs, *key, kv)), us.get((hs, "q4_0", "q4_0", False, kv)),
+                              us.get((hs, "f16", "f16", False, kv)))
+                cells.append(f"{t:.1f} ({q4 / t:.2f}×, {f16 / t:.2f}×)" if t and q4 and f16 else "–")
+            lines.append(f"| {key[0]} / {key[1]}{' pre-RoPE' if key[2] else ''} | " + " | ".join(cells) + " |")
+    return rows, "\n".join(lines)
+
+
+def step_perf(a) -> dict:
+    tbo = Path(a.build) / "bin" / "test-backend-ops"
+    r = run([tbo, "perf", "-o", "FLASH_ATTN_EXT", "-b", a.perf_backend, "-p", "nb=1,"], timeout=1800)
+    text = ANSI.sub("", r.stdout + r.stderr)
+    if DRY_RUN:
+        return {}
+    (Path(a.out) / "perf-FLASH_ATTN_EXT.log").write_text(text)
+    rows, table = perf_table(text)
+    print(table)
+    (Path(a.out) / "perf-fattn.md").write_text(f"test-backend-ops perf, backend {a.perf_backend}\n{table}\n")
+    if not rows:
+        a.failures.append(f"test-backend-ops perf: no pykvq decode case ran (rc {r.returncode})")
+    return {"backend": a.perf_backend, "rows": rows}
 
 
 def _error(stderr: str) -> str:
@@ -369,6 +423,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8, help="512-token chunks for KLD")
     ap.add_argument("--depths", default="0,8192,32768", help="llama-bench -d")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--perf-backend", default="CUDA0", help="test-backend-ops -b of the perf step (CPU: any machine)")
     ap.add_argument("--prerope-model", help="a --prerope-k conversion of --model (default: converted here into --out)")
     ap.add_argument("--prerope-depths", default="0,4096,8192", help="llama-bench -d of the prerope step")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results" / "gpu"), help="where results go")

@@ -765,13 +765,43 @@ def campaign(seeds, exe, tmp, n_per_seed: int, salt: int = 0):
     return bad
 
 
+def fuzz_salt() -> int:
+    """PYKVQ_FUZZ_SALT when set (a replay), else a fresh one: every run explores new cases."""
+    env = os.environ.get("PYKVQ_FUZZ_SALT")
+    return int(env) if env else random.SystemRandom().randrange(1 << 31)
+
+
+def failing_path() -> Path:
+    """Where a failing campaign leaves its recipes for the next run (the user's cache: tests may write there)."""
+    from pykvq.paths import cache_dir
+    return cache_dir() / "fuzz" / "failing.json"
+
+
+def test_replays_last_failing_campaign(seeds, tmp_path):
+    """The recipes a random campaign failed on last time (failing_path()), until they pass: then the file goes,
+    and a fixed case belongs in tests/fuzz_corpus with "found" saying what it did."""
+    path = failing_path()
+    if not path.exists():
+        pytest.skip("no failing campaign on record")
+    saved = json.loads(path.read_text())
+    bad, _, _ = run_recipes(saved["recipes"], seeds, driver_exe(), tmp_path)
+    assert not bad, f"salt {saved['salt']} still fails:\n" + _report(bad)
+    path.unlink()
+
+
 def test_random_hostile_files(seeds, tmp_path):
-    """A bounded random campaign on the ASan + UBSan build (make build-asan), else the normal build."""
+    """A bounded random campaign with a fresh salt each run (printed; PYKVQ_FUZZ_SALT=N replays one), on the
+    ASan + UBSan build (make build-asan) when it is there, else the normal build."""
     exe = REPO / "build-asan" / "bin" / DRIVER
     if not exe.exists():
         exe = driver_exe()
-    bad = campaign(seeds, exe, tmp_path, SUITE_CASES // 2)
-    assert not bad, _report(bad)
+    salt = fuzz_salt()
+    print(f"hostile-file campaign: PYKVQ_FUZZ_SALT={salt}")
+    bad = campaign(seeds, exe, tmp_path, SUITE_CASES // 2, salt=salt)
+    if bad:
+        failing_path().parent.mkdir(parents=True, exist_ok=True)
+        failing_path().write_text(json.dumps({"salt": salt, "recipes": [r for r, _ in bad]}, indent=1))
+    assert not bad, f"PYKVQ_FUZZ_SALT={salt} (recipes saved to {failing_path()}):\n" + _report(bad)
 
 
 @pytest.mark.soak

@@ -12,8 +12,9 @@ For arbitrary float32 rows (huge, beyond f16, near FLT_MAX, tiny, f32 subnormals
   - the round-trip error is within the format's bound where the input is in range.
 NEON runs the drawn rows in batches under qemu (nuq_check.c's dump mode); the x86 variants this
 CPU lacks run fixed rows of the same edge classes in native/tests/*_check.c (tests/test_bfp.py,
-test_nuq.py). The default run draws a bounded, derandomized set of examples;
-PYKVQ_SOAK=1 (make soak) draws many more."""
+test_nuq.py). The default run draws a bounded set of fresh random examples each run (hypothesis prints the
+seed and a reproduce blob of a failure, and keeps failures in $PYKVQ_CACHE/hypothesis, replayed first by the
+next run); PYKVQ_SOAK=1 (make soak) draws many more."""
 from __future__ import annotations
 
 import subprocess
@@ -30,7 +31,13 @@ from pykvq.ref import bfp, nuq
 from test_cuda import GGML, NATIVE
 from test_nuq import q8_0_bytes, vec_dot_ref
 
-FAST = settings(max_examples=60, derandomize=True, database=None, deadline=None,
+def _database():
+    from hypothesis.database import DirectoryBasedExampleDatabase
+    from pykvq.paths import cache_dir
+    return DirectoryBasedExampleDatabase(str(cache_dir() / "hypothesis"))
+
+
+FAST = settings(max_examples=60, derandomize=False, database=_database(), deadline=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))
 SOAK = settings(FAST, max_examples=3000)
 

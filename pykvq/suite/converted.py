@@ -29,15 +29,19 @@ def for_setting(src: Path, setting) -> tuple[Path, dict]:
 
 
 def converter_fingerprint(src: Path, flags: list[str]) -> str | None:
-    """SHA-256 (16 hex) of the converter's Python sources, the flags and the input's name and size;
-    None when the converter is not installed. (Found, not imported: pykvq never imports convert.)"""
+    """SHA-256 (16 hex) of the converter's Python sources, the runtime calibration it runs (pykvq/calibrate.py
+    and the native library's size), the flags and the input's name and size; None when the converter is not
+    installed. (Found, not imported: pykvq never imports convert.)"""
     spec = importlib.util.find_spec("convert")
     if spec is None or not spec.submodule_search_locations:
         return None
+    from .._lib import lib_path
     h = hashlib.sha256()
-    for f in sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.py")):
+    for f in [*sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.py")),
+              Path(__file__).resolve().parent.parent / "calibrate.py"]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    h.update(json.dumps([src.name, src.stat().st_size, flags]).encode())
+    lib = lib_path()
+    h.update(json.dumps([src.name, src.stat().st_size, flags, lib.stat().st_size if lib.exists() else 0]).encode())
     return h.hexdigest()[:16]
 
 
