@@ -200,3 +200,19 @@ def test_cli_writes_statistics_the_api_reads(smollm2, tmp_path, text):
     st = calibrate.RuntimeStats.load(out)
     assert len(st.layers) == 30 and st.n_seq == 1 and st.seq_len == 64 and st.rope_layout == "norm"
     assert st.layers[3].mean["k"].shape == (3, 64) and np.isfinite(st.layers[3].sq["q"]).all()
+
+
+def test_calibration_corpus_is_checked_against_its_checksums(tmp_path):
+    """The Canterbury texts are used only when each matches its sha256: a damaged cached copy is fetched again
+    (and a download that does not match is refused, naming the file)."""
+    import shutil
+    from convert import calib
+    calib.canterbury_text()                                   # fetched (or cached) and verified
+    src = calib.cache_dir() / "calib" / "canterbury"
+    d = tmp_path / "canterbury"
+    shutil.copytree(src, d)
+    assert calib._canterbury_ok(d)
+    (d / "lcet10.txt").write_bytes((d / "lcet10.txt").read_bytes()[:-1] + b"!")
+    assert not calib._canterbury_ok(d)
+    (d / "lcet10.txt").unlink()
+    assert not calib._canterbury_ok(d)

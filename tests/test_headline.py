@@ -12,7 +12,8 @@ import pytest
 
 from pykvq import Model
 from pykvq.evaluation import kld_sweep
-from pykvq.suite.converted import converted
+from pykvq.suite.converted import for_setting
+from pykvq.suite.settings import parse_setting
 
 N_CTX, N_CHUNKS = 512, 2
 
@@ -25,7 +26,8 @@ def qwen():
 
 @pytest.fixture(scope="module")
 def qwen_prerope(qwen):
-    path, meta = converted(qwen, "prerope-headline", ["--prerope-k"])
+    """The demo's setting on Qwen: --prerope-k --cache-type-k q53_64 --cache-type-v q4_0 (the suite's file)."""
+    path, _ = for_setting(qwen, parse_setting("q53_64/q4_0@prerope"))
     return path
 
 
@@ -37,9 +39,10 @@ def klds(qwen, qwen_prerope, wikitext):
             Model(qwen, cache_type_k="q8_0", cache_type_v="q8_0", **kw) as q8, \
             Model(qwen, cache_type_k="q4_0", cache_type_v="q4_0", **kw) as q4, \
             Model(qwen_prerope, cache_type_k="q4_0", cache_type_v="q4_0", **kw) as pre_q4, \
-            Model(qwen_prerope, cache_type_k="q53_64", cache_type_v="q4_0", **kw) as pre_q53:
+            Model(qwen_prerope, **kw) as pre_q53:                    # the file's own types
         assert f16.head_dim_k == 128 and f16.arch == "qwen2"
-        assert pre_q4.k_domain == "pre" and pre_q53.k_domain == "pre"
+        assert (pre_q53.cache_type_k, pre_q53.cache_type_v) == ("q53_64", "q4_0")
+        assert pre_q4.k_domain == "pre-RoPE" and pre_q53.k_domain == "pre-RoPE"
         res = kld_sweep(f16, {"q8_0": q8, "q4_0": q4, "pre_q4_0": pre_q4, "pre_q53_64": pre_q53},
                         wikitext, n_ctx=N_CTX, n_chunks=N_CHUNKS, progress=False)
     print({k: round(v.mean_kld, 5) for k, v in res.items()})
@@ -51,12 +54,14 @@ def test_stock_q4_0_keys_break_on_key_outliers(klds):
     assert klds["q4_0"] > 10 * klds["pre_q4_0"], klds
 
 
-def test_prerope_q4_0_is_close_to_stock_q8_0(klds):
-    """The README: 4-bit keys within ~2x of stock q8_0 (bound 3x), at 4.5 bits against 8.5."""
+def test_prerope_4_bit_keys_are_close_to_stock_q8_0(klds):
+    """The README: 4.5-bit K+V within ~2x of stock q8_0's error at 8.5 bits (bound 3x; 4 chunks gave 2.1x for
+    q53_64 / q4_0 and 2.5x for q4_0 / q4_0)."""
+    assert klds["pre_q53_64"] < 3 * klds["q8_0"], klds
     assert klds["pre_q4_0"] < 3 * klds["q8_0"], klds
 
 
 def test_prerope_q53_64_keys_are_no_worse_than_q4_0(klds):
-    """q53_64 (the 128-wide rotated 4.5-bit keys): the demo's setting, at least as good as pre-RoPE q4_0 keys
-    (within 10%: the two are 0.0098 / 0.0114 at 16 chunks)."""
-    assert klds["pre_q53_64"] < 1.1 * klds["pre_q4_0"], klds
+    """q53_64 keys (the important half of every 64 channels in 5 bits) against q4_0 keys in the same file, same
+    size: no worse (4 chunks: 0.0098 vs 0.0114)."""
+    assert klds["pre_q53_64"] <= klds["pre_q4_0"], klds

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from pykvq import cache_types
 from pykvq._lib import ffi, lib
-from pykvq.ref import bfp, nuq
+from pykvq.ref import bfp, nuq, q53
 
 from test_cuda import GGML, NATIVE
 from test_nuq import q8_0_bytes, vec_dot_ref
@@ -314,6 +314,58 @@ def test_nuq_edge_inputs_soak(name, data, cuda_codec):
 # ---- the variants this CPU does not run: NEON (aarch64 under qemu) -----------------------------
 
 NEON = {"arm64-neon": ["-march=armv8-a"], "arm64-dotprod": ["-march=armv8.2-a+dotprod"]}
+
+
+# ---- q53_64 ----------------------------------------------------------------------------------
+
+def check_q53(x: np.ndarray) -> None:
+    """q53_64 (4.5-bit keys: 5-bit and 3-bit halves): numpy, the C reference and the CPU kernels agree bit for bit;
+    NaN reads as 0 and +-inf as +-FLT_MAX; blocks are independent; nothing decodes to inf or NaN; K·Q is within
+    1e-5 of the exact sum of the decoded values times Q in q8_0 where that sum is below 1e37."""
+    L = lib()
+    t = cache_types.resolve("q53_64")
+    want = q53.pack(*q53.quantize_blocks(x))
+    y = q53.dequantize_blocks(*q53.unpack(want)).reshape(-1)
+    tr = L.ggml_get_type_traits(t)
+    out = ffi.new("uint8_t[]", len(want))
+    tr.from_float_ref(_fp(x), out, x.size)
+    assert bytes(ffi.buffer(out)) == want, "C reference"
+    L.ggml_get_type_traits_cpu(t).from_float(_fp(x), out, x.size)
+    assert bytes(ffi.buffer(out)) == want, "CPU from_float"
+    got = np.empty(x.size, np.float32)
+    tr.to_float(want, _fp(got), x.size)
+    np.testing.assert_array_equal(bits(got), bits(y), err_msg="C dequantize")
+    L.ggml_kvq_cpu_to_float_k(t)(want, _fp(got), x.size)
+    np.testing.assert_array_equal(bits(got), bits(y), err_msg="CPU K-tile dequantize")
+    assert np.isfinite(y).all()
+    clean = np.clip(np.nan_to_num(x, nan=0.0, posinf=FLT_MAX, neginf=-FLT_MAX), -FLT_MAX, FLT_MAX)
+    assert q53.pack(*q53.quantize_blocks(clean.astype(np.float32))) == want
+    assert b"".join(q53.pack(*q53.quantize_blocks(x[i:i + 64])) for i in range(0, x.size, 64)) == want
+    q = np.random.default_rng(x.size).standard_normal(x.size).astype(np.float32)
+    qb = ffi.new("uint8_t[]", x.size // 32 * 34)
+    L.quantize_row_q8_0_ref(_fp(q), qb, x.size)
+    qr = np.frombuffer(bytes(ffi.buffer(qb)), np.uint8).reshape(-1, 34)
+    qv = (qr[:, 2:].copy().view(np.int8).astype(np.float64) *
+          qr[:, :2].copy().view(np.float16).astype(np.float64)).reshape(-1)
+    terms = y.astype(np.float64) * qv
+    mag = float(np.abs(terms).sum())
+    if mag < 1e37:
+        s = ffi.new("float *")
+        L.ggml_get_type_traits_cpu(t).vec_dot(x.size, s, 0, want, 0, qb, 0, 1)
+        assert np.isfinite(s[0]) and abs(s[0] - terms.sum()) <= 1e-5 * mag + x.size * 2.0 ** -149, (s[0], terms.sum())
+
+
+@FAST
+@given(x=ROWS)
+def test_q53_edge_inputs(x):
+    check_q53(x)
+
+
+@pytest.mark.soak
+@SOAK
+@given(x=ROWS)
+def test_q53_edge_inputs_soak(x):
+    check_q53(x)
 
 
 @pytest.fixture(scope="module", params=list(NEON))

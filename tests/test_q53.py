@@ -243,3 +243,20 @@ def _text_file(tmp_path):
     p = tmp_path / "wiki.txt"
     p.write_text(wikitext_test()[:20000])
     return p
+
+
+# ---- the CPU kernels in every variant, built standalone ------------------------------------------------------
+Q53_BUILDS = {
+    "x86-scalar": ("gcc", ["-march=x86-64"], None),          # what a pre-AVX2 x86 build runs
+    "x86-avx2": ("gcc", ["-march=haswell"], None),
+    "arm64-scalar": ("aarch64-linux-gnu-gcc", ["-march=armv8-a"], "qemu-aarch64"),   # no NEON path: scalar
+}
+
+
+@pytest.mark.parametrize("build", list(Q53_BUILDS))
+def test_cpu_kernels_match_the_reference_in_every_variant(build, tmp_path):
+    """native/tests/q53_check.c: the CPU quantizer's bytes and to_float's bits equal the reference's, and K·Q is
+    within 1e-5 of the exact integer dot product, for the scalar and the AVX2 code alike."""
+    from native_build import run_check
+    cc, flags, runner = Q53_BUILDS[build]
+    run_check("q53_check", cc, flags, runner, tmp_path)

@@ -5,7 +5,7 @@ A block of 64 values holds two halves of 32: the first half in 5 bits, the secon
 
   per half of 32 values, half = 2^(bits-1) (16 for 5 bits, 4 for 3 bits):
   x    = 0 where NaN, clipped to +-FLT_MAX (inf saturates)
-  vmax = the signed value of largest |x| (first of equals)
+  vmax = the signed value of largest |x| (first of equals; +0 for a block of zeros)
   for k = 0 .. 25, f_k = float32(35 + k) / 50 (0.70 .. 1.20; f_15 = 1):
     d    = clip((vmax / -half) * f_k, -65504, 65504)    (float32)
     id   = 1/d, or 0 when d == 0

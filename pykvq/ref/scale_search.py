@@ -7,7 +7,8 @@ For near-Gaussian blocks (keys and values after the online Hadamard) that is not
 land nearest; this rule tries 26 multiples of it and keeps the best:
 
   x    = 0 where NaN, clipped to +-FLT_MAX (inf saturates)
-  vmax = the signed value of largest |x| (first of equals)
+  vmax = the signed value of largest |x| (first of equals); +0 for a block of zeros (-0 included), as ggml's
+         q*_0 quantizers start from max = 0 and replace it only by a larger |x|
   for k = 0 .. 25, f_k = float32(35 + k) / 50 (0.70 .. 1.20; f_15 = 1 is q*_0's own):
     d    = clip((vmax / -half) * f_k, -65504, 65504)    (float32)
     id   = 1/d, or 0 when d == 0
@@ -36,6 +37,7 @@ def quantize(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
     b = b.astype(np.float32)
     idx = np.abs(b).argmax(axis=-1)[:, None]
     vmax = np.take_along_axis(b, idx, axis=-1)
+    vmax = np.where(vmax == 0, np.float32(0.0), vmax)   # -0 -> +0: the C rule (and ggml's) starts from max = +0
     best = np.full(len(b), np.inf)
     d_out = np.zeros(len(b), np.float16)
     q_out = np.zeros(b.shape, np.uint8)
