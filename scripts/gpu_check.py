@@ -139,6 +139,7 @@ def step_ops(a) -> dict:
 
 PERF_RE = re.compile(r"FLASH_ATTN_EXT\(hsk=(\d+),hsv=\d+,nh=(\d+),nr23=\[(\d+),1\],kv=(\d+),nb=1,[^)]*?"
                      r"type_K=(\w+),type_V=(\w+)[^)]*?(,prerope=[\d/]+)?\):.*?([\d.]+) us/run")
+PERF_FILTER = r"hsk=(64|128),hsv=(64|128),nh=(3|2),nr23=\[(3|6),1\],kv=\d+,nb=1,"   # test-backend-ops -p: a regex
 PERF_SHAPES = {(64, 3, 3): "head 64, 3 KV heads x 3 (SmolLM2)", (128, 2, 6): "head 128, 2 KV heads x 6 (Qwen2.5-1.5B)"}
 
 
@@ -174,7 +175,7 @@ def perf_table(text: str) -> tuple[list[dict], str]:
 
 def step_perf(a) -> dict:
     tbo = Path(a.build) / "bin" / "test-backend-ops"
-    r = run([tbo, "perf", "-o", "FLASH_ATTN_EXT", "-b", a.perf_backend, "-p", "nb=1,"], timeout=1800)
+    r = run([tbo, "perf", "-o", "FLASH_ATTN_EXT", "-b", a.perf_backend, "-p", PERF_FILTER], timeout=1800)
     text = ANSI.sub("", r.stdout + r.stderr)
     if DRY_RUN:
         return {}

@@ -266,10 +266,14 @@ def assert_within(stats, setting):
         # nuq4 with one stream per sequence (48 shifts) at 0.237 against a bound of 0.125, while q4_0 (0.075 /
         # 0.135), nuq4 unified (0.105 / 0.117) and bfp4_32 (0.171 / 0.298) stayed within. That drift is what the
         # pre-RoPE cache removes (a shift only moves positions), so there the bound is strict.
-        ok = shifted[:, 5].mean() < 2 * plain[:, 1].mean() + 0.005
+        bound = 2 * plain[:, 1].mean() + 0.005
+        ok = shifted[:, 5].mean() < bound
         if not ok and not setting.startswith("prerope"):
+            # the drift is expected, but not without limit: the worst measured was 1.9x the bound, while a stale or
+            # foreign cell gives KLD ~1-10 on most checks, far above 4x
+            assert shifted[:, 5].mean() < 4 * bound, ("beyond K-shift drift", shifted[:, 5].mean(), bound)
             pytest.xfail(f"post-RoPE K-shift requantization drift: {shifted[:, 5].mean():.3f} vs the f16 mirror, "
-                         f"bound {2 * plain[:, 1].mean() + 0.005:.3f}")
+                         f"bound {bound:.3f} (hard limit {4 * bound:.3f})")
         assert ok, (shifted[:, 5].mean(), plain[:, 1].mean())
 
 
