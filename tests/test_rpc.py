@@ -67,6 +67,17 @@ def test_prerope_cache_runs_over_rpc(smollm2_prerope, workers, domain):
     assert ("pre-RoPE" if domain == "pre" else "centred") in log, log[-3000:]
 
 
+def test_q53_64_keys_on_a_worker_are_refused_by_name(smollm2_prerope, workers):
+    """q53_64 has CPU kernels only and the client does not place CPU-only types on an RPC device: a clear refusal
+    (the layer, the type, the ways out), not an abort in the scheduler."""
+    res = run_tool("llama-completion", "-m", smollm2_prerope, "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv",
+                   "-fa", "on", "-c", "512", "-t", "2", "-ctk", "q53_64", "-ctv", "q4_0", "--rpc", workers, "-ngl", "99",
+                   timeout=300)
+    assert res.returncode != 0
+    assert "layer 0: the q53_64 K cache has CPU kernels only" in res.stderr, res.stderr[-3000:]
+    assert "-nkvo" in res.stderr
+
+
 class _CapsProxy:
     """A loopback proxy in front of a real pykvq worker that rewrites the HELLO answer's padding byte to
     `mark` and forwards everything else: a worker whose backend lacks the pre-RoPE kernels (no such backend is
