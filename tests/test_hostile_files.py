@@ -794,6 +794,7 @@ def test_random_hostile_files(seeds, tmp_path):
     ASan + UBSan build (make build-asan) when it is there, else the normal build."""
     exe = REPO / "build-asan" / "bin" / DRIVER
     if not exe.exists():
+        assert not os.environ.get("PYKVQ_REQUIRE_ASAN"), f"PYKVQ_REQUIRE_ASAN is set (.ci/run) but {exe} is not built"
         exe = driver_exe()
     salt = fuzz_salt()
     print(f"hostile-file campaign: PYKVQ_FUZZ_SALT={salt}")
