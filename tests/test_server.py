@@ -158,3 +158,42 @@ def test_bad_input_is_a_clear_error(smollm2):
     assert res.returncode == 2 and "nuq9" in res.stderr, res.stderr
     with pytest.raises(PykvqError, match="exited"):
         Server(smollm2, extra=["--no-such-flag"]).start()
+
+
+# the types the tests above do not run (they run nuq4, bfp4_32, q4_0 and a file's per-layer nuq3 / q8_0)
+EVERY_OTHER_TYPE = ["bfp4_64", "bfp8_32", "nuq3", "nuq2", "nuq3o", "nuq2o", "q53_64/q4_0"]
+
+
+@pytest.mark.parametrize("cache", EVERY_OTHER_TYPE)
+def test_streaming_context_shift_and_slot_save_with_every_type(smollm2, smollm2_prerope, cache, tmp_path):
+    """The README's claim for every remaining pykvq type, one server each: streaming gives the non-streamed text,
+    a slot that outgrows its context K-shifts and keeps generating, and a saved slot restores and continues
+    exactly (q53_64 keys: the pre-RoPE file, which they need)."""
+    k, _, v = cache.partition("/")
+    model = smollm2_prerope if k == "q53_64" else smollm2
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    with Server(model, cache_type_k=k, cache_type_v=v or k, n_ctx=256, threads=2, log_path=tmp_path / "srv.log",
+                extra=["--context-shift", "--slot-save-path", str(slots)]) as srv:
+        body = {"prompt": "The history of the Roman Empire begins", "n_predict": 24, "temperature": 0.0,
+                "cache_prompt": False, "id_slot": 0}
+        whole = srv.post("/completion", body)["content"]
+        c = client(srv)
+        stream = c.completions.create(model="smollm2", prompt=body["prompt"], max_tokens=24, temperature=0.0,
+                                      stream=True, extra_body={"cache_prompt": False})
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == whole and whole.strip()
+        long = srv.post("/completion", {"prompt": "Once upon a time, in a small village by the sea,", "n_predict": 300,
+                                        "temperature": 0.0, "ignore_eos": True, "id_slot": 0})
+        assert long["tokens_predicted"] == 300, long
+        assert "context shift" in srv.log_tail(10**7).lower()
+        # twice, so that the answer saved is one whose last prompt token was re-evaluated alone, as the restored
+        # slot's will be (a batch of 1 rounds differently from the whole prompt's batch: near-ties flip)
+        srv.post("/completion", {**body, "cache_prompt": True})
+        first = srv.post("/completion", {**body, "cache_prompt": True})
+        saved = srv.post("/slots/0?action=save", {"filename": "slot0.bin"})
+        assert saved["n_saved"] > 0
+        srv.post("/slots/0?action=erase", {})
+        assert srv.post("/slots/0?action=restore", {"filename": "slot0.bin"})["n_restored"] == saved["n_saved"]
+        again = srv.post("/completion", {**body, "cache_prompt": True})
+    assert again["content"] == first["content"]
+    assert again["timings"]["prompt_n"] <= 1, again["timings"]      # the prompt came from the restored cache
