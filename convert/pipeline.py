@@ -137,18 +137,34 @@ def _scale(m: GGUFModel, i: int, q_f: np.ndarray, k_f: np.ndarray, stats: dict) 
             m.tensors[t.name] = rows.scale_rows(t, f, stats)
 
 
-def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None,
-          geometry=None) -> Report:
-    """Transform m in place; returns what was chosen per layer. geometry: the file's (convert.geometry), when
-    the caller has it with the runtime's rope layout (an architecture outside the converter's table)."""
-    from .geometry import geometry as geometry_of
-    g = geometry or geometry_of(m)
+def check_file(m: GGUFModel, opts: Options, g) -> None:
+    """What the file's metadata alone rules out for these options: raised before any calibration runs."""
     if m.meta(Keys.General.VERSION) is not None:
         raise ConvertError("the input was already converted by pykvq; convert the original instead")
     rope_scaling = str(m.arch_meta("rope.scaling.type", "none"))
     if opts.ksort and rope_scaling not in ("none", "linear"):
         raise ConvertError(f"K-sort with {rope_scaling} rope scaling is not supported (its ramp depends on "
                            "the pair's position)")
+    type_k, _ = opts.resolved_types()
+    if type_k == "q53_64" and not opts.prerope_k:
+        raise ConvertError("--cache-type-k q53_64 needs --prerope-k: its 5-bit halves are for the channels the "
+                           "loss reads most, measured in the pre-RoPE key domain")
+    if type_k == "q53_64" and opts.ksort:
+        raise ConvertError("--ksort with --cache-type-k q53_64 is not supported: q53_64 lays the pairs out by "
+                           "importance itself")
+    if type_k == "q53_64" and (g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")):
+        raise ConvertError(f"--cache-type-k q53_64 moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
+                           f"head {g.head_dim}) and no position-dependent rope scaling ({rope_scaling})")
+
+
+def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None,
+          geometry=None) -> Report:
+    """Transform m in place; returns what was chosen per layer. geometry: the file's (convert.geometry), when
+    the caller has it with the runtime's rope layout (an architecture outside the converter's table)."""
+    from .geometry import geometry as geometry_of
+    g = geometry or geometry_of(m)
+    check_file(m, opts, g)
+    rope_scaling = str(m.arch_meta("rope.scaling.type", "none"))
     if opts.smooth_qk and calib is None:
         raise ConvertError("smoothing needs calibration statistics")
     if opts.rotate_v != "none" and g.head_dim & (g.head_dim - 1):
@@ -172,15 +188,6 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                f"the head size {g.head_dim}")
     # q53_64 keys: the converter lays every head's pairs out by importance (K-sort's machinery, another order)
     importance = opts.prerope_k and type_k == "q53_64"
-    if type_k == "q53_64" and not opts.prerope_k:
-        raise ConvertError("--cache-type-k q53_64 needs --prerope-k: its 5-bit halves are for the channels the "
-                           "loss reads most, measured in the pre-RoPE key domain")
-    if importance and opts.ksort:
-        raise ConvertError("--ksort with --cache-type-k q53_64 is not supported: q53_64 lays the pairs out by "
-                           "importance itself")
-    if importance and (g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")):
-        raise ConvertError(f"--cache-type-k q53_64 moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
-                           f"head {g.head_dim}) and no position-dependent rope scaling ({rope_scaling})")
     key_kind = opts.ksort_key if opts.ksort_key != "auto" else ("calib" if calib is not None else "weight")
     if importance:
         key_kind = "importance"

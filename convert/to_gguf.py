@@ -323,6 +323,7 @@ def convert(args) -> dict:
         # graph tells (checked against the file's rope dimension count after calibration)
         g = geometry(m, layout="norm" if forward and stats_only else None)
         unknown_arch = g.arch not in SUPPORTED_ARCHS
+        pipeline.check_file(m, opts, g)     # what the metadata rules out, before minutes of calibration
         _check_resources(gguf_path, out, forward and not hf)
         log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot,

@@ -260,3 +260,21 @@ def test_cpu_kernels_match_the_reference_in_every_variant(build, tmp_path):
     from native_build import run_check
     cc, flags, runner = Q53_BUILDS[build]
     run_check("q53_check", cc, flags, runner, tmp_path)
+
+
+@pytest.mark.parametrize("key,value,why", [("rope.scaling.type", "yarn", "rope scaling (yarn)"),
+                                           ("rope.dimension_count", 32, "full rotary (n_rot 32, head 64)")])
+def test_convert_refuses_q53_where_pairs_cannot_move(smollm2, tmp_path, key, value, why):
+    """q53_64 keys move rotary pairs inside a head: a model with partial rotary or position-dependent rope scaling
+    is refused by name, and nothing is written."""
+    from gguf import GGUFValueType as VT
+    from convert.gguf_io import read_gguf, write_gguf
+    from test_convert import run_convert
+    m = read_gguf(smollm2)
+    m.set(f"llama.{key}", value, VT.STRING if isinstance(value, str) else VT.UINT32)
+    src = write_gguf(m, tmp_path / "variant.gguf") or tmp_path / "variant.gguf"
+    out = tmp_path / "x.gguf"
+    r = run_convert(src, "-o", out, "--prerope-k", "--cache-type-k", T, "--cache-type-v", "q4_0", check=False)
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "--cache-type-k q53_64 moves rotary pairs" in r.stderr and why in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
