@@ -6,24 +6,11 @@
 #include <mutex>
 #include <string>
 
-uint8_t ggml_kvq_rpc_backend_caps(ggml_backend_t backend) {
-    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    const char * name = reg ? ggml_backend_reg_name(reg) : "";
-    if (strcmp(name, "CPU") == 0) {
-        return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED;
-    }
-    if (strcmp(name, "CUDA") == 0) {
-        return GGML_KVQ_RPC_PREROPE;   // the centred domain has CPU kernels only
-    }
-    return 0;
-}
-
 uint8_t ggml_kvq_rpc_hello_mark(const ggml_backend_t * backends, size_t n_backends) {
     // a client may place the cache on any of the worker's devices: advertise what all of them run
     uint8_t caps = n_backends > 0 ? GGML_KVQ_RPC_CAPS : 0;
     for (size_t i = 0; i < n_backends; ++i) {
-        caps &= ggml_kvq_rpc_backend_caps(backends[i]);
+        caps &= ggml_kvq_dev_caps(ggml_backend_get_device(backends[i]));
     }
     return GGML_KVQ_RPC_MARK | caps;
 }
@@ -44,4 +31,20 @@ int ggml_kvq_rpc_worker_caps(const char * endpoint) {
     std::lock_guard<std::mutex> lock(g_workers_mutex);
     auto it = g_workers.find(endpoint);
     return it == g_workers.end() ? -1 : it->second;
+}
+
+uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    const char * name = reg ? ggml_backend_reg_name(reg) : "";
+    if (strcmp(name, "CPU") == 0) {
+        return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED;
+    }
+    if (strcmp(name, "CUDA") == 0) {
+        return GGML_KVQ_RPC_PREROPE;   // the centred domain has CPU kernels only
+    }
+    if (strcmp(name, "RPC") == 0) {   // an RPC device's description is its worker's endpoint
+        const int caps = ggml_kvq_rpc_worker_caps(ggml_backend_dev_description(dev));
+        return caps < 0 ? 0 : (uint8_t) caps;
+    }
+    return 0;
 }

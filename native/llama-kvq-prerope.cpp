@@ -39,12 +39,8 @@ std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
     const char * backend = reg ? ggml_backend_reg_name(reg) : "?";
     const char * env = getenv("PYKVQ_K_DOMAIN");
     const bool centred = env != nullptr && strcmp(env, "centred") == 0;
-    int caps = 0;
-    if (strcmp(backend, "CUDA") == 0) {
-        caps = GGML_KVQ_RPC_PREROPE;
-    } else if (strcmp(backend, "RPC") == 0) {
-        // an RPC device's description is its worker's endpoint; the worker said in HELLO what its backends run
-        caps = std::max(0, ggml_kvq_rpc_worker_caps(ggml_backend_dev_description(dev)));
+    const uint8_t caps = ggml_kvq_dev_caps(dev);   // an RPC worker's: what its HELLO said its backends run
+    if (strcmp(backend, "RPC") == 0) {
         backend = "this RPC worker's backend";
     }
     if (centred && !(caps & GGML_KVQ_RPC_CENTRED)) {

@@ -25,8 +25,9 @@ extern "C" {
 
 // worker side: the HELLO padding byte for a worker computing on these backends
 GGML_API uint8_t ggml_kvq_rpc_hello_mark(const ggml_backend_t * backends, size_t n_backends);
-// what a backend of this build runs: GGML_KVQ_RPC_* bits
-GGML_API uint8_t ggml_kvq_rpc_backend_caps(ggml_backend_t backend);
+// the key domains a device runs (GGML_KVQ_RPC_* bits): CPU pre-RoPE and centred, CUDA pre-RoPE, an RPC device
+// what its worker's HELLO said (0 before it), any other none. The worker's mark and the client's check both use it.
+GGML_API uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev);
 
 // client side: true when the worker at endpoint is a pykvq worker of this layout; remembers its capabilities
 GGML_API bool ggml_kvq_rpc_accept_worker(const char * endpoint, uint8_t mark);
