@@ -20,6 +20,7 @@ from pykvq.model import KV_CACHE_TYPE_MODEL
 N_LAYER = 30
 N_CTX = 512
 N_TOK = 160
+OTHER3 = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)   # a file codebook for nuq3
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def nuq_files(smollm2, tmp_path_factory):
     from pykvq.ref import nuq as ref
     d = tmp_path_factory.mktemp("codebooks")
     fb3 = ref.fallback("nuq3")
-    other3 = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)
+    other3 = OTHER3
     types = dict(layer_types_k=["nuq3"] * N_LAYER, layer_types_v=["q8_0"] * N_LAYER, type_k="nuq3", type_v="q8_0")
     return {
         "none": variant(smollm2, d / "none.gguf", **types),
@@ -249,7 +250,8 @@ def test_codebook_with_k_shift_and_fa_off(nuq_files, tokens):
     # with FA off the file codebook still matters, and the result tracks the FA run with the same codebook
     assert not np.array_equal(b, c)
     assert np.abs(b[:, :] - a[:, :]).mean() < np.abs(c - a).mean()
-    # K-shift requantizes with the file's codebook (a mismatch would be as bad as a wrong type)
+    # a K-shift runs with a file codebook (measured 0.016 and 0.0005; a stale cell gives 1-10): which codebook it
+    # requantizes with is too small a difference for the model's KLD, tests/test_k_shift.py checks the bytes
     kl_file, kl_none = shift_kl(nuq_files["other"], tokens), shift_kl(nuq_files["none"], tokens)
     assert kl_file < 0.2 and kl_none < 0.2
 
