@@ -250,7 +250,7 @@ def test_centred_prefill():
 # ---- the runtime on the real model -------------------------------------------------------------
 import os  # noqa: E402
 
-from pykvq import Model  # noqa: E402
+from pykvq import Model, log  # noqa: E402
 from pykvq.errors import DecodeError, PykvqError  # noqa: E402
 from pykvq.eval import log_softmax  # noqa: E402
 from pykvq.keys import Keys, Tensors  # noqa: E402
@@ -382,7 +382,6 @@ def test_tools_run_a_prerope_file(smol_pre):
 
 def _kept_logged() -> tuple[int, int]:
     import re
-    from pykvq import log
     found = re.findall(r"(\d+) of (\d+) mean pairs kept", "".join(log.recent()))
     assert found, log.recent_text(40)
     return tuple(map(int, found[-1]))
@@ -394,7 +393,6 @@ def test_centre_pairs_match_reference(smol_pre, monkeypatch, residual):
     are the numpy reference's (pykvq.ref.prerope.centre_pairs) on the file's kvq_k_mean and kvq_k_std, for the
     default residual (0.5x the head's variance) and PYKVQ_K_CENTRE_RESIDUAL. Measured: 813 of 2880 at 0.5."""
     from convert.gguf_io import read_gguf
-    from pykvq import log
     if residual is not None:
         monkeypatch.setenv("PYKVQ_K_CENTRE_RESIDUAL", residual)
     f = read_gguf(smol_pre)
@@ -426,3 +424,40 @@ def test_bad_domain_settings_are_refused(smol_pre, monkeypatch, env, value, msg)
     dom = "centred" if env == "PYKVQ_K_CENTRE_RESIDUAL" else None
     with pytest.raises(PykvqError, match=rf"{env} = '{value}': {msg}"):
         Model(smol_pre, n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True, k_domain=dom)
+
+
+def as_mrope(src, out):
+    """The file relabelled as qwen2vl (the same tensors, M-RoPE with sections 8/12/12/0): what a multimodal model's
+    keys look like to the runtime. No quality claim: only which RoPE mode each side is told."""
+    from gguf import GGUFValueType as VT
+
+    from convert.gguf_io import read_gguf, write_gguf
+    m = read_gguf(src)
+    for k in [k for k in m.fields if k.startswith("llama.")]:
+        f = m.fields.pop(k)
+        m.set("qwen2vl." + k[len("llama."):], f.value, f.vtype, f.sub_type)
+    m.set("general.architecture", "qwen2vl", VT.STRING)
+    m.set("qwen2vl.rope.dimension_sections", [8, 12, 12, 0], VT.ARRAY, VT.INT32)
+    write_gguf(m, out)
+    return out
+
+
+def test_mrope_is_refused_by_the_converter_and_kept_post_rope_at_run_time(smollm2, smol_pre, tmp_path):
+    """M-RoPE keys cannot be cached pre-RoPE: the converter refuses by name, and a pre-RoPE file whose model turns
+    out to be M-RoPE keeps post-RoPE keys, warning for each layer, with the logits of an explicit post-RoPE run."""
+    from test_convert import run_convert
+    res = run_convert(as_mrope(smollm2, tmp_path / "in.gguf"), "-o", tmp_path / "out.gguf", "--prerope-k", check=False)
+    assert res.returncode != 0 and not (tmp_path / "out.gguf").exists()
+    assert "RoPE mode 8 (multimodal M-RoPE)" in res.stderr, res.stderr[-2000:]
+    path = as_mrope(smol_pre, tmp_path / "pre.gguf")
+    kw = dict(n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)
+    toks = list(range(1000, 1040))
+    log.clear()
+    with Model(path, **kw) as m:
+        got = m.eval_logits(toks, output_from=0)
+    text = log.recent_text(200000)
+    for il in (0, 29):
+        assert f"layer {il} keeps a post-RoPE K cache: only NORM and NEOX RoPE are supported (not M-RoPE" in text
+    assert "pre-RoPE key cache in 0 of 30 layers" in text
+    with Model(path, k_domain="post", **kw) as m:
+        assert np.array_equal(got, m.eval_logits(toks, output_from=0))
