@@ -140,6 +140,8 @@ void llama_kv_cache::kvq_describe(std::vector<llama_kvq_layer_desc> & out) const
         d.il_owner = layer.il;
         d.rot_k = attn_rot_k;
         d.rot_v = attn_rot_v;
+        d.k_domain = layer.k_mean ? LLAMA_KVQ_K_DOMAIN_PRE : !layer.k_centre.empty() ? LLAMA_KVQ_K_DOMAIN_CENTRED : LLAMA_KVQ_K_DOMAIN_POST;
+        d.encoder = kvq_encoder;
         if (layer.k) {
             d.type_k = layer.k->type;
             d.cb_k = llama_kvq_is_nuq(layer.k->type) ? (layer.cb_k ? 1 : 2) : 0;
@@ -313,18 +315,14 @@ static const char * kvq_centring_unsupported(const llama_model & model, uint32_t
 }
 
 // the encoder of the cache's q4_0 / q5_0 writes: least-squares block scales (ggml_kvq_lsq_block) for a pykvq-converted
-// file, the stock one otherwise, so that a stock GGUF's cache stays exactly upstream's. PYKVQ_ENCODER = auto | stock | lsq
-static int kvq_pick_encoder(const llama_model & model, bool logged) {
-    const char * env = getenv("PYKVQ_ENCODER");
-    if (env != nullptr && strcmp(env, "auto") != 0 && strcmp(env, "stock") != 0 && strcmp(env, "lsq") != 0) {
-        throw std::runtime_error(format("PYKVQ_ENCODER = '%s': expected auto, stock or lsq", env));
-    }
-    const bool forced    = env != nullptr && strcmp(env, "auto") != 0;
+// file, the stock one otherwise, so that a stock GGUF's cache stays exactly upstream's; the encoder setting overrides
+static int kvq_pick_encoder(const llama_model & model, const llama_kvq_ctx_opts & opts, bool logged) {
+    const bool forced    = opts.encoder >= 0;
     const bool converted = model.gguf_kv.count(LLAMA_KVQ_KEY_GENERAL_VERSION) > 0;
-    const bool lsq       = forced ? strcmp(env, "lsq") == 0 : converted;
+    const bool lsq       = forced ? opts.encoder == GGML_KVQ_ENCODER_LSQ : converted;
     if (logged) {
         LLAMA_LOG_INFO("%s: q4_0 / q5_0 cache writes: %s (%s)\n", "llama_kv_cache", lsq ? "least-squares block scales" : "stock encoder",
-                       forced ? "PYKVQ_ENCODER" : converted ? "a pykvq-converted file" : "not a pykvq-converted file");
+                       forced ? opts.encoder_from.c_str() : converted ? "a pykvq-converted file" : "not a pykvq-converted file");
     }
     return lsq ? GGML_KVQ_ENCODER_LSQ : GGML_KVQ_ENCODER_STOCK;
 }
@@ -332,24 +330,24 @@ static int kvq_pick_encoder(const llama_model & model, bool logged) {
 uint32_t llama_kv_cache::kvq_set_k_domain() {
     n_prerope = 0;
     n_centred = 0;
+    const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
+    if (!opts.error.empty()) {
+        throw std::runtime_error(opts.error);   // a bad PYKVQ_* value in the environment
+    }
     // logged where it matters: some layer's K or V is q4_0 / q5_0
     const auto searched = [](const ggml_tensor * t) { return t != nullptr && (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q5_0); };
-    kvq_encoder = kvq_pick_encoder(model, std::any_of(layers.begin(), layers.end(),
-                                                      [&](const auto & l) { return searched(l.k) || searched(l.v); }));
-    const char * env = getenv("PYKVQ_K_DOMAIN");
+    kvq_encoder = kvq_pick_encoder(model, opts, std::any_of(layers.begin(), layers.end(),
+                                                            [&](const auto & l) { return searched(l.k) || searched(l.v); }));
     // auto: quantized K layers; post: none; pre: every layer, an f16 K cache too (for equivalence tests);
     // centred: quantized K layers cached after RoPE, minus the file's mean rotated with them
-    const bool force_post = env != nullptr && strcmp(env, "post") == 0;
-    const bool force_pre  = env != nullptr && strcmp(env, "pre")  == 0;
-    const bool centred    = env != nullptr && strcmp(env, "centred") == 0;
-    if (env != nullptr && !force_post && !force_pre && !centred && strcmp(env, "auto") != 0) {
-        throw std::runtime_error(format("PYKVQ_K_DOMAIN = '%s': expected auto, post, pre or centred", env));
-    }
+    const bool force_post = opts.k_domain == LLAMA_KVQ_K_DOMAIN_POST;
+    const bool force_pre  = opts.k_domain == LLAMA_KVQ_K_DOMAIN_PRE;
+    const bool centred    = opts.k_domain == LLAMA_KVQ_K_DOMAIN_CENTRED;
     if (!model.kvq.k_prerope || other) {
         return 0;
     }
     if (force_post) {
-        LLAMA_LOG_INFO("%s: pre-RoPE key cache off (PYKVQ_K_DOMAIN=post): keys are cached after RoPE\n", __func__);
+        LLAMA_LOG_INFO("%s: pre-RoPE key cache off (k_domain = post): keys are cached after RoPE\n", __func__);
         return 0;
     }
     if (centred) {
@@ -418,11 +416,12 @@ uint32_t llama_kv_cache::kvq_set_centred() {
                 x *= x;
             }
         }
-        kept += llama_kvq_centre_pairs(layer.k_centre, var, DK, n_head_kv, (int) hparams.n_rot(il), neox);
+        kept += llama_kvq_centre_pairs(layer.k_centre, var, DK, n_head_kv, (int) hparams.n_rot(il), neox,
+                                       llama_kvq_ctx_opts_current().centre_residual);
         all  += (int) (n_head_kv*hparams.n_rot(il)/2);
         ++n_centred;
     }
-    LLAMA_LOG_INFO("%s: centred post-RoPE key cache in %u of %zu layers (PYKVQ_K_DOMAIN=centred: keys minus the file's "
+    LLAMA_LOG_INFO("%s: centred post-RoPE key cache in %u of %zu layers (k_domain = centred: keys minus the file's "
                    "kvq_k_mean rotated with them, %d of %d mean pairs kept%s; online Hadamard %s)\n", __func__, n_centred,
                    layers.size(), kept, all, have_std ? "" : " (no std in the file: every pair)", attn_rot_k ? "on" : "off");
     return n_centred;

@@ -34,22 +34,20 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
     return nullptr;
 }
 
-std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev) {
+std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev, bool centred) {
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     const char * backend = reg ? ggml_backend_reg_name(reg) : "?";
-    const char * env = getenv("PYKVQ_K_DOMAIN");
-    const bool centred = env != nullptr && strcmp(env, "centred") == 0;
     const uint8_t caps = ggml_kvq_dev_caps(dev);   // an RPC worker's: what its HELLO said its backends run
     if (strcmp(backend, "RPC") == 0) {
         backend = "this RPC worker's backend";
     }
     if (centred && !(caps & GGML_KVQ_RPC_CENTRED)) {
-        return std::string("the centred key cache (PYKVQ_K_DOMAIN=centred) has CPU kernels only, not ") + backend + " (device " +
-               ggml_backend_dev_name(dev) + "): keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use PYKVQ_K_DOMAIN=pre";
+        return std::string("the centred key cache (--kv-domain centred) has CPU kernels only, not ") + backend + " (device " +
+               ggml_backend_dev_name(dev) + "): keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use --kv-domain pre";
     }
     if (!centred && !(caps & GGML_KVQ_RPC_PREROPE)) {
         return std::string("the pre-RoPE key cache has kernels for CPU and CUDA only, not for ") + backend + " (device " +
-               ggml_backend_dev_name(dev) + "): run with PYKVQ_K_DOMAIN=post (post-RoPE keys), or keep the KV cache on the "
+               ggml_backend_dev_name(dev) + "): run with --kv-domain post (post-RoPE keys), or keep the KV cache on the "
                "CPU (-nkvo / offload_kqv = false)";
     }
     return "";
@@ -84,7 +82,7 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
 static void kvq_rope_of(ggml_context * ctx, const ggml_tensor * k_rope, llama_kvq_prerope_fa & fa, int il) {
     if (k_rope->op != GGML_OP_ROPE) {
         throw std::runtime_error(kvq_layer(il) + "the model graph's K is not the output of a ROPE op (" +
-                                 ggml_op_name(k_rope->op) + "); this architecture needs the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
+                                 ggml_op_name(k_rope->op) + "); this architecture needs the post-RoPE cache (--kv-domain post)");
     }
     const int32_t * p = k_rope->op_params;
     const int n_dims = p[1], mode = p[2], n_ctx_orig = p[4];
@@ -176,14 +174,8 @@ ggml_tensor * llama_kvq_centred_store(ggml_context * ctx, ggml_tensor * k_rope, 
 }
 
 int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> & var, int64_t DK, int64_t n_head_kv,
-                           int n_dims, bool neox) {
-    // PYKVQ_K_CENTRE_RESIDUAL (>= 0) trades the mean's scores (their cost grows with the kept pairs) for quality
-    const char * env = getenv("PYKVQ_K_CENTRE_RESIDUAL");
-    char * end = nullptr;
-    const double tau = env ? strtod(env, &end) : LLAMA_KVQ_CENTRE_RESIDUAL;
-    if (!(tau >= 0.0 && tau < 1e30) || (env && (end == env || *end != '\0'))) {
-        throw std::runtime_error(std::string("PYKVQ_K_CENTRE_RESIDUAL = '") + env + "': expected a number >= 0");
-    }
+                           int n_dims, bool neox, double tau) {
+    // the residual (k_centre_residual >= 0) trades the mean's scores (their cost grows with the kept pairs) for quality
     int kept = 0;
     for (int64_t h = 0; h < n_head_kv; ++h) {
         float * m = mean.data() + h*DK;
@@ -220,7 +212,7 @@ int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> &
 void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa,
                               const ggml_tensor * k_rot) {
     if (fa_node == nullptr || fa_node->op != GGML_OP_FLASH_ATTN_EXT) {
-        throw std::runtime_error("a pre-RoPE key cache needs flash attention (-fa on), or the post-RoPE cache (PYKVQ_K_DOMAIN=post)");
+        throw std::runtime_error("a pre-RoPE key cache needs flash attention (-fa on), or the post-RoPE cache (--kv-domain post)");
     }
     const int n_rot_h = k_rot ? (int) k_rot->ne[0] : 0;
     if (fa.centred) {

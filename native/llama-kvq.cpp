@@ -8,42 +8,195 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
-#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
 
 //
-// per-context settings
+// per-context settings: one row per setting; a new one is a row here, a field of llama_kvq_ctx_opts and its reader
 //
 
-static std::atomic<int> g_default_rot_k{LLAMA_ATTN_ROT_TYPE_AUTO};
-static std::atomic<int> g_default_rot_v{LLAMA_ATTN_ROT_TYPE_AUTO};
+namespace {
 
-static thread_local const llama_kvq_ctx_opts * t_request = nullptr; // llama_kvq_init_from_model's settings
-static thread_local const llama_kvq_ctx_opts * t_current = nullptr; // what the constructor being run sees
+struct kvq_setting {
+    const char * name;
+    const char * values;   // what it takes, for messages and --help
+    const char * env;      // the environment fallback, nullptr for none
+    bool (*parse)(llama_kvq_ctx_opts & o, const char * v);   // false: not a value it takes
+};
 
-void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v) {
-    g_default_rot_k = attn_rot_k;
-    g_default_rot_v = attn_rot_v;
+bool kvq_parse_rot(llama_attn_rot_type & r, const char * v) {
+    if (strcmp(v, "auto") == 0) { r = LLAMA_ATTN_ROT_TYPE_AUTO;     return true; }
+    if (strcmp(v, "on")   == 0) { r = LLAMA_ATTN_ROT_TYPE_ENABLED;  return true; }
+    if (strcmp(v, "off")  == 0) { r = LLAMA_ATTN_ROT_TYPE_DISABLED; return true; }
+    return false;
 }
 
-llama_context * llama_kvq_init_from_model(llama_model * model, llama_context_params params,
-                                          enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v) {
-    llama_kvq_ctx_opts opts;
-    opts.attn_rot_k = attn_rot_k;
-    opts.attn_rot_v = attn_rot_v;
-    const llama_kvq_ctx_opts * prev = t_request;
-    t_request = &opts;
+int kvq_index_of(const char * v, std::initializer_list<const char *> names) {
+    int i = 0;
+    for (const char * n : names) {
+        if (strcmp(v, n) == 0) {
+            return i;
+        }
+        ++i;
+    }
+    return -1;
+}
+
+const kvq_setting k_settings[] = {
+    { "attn_rot_k", "auto, on or off", nullptr,
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_k, v); } },
+    { "attn_rot_v", "auto, on or off", nullptr,
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_v, v); } },
+    { "k_domain", "auto, post, pre or centred", "PYKVQ_K_DOMAIN",
+      [](llama_kvq_ctx_opts & o, const char * v) {
+          const int i = kvq_index_of(v, { "auto", "post", "pre", "centred" });
+          o.k_domain = i - 1;   // LLAMA_KVQ_K_DOMAIN_AUTO = -1, POST, PRE, CENTRED
+          return i >= 0;
+      } },
+    { "encoder", "auto, stock or lsq", "PYKVQ_ENCODER",
+      [](llama_kvq_ctx_opts & o, const char * v) {
+          const int i = kvq_index_of(v, { "auto", "stock", "lsq" });
+          o.encoder = i == 1 ? GGML_KVQ_ENCODER_STOCK : i == 2 ? GGML_KVQ_ENCODER_LSQ : -1;
+          return i >= 0;
+      } },
+    { "k_centre_residual", "a number >= 0", "PYKVQ_K_CENTRE_RESIDUAL",
+      [](llama_kvq_ctx_opts & o, const char * v) {
+          char * end = nullptr;
+          const double x = strtod(v, &end);
+          o.centre_residual = x;
+          return end != v && *end == '\0' && x >= 0.0 && x < 1e30;
+      } },
+};
+constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
+
+int kvq_setting_index(const char * name) {
+    for (int i = 0; name != nullptr && i < k_n_settings; ++i) {
+        if (strcmp(k_settings[i].name, name) == 0) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+thread_local std::string t_error;
+
+// settings given by name, kept as text: a context parses each at creation (llama_kvq_ctx_opts_for_call)
+struct kvq_given {
+    std::string value[k_n_settings];
+    bool        given[k_n_settings] = {};
+
+    bool set(const char * name, const char * v) {
+        const int i = kvq_setting_index(name);
+        if (i < 0) {
+            std::string all;
+            for (const auto & s : k_settings) {
+                all += std::string(all.empty() ? "" : ", ") + s.name;
+            }
+            t_error = std::string("unknown pykvq setting '") + (name ? name : "(null)") + "' (known: " + all + ")";
+            return false;
+        }
+        llama_kvq_ctx_opts scratch;
+        if (v == nullptr || !k_settings[i].parse(scratch, v)) {
+            t_error = std::string(name) + " = '" + (v ? v : "(null)") + "': expected " + k_settings[i].values;
+            return false;
+        }
+        value[i] = v;
+        given[i] = true;
+        return true;
+    }
+};
+
+std::mutex g_defaults_mutex;
+kvq_given  g_defaults;                                        // llama_kvq_set_default: the tools' flags
+thread_local const kvq_given          * t_request = nullptr; // llama_kvq_init_from_model_params' settings
+thread_local const llama_kvq_ctx_opts * t_current = nullptr; // what the constructor being run sees
+
+const char * kvq_rot_str(llama_attn_rot_type r) {
+    return r == LLAMA_ATTN_ROT_TYPE_ENABLED ? "on" : r == LLAMA_ATTN_ROT_TYPE_DISABLED ? "off" : "auto";
+}
+
+} // namespace
+
+struct llama_kvq_params : kvq_given {};
+
+llama_kvq_params * llama_kvq_params_init(void) {
+    return new llama_kvq_params();
+}
+
+void llama_kvq_params_free(llama_kvq_params * params) {
+    delete params;
+}
+
+bool llama_kvq_params_set(llama_kvq_params * params, const char * name, const char * value) {
+    return params != nullptr && params->set(name, value);
+}
+
+bool llama_kvq_set_default(const char * name, const char * value) {
+    std::lock_guard<std::mutex> lock(g_defaults_mutex);
+    return g_defaults.set(name, value);
+}
+
+const char * llama_kvq_settings_error(void) {
+    return t_error.c_str();
+}
+
+const char * llama_kvq_setting_name(int32_t i)   { return i >= 0 && i < k_n_settings ? k_settings[i].name : nullptr; }
+const char * llama_kvq_setting_values(int32_t i) { return i >= 0 && i < k_n_settings ? k_settings[i].values : nullptr; }
+const char * llama_kvq_setting_env(int32_t i)    { return i >= 0 && i < k_n_settings ? k_settings[i].env : nullptr; }
+
+void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v) {
+    llama_kvq_set_default("attn_rot_k", kvq_rot_str(attn_rot_k));
+    llama_kvq_set_default("attn_rot_v", kvq_rot_str(attn_rot_v));
+}
+
+llama_context * llama_kvq_init_from_model_params(llama_model * model, llama_context_params params, const llama_kvq_params * kvq) {
+    const kvq_given * prev = t_request;
+    t_request = kvq;
     llama_context * ctx = llama_init_from_model(model, params);
     t_request = prev;
     return ctx;
 }
 
+llama_context * llama_kvq_init_from_model(llama_model * model, llama_context_params params,
+                                          enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v) {
+    llama_kvq_params kvq;
+    kvq.set("attn_rot_k", kvq_rot_str(attn_rot_k));
+    kvq.set("attn_rot_v", kvq_rot_str(attn_rot_v));
+    return llama_kvq_init_from_model_params(model, params, &kvq);
+}
+
 llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call() {
-    if (t_request) {
-        return *t_request;
+    kvq_given defaults;
+    {
+        std::lock_guard<std::mutex> lock(g_defaults_mutex);
+        defaults = g_defaults;
     }
+    // each setting from the request, else the process default, else the environment, else auto
     llama_kvq_ctx_opts opts;
-    opts.attn_rot_k = (llama_attn_rot_type) g_default_rot_k.load();
-    opts.attn_rot_v = (llama_attn_rot_type) g_default_rot_v.load();
+    for (int i = 0; i < k_n_settings; ++i) {
+        const kvq_setting & row = k_settings[i];
+        std::string from = row.name;
+        const char * v = nullptr;
+        if (t_request != nullptr && t_request->given[i]) {
+            v = t_request->value[i].c_str();
+        } else if (defaults.given[i]) {
+            v = defaults.value[i].c_str();
+        } else if (row.env != nullptr && (v = getenv(row.env)) != nullptr) {
+            from = row.env;
+        }
+        if (v == nullptr) {
+            continue;
+        }
+        if (!row.parse(opts, v) && opts.error.empty()) {   // only the environment's can be bad here
+            opts.error = from + " = '" + v + "': expected " + row.values;
+        }
+        if (strcmp(row.name, "encoder") == 0) {
+            opts.encoder_from = from == row.name ? "the encoder setting" : from;
+        }
+    }
     return opts;
 }
 
@@ -107,4 +260,35 @@ int32_t llama_kvq_memory_used_cells(const llama_context * ctx, llama_seq_id seq_
         return -1;
     }
     return llama_memory_kvq_used_cells(ctx->get_memory(), seq_id);
+}
+
+int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, size_t size) {
+    if (!ctx || !ctx->get_memory() || name == nullptr) {
+        return -1;
+    }
+    const auto layers = llama_memory_kvq_layers(ctx->get_memory(), ctx->get_model().hparams.n_layer_all);
+    const llama_kvq_layer_desc * first = nullptr;   // the first layer with an attention KV cache
+    int n_pre = 0, n_centred = 0;
+    for (const auto & d : layers) {
+        if (d.type_k < 0) {
+            continue;
+        }
+        first = first ? first : &d;
+        n_pre     += d.k_domain == LLAMA_KVQ_K_DOMAIN_PRE;
+        n_centred += d.k_domain == LLAMA_KVQ_K_DOMAIN_CENTRED;
+    }
+    if (first == nullptr) {
+        return -1;
+    }
+    const char * v = nullptr;
+    if (strcmp(name, "k_domain") == 0) {
+        v = n_pre > 0 ? "pre" : n_centred > 0 ? "centred" : "post";
+    } else if (strcmp(name, "encoder") == 0) {
+        v = first->encoder == GGML_KVQ_ENCODER_LSQ ? "lsq" : "stock";
+    } else if (strcmp(name, "attn_rot_k") == 0 || strcmp(name, "attn_rot_v") == 0) {
+        v = (name[9] == 'k' ? first->rot_k : first->rot_v) ? "on" : "off";
+    } else {
+        return -1;
+    }
+    return snprintf(buf, buf ? size : 0, "%s", v);
 }

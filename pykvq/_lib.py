@@ -139,6 +139,15 @@ struct llama_context * llama_kvq_init_from_model(struct llama_model * model, str
                                                  int attn_rot_k, int attn_rot_v);
 int32_t llama_kvq_layer_type(const struct llama_context * ctx, int32_t il, bool v);
 int32_t llama_kvq_codebook_source(const struct llama_context * ctx, int32_t il, bool v);
+struct llama_kvq_params;
+struct llama_kvq_params * llama_kvq_params_init(void);
+void llama_kvq_params_free(struct llama_kvq_params * params);
+bool llama_kvq_params_set(struct llama_kvq_params * params, const char * name, const char * value);
+const char * llama_kvq_settings_error(void);
+const char * llama_kvq_setting_name(int32_t i);
+struct llama_context * llama_kvq_init_from_model_params(struct llama_model * model, struct llama_context_params params,
+                                                        const struct llama_kvq_params * kvq);
+int32_t llama_kvq_get(const struct llama_context * ctx, const char * name, char * buf, size_t size);
 int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 int32_t llama_kvq_model_n_layer_types(const struct llama_model * model, bool v);
 int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);

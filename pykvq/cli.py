@@ -179,7 +179,7 @@ def cmd_serve(args) -> int:
     extra = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
     return serve(_resolve_model(args.model), cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                  host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx_size,
-                 threads=args.threads, extra=extra)
+                 threads=args.threads, k_domain=args.kv_domain, encoder=args.kv_encoder, extra=extra)
 
 
 def cmd_fetch(args) -> int:
@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama-server's)")
+    p.add_argument("--kv-domain", default=None, choices=["auto", "post", "pre", "centred"],
+                   help="where a --prerope-k file's quantized keys are cached (default auto: pre-RoPE where the file asks)")
+    p.add_argument("--kv-encoder", default=None, choices=["auto", "stock", "lsq"],
+                   help="q4_0 / q5_0 cache writes (default auto: least-squares scales for a converted file)")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="-- then more llama-server arguments")
     p.set_defaults(func=cmd_serve)
 
@@ -356,9 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Evaluate settings K[/V][@TRANSFORM][:rot-on|:rot-off][:centred][:stock-scales|:lsq-scales] against the "
                        f"same model with an f16 cache. Transforms: {', '.join(TRANSFORMS)}, kvbits-B (per-layer "
                        "types; K/V 'auto'); what each bakes in: pykvq/suite/settings.py. ':centred' caches a "
-                       "@prerope file's keys after RoPE minus the rotated mean (PYKVQ_K_DOMAIN=centred). "
+                       "@prerope file's keys after RoPE minus the rotated mean (k_domain centred). "
                        "':stock-scales' writes a converted file's q4_0 / q5_0 rows with ggml's encoder instead of "
-                       "least-squares block scales, ':lsq-scales' a stock file's with them (PYKVQ_ENCODER). "
+                       "least-squares block scales, ':lsq-scales' a stock file's with them (encoder lsq). "
                        "Converted files are cached.")
     _model_arg(p)
     p.add_argument("-s", "--settings", default="full",

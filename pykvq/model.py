@@ -7,7 +7,6 @@ sequences and state. Generation (pykvq/generation.py) and quality against a base
 from __future__ import annotations
 
 import os
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,30 +41,24 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
-# k_domain= / encoder= of Model: what PYKVQ_K_DOMAIN / PYKVQ_ENCODER say for that one context (None: the environment's)
+# k_domain= / encoder= of Model: that context's pykvq settings (None: the process default, else the environment's
+# PYKVQ_K_DOMAIN / PYKVQ_ENCODER, else auto)
 K_DOMAINS = (None, "auto", "post", "pre", "centred")
 ENCODERS = (None, "auto", "stock", "lsq")
-_CONTEXT_ENV_LOCK = threading.Lock()
+_ROT_NAMES = {-1: "auto", 0: "off", 1: "on"}
 
 
 @contextmanager
-def _context_env(**values: str | None):
-    """Set the PYKVQ_<NAME> variables the runtime reads when it makes a context (None: leave as is)."""
-    values = {f"PYKVQ_{k.upper()}": v for k, v in values.items() if v is not None}
-    if not values:
-        yield
-        return
-    with _CONTEXT_ENV_LOCK:
-        old = {k: os.environ.get(k) for k in values}
-        os.environ.update(values)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+def _kvq_params(L, values: dict[str, object]):
+    """A llama_kvq_params holding the settings given (native/llama-kvq.cpp's table); None leaves one to the defaults."""
+    p = L.llama_kvq_params_init()
+    try:
+        for name, v in values.items():
+            if v is not None and not L.llama_kvq_params_set(p, name.encode(), str(v).encode()):
+                raise ValueError(ffi.string(L.llama_kvq_settings_error()).decode())
+        yield p
+    finally:
+        L.llama_kvq_params_free(p)
 
 
 class Model(Generation, Evaluation):
@@ -83,12 +76,15 @@ class Model(Generation, Evaluation):
     n_seq_max: number of sequences the cache holds (seq_cp needs 2 or more).
     kv_unified: one cache buffer shared by all sequences (llama.cpp's kv_unified); False gives each
     sequence a stream of its own, n_ctx / n_seq_max cells.
-    k_domain: where a file converted with --prerope-k has its quantized keys cached (PYKVQ_K_DOMAIN for
-    this context): None/"auto" as the file asks (pre-RoPE), "post" plain post-RoPE, "centred" post-RoPE
-    minus the file's mean rotated with them (CPU only; docs/prerope.md), "pre" every layer pre-RoPE.
-    encoder: how q4_0 / q5_0 cache rows are written (PYKVQ_ENCODER for this context): None/"auto"
-    least-squares block scales for a pykvq-converted file and ggml's stock encoder for any other, "stock" or
-    "lsq" to force one. The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").
+    k_domain: where a file converted with --prerope-k has its quantized keys cached, for this context:
+    None/"auto" as the file asks (pre-RoPE), "post" plain post-RoPE, "centred" post-RoPE minus the file's
+    mean rotated with them (CPU only; docs/prerope.md), "pre" every layer pre-RoPE.
+    encoder: how q4_0 / q5_0 cache rows are written, for this context: None/"auto" least-squares block
+    scales for a pykvq-converted file and ggml's stock encoder for any other, "stock" or "lsq" to force one.
+    The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").
+    k_centre_residual: the centred cache's residual mean energy (x the head's variance; default 0.5).
+    None for any of these three: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL,
+    else auto. self.k_domain / self.encoder say what the context really runs.
 
     Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
     save_logits / kl_divergence (pykvq/evaluation.py).
@@ -100,13 +96,11 @@ class Model(Generation, Evaluation):
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
-                 encoder: str | None = None, _calibration=None):
+                 encoder: str | None = None, k_centre_residual: float | None = None, _calibration=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {', '.join(map(str, ENCODERS))}, got {encoder!r}")
-        self._k_domain_env = k_domain
-        self._encoder_env = encoder
         if path is None:
             from .registry import default_model_path
             path = default_model_path()
@@ -189,8 +183,14 @@ class Model(Generation, Evaluation):
             cp.n_ubatch = cp.n_batch
             L.llama_kvq_calib_attach(_calibration, ffi.addressof(cp))
         log.clear()
-        with _context_env(k_domain=k_domain, encoder=encoder):   # the runtime reads them when it makes the context
-            self._ctx = L.llama_kvq_init_from_model(self._model, cp, rot_k, rot_v)
+        settings = dict(attn_rot_k=_ROT_NAMES[rot_k], attn_rot_v=_ROT_NAMES[rot_v], k_domain=k_domain,
+                        encoder=encoder, k_centre_residual=k_centre_residual)
+        try:
+            with _kvq_params(L, settings) as kvq:
+                self._ctx = L.llama_kvq_init_from_model_params(self._model, cp, kvq)
+        except ValueError:
+            self.close()
+            raise
         if self._ctx == ffi.NULL:
             self.close()
             raise CacheTypeError(
@@ -278,23 +278,24 @@ class Model(Generation, Evaluation):
             out.append("pre-RoPE centred K statistics")
         return out
 
+    def setting(self, name: str) -> str | None:
+        """What this context runs for a pykvq setting (llama_kvq_get): k_domain "pre" / "centred" / "post",
+        encoder "lsq" / "stock", attn_rot_k / attn_rot_v "on" / "off"; None without an attention KV cache."""
+        buf = ffi.new("char[64]")
+        n = self._lib.llama_kvq_get(self._ctx, name.encode(), buf, len(buf))
+        return ffi.string(buf).decode() if n >= 0 else None
+
     @property
     def k_domain(self) -> str:
-        """'pre-RoPE' when the file asks for a pre-RoPE key cache and PYKVQ_K_DOMAIN does not say post
-        (the runtime applies it to quantized K layers of plain KV caches), 'centred post-RoPE' with
-        PYKVQ_K_DOMAIN=centred (the same file's mean taken off post-RoPE keys), else 'post-RoPE'."""
-        env = self._k_domain_env or os.environ.get("PYKVQ_K_DOMAIN")
-        if self.meta(Keys.Cache.K_DOMAIN) != Values.K_DOMAIN_PREROPE or env == "post":
-            return "post-RoPE"
-        return "centred post-RoPE" if env == "centred" else "pre-RoPE"
+        """Where this context caches its keys: 'pre-RoPE' (some layer pre-RoPE: a --prerope-k file's quantized
+        K layers), 'centred post-RoPE' (k_domain="centred"), else 'post-RoPE'."""
+        return {"pre": "pre-RoPE", "centred": "centred post-RoPE"}.get(self.setting("k_domain"), "post-RoPE")
 
     @property
     def encoder(self) -> str:
-        """'least-squares' when q4_0 / q5_0 cache rows are written with least-squares block scales (a
-        pykvq-converted file, or PYKVQ_ENCODER=lsq), else 'stock'."""
-        env = self._encoder_env or os.environ.get("PYKVQ_ENCODER") or "auto"
-        lsq = env == "lsq" or (env == "auto" and self.meta(Keys.General.VERSION) is not None)
-        return "least-squares" if lsq else "stock"
+        """'least-squares' when this context writes q4_0 / q5_0 cache rows with least-squares block scales (a
+        pykvq-converted file, or encoder="lsq"), else 'stock'."""
+        return "least-squares" if self.setting("encoder") == "lsq" else "stock"
 
     def transforms(self) -> str:
         """The transforms active on the KV cache, in words (for logs)."""

@@ -35,9 +35,10 @@ def server_binary() -> Path:
 
 def server_command(model: str | os.PathLike, *, cache_type_k: str | None = None, cache_type_v: str | None = None,
                    host: str = "127.0.0.1", port: int = 8080, n_parallel: int = 1, n_ctx: int | None = None,
-                   threads: int | None = None, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+                   threads: int | None = None, k_domain: str | None = None, encoder: str | None = None,
+                   extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The llama-server command line: flash attention on (quantized V needs it), the given cache types or
-    the file's, n_ctx shared by n_parallel slots."""
+    the file's, n_ctx shared by n_parallel slots; k_domain / encoder as llama-server's --kv-domain / --kv-encoder."""
     for t in (cache_type_k, cache_type_v):
         if t is not None:
             resolve(t)                      # an unknown name fails here, with the list of known ones
@@ -51,6 +52,10 @@ def server_command(model: str | os.PathLike, *, cache_type_k: str | None = None,
         cmd += ["-ctk", cache_type_k]
     if cache_type_v:
         cmd += ["-ctv", cache_type_v]
+    if k_domain:
+        cmd += ["--kv-domain", k_domain]
+    if encoder:
+        cmd += ["--kv-encoder", encoder]
     return cmd + list(extra)
 
 

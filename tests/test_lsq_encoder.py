@@ -169,7 +169,7 @@ def test_converted_file_gets_least_squares_scales(smollm2_prerope, smollm2, f16_
     assert kld["least-squares"] < kld["stock"], kld
     # what the runtime itself chose (its log line), for a stock file by default and when forced
     for enc, said in ((None, "stock encoder (not a pykvq-converted file)"),
-                      ("lsq", "least-squares block scales (PYKVQ_ENCODER)")):
+                      ("lsq", "least-squares block scales (the encoder setting)")):
         with Model(smollm2, n_ctx=256, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, encoder=enc) as m:
             assert m.encoder == ("least-squares" if enc else "stock")
             assert f"q4_0 / q5_0 cache writes: {said}" in "".join(log.recent()), said

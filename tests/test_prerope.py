@@ -461,3 +461,46 @@ def test_mrope_is_refused_by_the_converter_and_kept_post_rope_at_run_time(smollm
     assert "pre-RoPE key cache in 0 of 30 layers" in text
     with Model(path, k_domain="post", **kw) as m:
         assert np.array_equal(got, m.eval_logits(toks, output_from=0))
+
+
+def test_settings_are_per_context_and_reported_as_run(smol_pre, monkeypatch):
+    """Key domain and encoder are parameters of each context (llama_kvq_params): three contexts of one process
+    run three settings side by side, the environment untouched; each reports what it runs (llama_kvq_get), and
+    gives the logits it gives alone. The environment is the fallback, below an explicit setting."""
+    kw = dict(n_ctx=256, cache_type_k="q4_0", cache_type_v="f16", flash_attn=True)
+    toks = list(range(1000, 1040))
+    env = dict(os.environ)
+    with Model(smol_pre, k_domain="post", **kw) as a, Model(smol_pre, **kw) as b, \
+            Model(smol_pre, k_domain="centred", encoder="stock", **kw) as c:
+        assert dict(os.environ) == env
+        assert (a.k_domain, b.k_domain, c.k_domain) == ("post-RoPE", "pre-RoPE", "centred post-RoPE")
+        assert (a.encoder, b.encoder, c.encoder) == ("least-squares", "least-squares", "stock")
+        assert a.setting("attn_rot_k") == "on" and a.setting("no_such_setting") is None
+        got = {m: m.eval_logits(toks, output_from=0) for m in (a, b, c)}
+    assert not np.array_equal(got[a], got[b]) and not np.array_equal(got[b], got[c])
+    with Model(smol_pre, k_domain="post", **kw) as alone:
+        assert np.array_equal(alone.eval_logits(toks, output_from=0), got[a])
+    monkeypatch.setenv("PYKVQ_K_DOMAIN", "post")
+    with Model(smol_pre, **kw) as m:
+        assert m.k_domain == "post-RoPE"
+    with Model(smol_pre, k_domain="auto", **kw) as m:
+        assert m.k_domain == "pre-RoPE"
+    with pytest.raises(ValueError, match=r"k_centre_residual = 'half': expected a number >= 0"):
+        Model(smol_pre, k_centre_residual="half", **kw)
+
+
+def test_tools_take_the_settings_as_flags(smol_pre, tmp_path):
+    """llama tools: --kv-domain / --kv-encoder (PYKVQ_K_DOMAIN / PYKVQ_ENCODER as their environment fallback);
+    a bad value is refused by the argument parser, naming the setting."""
+    from conftest import run_tool
+    base = ["-m", smol_pre, "-p", "The capital of France is", "-n", "2", "--temp", "0", "-no-cnv", "-fa", "on",
+            "-c", "256", "-t", "2", "-ctk", "q4_0", "-ctv", "q4_0", "-lv", "4"]
+    res = run_tool("llama-completion", *base, "--kv-domain", "post", "--kv-encoder", "stock", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "pre-RoPE key cache off (k_domain = post)" in res.stderr
+    assert "q4_0 / q5_0 cache writes: stock encoder (the encoder setting)" in res.stderr
+    res = run_tool("llama-completion", *base, timeout=300, env={"PYKVQ_K_DOMAIN": "centred"})
+    assert res.returncode == 0 and "centred post-RoPE key cache in 30 of 30 layers" in res.stderr, res.stderr[-2000:]
+    res = run_tool("llama-completion", *base, "--kv-domain", "sideways", timeout=300)
+    assert res.returncode != 0 and "k_domain = 'sideways': expected auto, post, pre or centred" in res.stderr, \
+        res.stderr[-2000:]

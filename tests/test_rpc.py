@@ -154,7 +154,7 @@ def test_prerope_cache_is_refused_on_worker_without_kernels(smollm2_prerope, wor
         proxy.close()
     assert res.returncode != 0
     want = ("the pre-RoPE key cache has kernels for CPU and CUDA only, not for this RPC worker's backend"
-            if domain == "pre" else "the centred key cache (PYKVQ_K_DOMAIN=centred) has CPU kernels only, not this RPC")
+            if domain == "pre" else "the centred key cache (--kv-domain centred) has CPU kernels only, not this RPC")
     assert want in res.stderr, res.stderr[-3000:]
     assert "-nkvo" in res.stderr
 

@@ -28,6 +28,36 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model(
 // the rotation of contexts created later in this process by llama_init_from_model (the tools' -rotk / -rotv)
 LLAMA_API void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v);
 
+// ---- per-context settings by name (native/llama-kvq.cpp holds the table) -------------------------------------
+//   attn_rot_k, attn_rot_v  auto | on | off        the online Hadamard rotation of the K / V cache
+//   k_domain                auto | post | pre | centred   where a --prerope-k file's quantized keys are cached
+//   encoder                 auto | stock | lsq     how q4_0 / q5_0 cache rows are written (auto: lsq for a converted file)
+//   k_centre_residual       a number >= 0          the mean energy a centred cache may leave uncorrected (x the variance)
+// A context takes each setting from the llama_kvq_params it is made with, else the process default
+// (llama_kvq_set_default: the tools' flags), else the environment variable PYKVQ_<NAME> (k_domain, encoder,
+// k_centre_residual: for bindings that cannot call these functions), else auto.
+struct llama_kvq_params;
+
+LLAMA_API struct llama_kvq_params * llama_kvq_params_init(void);       // every setting left to the defaults
+LLAMA_API void llama_kvq_params_free(struct llama_kvq_params * params);
+// false for an unknown name or a value the setting does not take (llama_kvq_settings_error says which)
+LLAMA_API bool llama_kvq_params_set(struct llama_kvq_params * params, const char * name, const char * value);
+LLAMA_API bool llama_kvq_set_default(const char * name, const char * value);
+LLAMA_API const char * llama_kvq_settings_error(void);                 // the last refusal on this thread
+// the table: the name of setting i, what it takes, its environment variable (NULL: none); NULL past the end
+LLAMA_API const char * llama_kvq_setting_name(int32_t i);
+LLAMA_API const char * llama_kvq_setting_values(int32_t i);
+LLAMA_API const char * llama_kvq_setting_env(int32_t i);
+
+// llama_init_from_model with the settings of kvq (NULL: the defaults)
+LLAMA_API struct llama_context * llama_kvq_init_from_model_params(
+        struct llama_model * model, struct llama_context_params params, const struct llama_kvq_params * kvq);
+
+// what context ctx really runs for a setting, as text in buf: k_domain "pre" / "centred" / "post" (any layer
+// pre-RoPE or centred, else post), encoder "lsq" / "stock", attn_rot_k / _v "on" / "off". Returns the length
+// (snprintf's), -1 for a name it cannot answer or a context without an attention KV cache
+LLAMA_API int32_t llama_kvq_get(const struct llama_context * ctx, const char * name, char * buf, size_t size);
+
 // ggml type id of layer il's K (v = false) or V cache, -1 if the layer has no KV cache
 LLAMA_API int32_t llama_kvq_layer_type(const struct llama_context * ctx, int32_t il, bool v);
 

@@ -85,7 +85,8 @@ const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is
 
 // "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/cuda/kvq-prerope.cuh, or an RPC
 // worker whose HELLO says its backends have them), else the error the context raises, naming the device and the ways out
-std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev);
+// (centred: the centred post-RoPE cache, whose kernels are the CPU's only)
+std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev, bool centred);
 
 // the file's statistics of layer il, checked once when the context turns the layer pre-RoPE: F32, finite,
 // scale > 0; throws std::runtime_error naming the tensor and element otherwise
@@ -96,17 +97,17 @@ void llama_kvq_prerope_check_stats(const ggml_tensor * mean, const ggml_tensor *
 ggml_tensor * llama_kvq_prerope_store(ggml_context * ctx, ggml_tensor * k_rope, ggml_tensor * mean, ggml_tensor * scale,
                                       llama_kvq_prerope_fa & fa, int il);
 
-// the centred post-RoPE cache (PYKVQ_K_DOMAIN=centred): the same ROPE node applied to k_pre - centre, centre being
+// the centred post-RoPE cache (k_domain = centred): the same ROPE node applied to k_pre - centre, centre being
 // the layer's kept mean pairs (F32 [DK, n_head_kv] host values, a graph input fa.mean filled from them)
 ggml_tensor * llama_kvq_centred_store(ggml_context * ctx, ggml_tensor * k_rope, const std::vector<float> & centre,
                                       llama_kvq_prerope_fa & fa, int il);
 
 // the pairs of a head's mean a centred cache keeps: by energy m_a^2 + m_b^2, the fewest that leave a residual
-// mean energy of at most LLAMA_KVQ_CENTRE_RESIDUAL x the head's summed variance var (the per-token spread a
+// mean energy of at most residual (the k_centre_residual setting) x the head's summed variance var (the per-token spread a
 // quantizer covers anyway; empty var: every pair with a mean); the others are zeroed. mean, var: [n_head_kv][DK]
 #define LLAMA_KVQ_CENTRE_RESIDUAL 0.5
 int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> & var, int64_t DK, int64_t n_head_kv,
-                           int n_dims, bool neox);
+                           int n_dims, bool neox, double residual);
 
 // put positions (I32 [n_kv, n_stream]) and fa on the layer's FLASH_ATTN_EXT node (k_rot: the online Hadamard
 // the stored K was turned by, llama_kvq_new_k_rot's tensor, nullptr for none); throws when fa_node is not one
@@ -126,11 +127,23 @@ int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_d
 // "" when a state's word (have) fits this context's (want), else why not, naming K or V
 std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
 
-// pykvq's per-context settings (native/llama-kvq.cpp). llama_context_params has no room for them: they come
-// from llama_kvq_init_from_model, else the process default (llama_kvq_set_default_attn_rot, the tools' -rotk)
+// pykvq's per-context settings (native/llama-kvq.cpp, the table behind llama_kvq_params_set). llama_context_params
+// has no room for them: they come from llama_kvq_init_from_model_params, else the process default
+// (llama_kvq_set_default: the tools' flags), else the environment
+enum llama_kvq_k_domain {
+    LLAMA_KVQ_K_DOMAIN_AUTO    = -1, // the file's: pre-RoPE for the quantized K layers of a --prerope-k file
+    LLAMA_KVQ_K_DOMAIN_POST    = 0,
+    LLAMA_KVQ_K_DOMAIN_PRE     = 1,  // every layer, an f16 K cache too (for equivalence tests)
+    LLAMA_KVQ_K_DOMAIN_CENTRED = 2,  // quantized K layers after RoPE, minus the file's mean rotated with them
+};
 struct llama_kvq_ctx_opts {
     llama_attn_rot_type attn_rot_k = LLAMA_ATTN_ROT_TYPE_AUTO;
     llama_attn_rot_type attn_rot_v = LLAMA_ATTN_ROT_TYPE_AUTO;
+    int    k_domain        = LLAMA_KVQ_K_DOMAIN_AUTO;
+    int    encoder         = -1;     // -1 auto, else GGML_KVQ_ENCODER_STOCK / _LSQ
+    double centre_residual = LLAMA_KVQ_CENTRE_RESIDUAL;
+    std::string encoder_from;        // who chose the encoder (for the log), empty for auto
+    std::string error;               // a bad value from the environment: making the context fails with it
 };
 
 // the settings for the llama_init_from_model call being made on this thread
@@ -170,6 +183,8 @@ struct llama_kvq_layer_desc {
     uint32_t n_embd_v_gqa = 0;
     int32_t  il_owner = -1;   // the layer whose cache tensors these are (differs for a layer that reuses another's)
     bool     host_k = true;   // the K cache tensor is in host memory (a CPU buffer)
+    int32_t  k_domain = LLAMA_KVQ_K_DOMAIN_POST;  // where the layer's keys are cached
+    int32_t  encoder  = GGML_KVQ_ENCODER_STOCK;   // the q4_0 / q5_0 writes' encoder of the cache holding the layer
 };
 
 // one entry per model layer [0, n_layer) for every attention KV cache a memory holds (plain, iSWA, hybrid)
