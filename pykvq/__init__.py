@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-
-from . import _lib
 from .cache_types import CACHE_TYPES, GGML_TYPES
 from .errors import (CacheTypeError, ContextOverflowError, DecodeError, FetchError,
                      LibraryNotFoundError, ModelLoadError, PykvqError)
@@ -23,11 +21,12 @@ __version__ = "0.1.0"
 # ggml type ids by their C names: pykvq.GGML_TYPE_NUQ4, pykvq.GGML_TYPE_BFP4_32, pykvq.GGML_TYPE_Q4_0, ...
 globals().update(GGML_TYPES)
 
-# llama-cpp-python loads libllama from $LLAMA_CPP_LIB_PATH: point it at pykvq's patched build, so
-# `import pykvq` before `import llama_cpp` is all a llama_cpp.Llama user needs (an explicit setting wins)
-_lib.export_lib_path_for_llama_cpp()
+# llama-cpp-python loads libllama from $LLAMA_CPP_LIB_PATH: pykvq.use_with_llama_cpp() before `import llama_cpp`
+# points it at pykvq's patched build (importing pykvq changes nothing in the environment)
+from ._lib import llama_cpp_lib_path, use_with_llama_cpp  # noqa: E402
 
-__all__ = ["Model", "generate", "system_info", "native_version", "KVCacheInfo", "KLDResult",
+__all__ = ["Model", "generate", "system_info", "native_version", "llama_cpp_lib_path", "use_with_llama_cpp",
+           "KVCacheInfo", "KLDResult",
            "PerplexityResult", "CACHE_TYPES", "PykvqError", "LibraryNotFoundError", "ModelLoadError",
            "CacheTypeError", "ContextOverflowError", "DecodeError", "FetchError", *GGML_TYPES]
 

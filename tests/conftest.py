@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import native_decls  # noqa: F401  (the declarations only the tests use, added to pykvq's FFI)
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "build" / "bin"
 

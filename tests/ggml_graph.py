@@ -6,6 +6,7 @@ import functools
 import cffi
 import numpy as np
 
+import native_decls  # noqa: F401
 from pykvq import cache_types
 from pykvq._lib import ffi, lib
 

@@ -29,8 +29,8 @@ if importlib.util.find_spec("llama_cpp") is None:
 
 
 def _child(code: str, *args: str) -> str:
-    """Run code in a fresh interpreter that imports pykvq first (as a user's script would); its stdout."""
-    res = subprocess.run([sys.executable, "-c", "import pykvq\n" + textwrap.dedent(code), *args],
+    """Run code in a fresh interpreter that points llama_cpp at pykvq's library first (as a user's script would)."""
+    res = subprocess.run([sys.executable, "-c", "import pykvq\npykvq.use_with_llama_cpp()\n" + textwrap.dedent(code), *args],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -110,7 +110,7 @@ def test_ggml_type_ids_exported():
         assert lib().ggml_type_name(tid) is not None
 
 
-# Run in a fresh interpreter: llama_cpp reads LLAMA_CPP_LIB_PATH once, at import, and `import pykvq` sets it.
+# Run in a fresh interpreter: llama_cpp reads LLAMA_CPP_LIB_PATH once, at import (pykvq.use_with_llama_cpp sets it).
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
