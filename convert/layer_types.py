@@ -9,19 +9,19 @@ holds them, each nuq candidate with its own calibrated codebook.
 """
 from __future__ import annotations
 
+from pykvq import cache_types
+from pykvq.errors import CacheTypeError
 from pykvq.ref import nuq
 
 # bits/value of the candidate types (ggml blocks: 2-byte scale per 32 for q8_0 / q4_0)
-STOCK_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q5_0": 5.5, "f16": 16.0, "bfp4_32": 4.25, "bfp8_32": 8.25, "q53_64": 4.5}
 DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
 
 
 def bits_per_value(type_name: str) -> float:
-    if type_name in nuq.FORMATS:
-        return nuq.FORMATS[type_name].bits_per_value
-    if type_name in STOCK_BITS:
-        return STOCK_BITS[type_name]
-    raise ValueError(f"no bits/value known for {type_name!r}")
+    try:
+        return cache_types.bits_per_value(type_name)
+    except CacheTypeError:
+        raise ValueError(f"no bits/value known for {type_name!r}") from None
 
 
 def assign(errors: dict, budget: float, ladder=DEFAULT_LADDER) -> dict:

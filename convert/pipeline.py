@@ -340,7 +340,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             {(i, w): t for i, (a, b) in enumerate(zip(rep.layer_types_k, rep.layer_types_v)) for w, t in (("k", a), ("v", b))})
     else:
         rep.bits_per_value = (layer_types.bits_per_value(type_k) + layer_types.bits_per_value(type_v)) / 2 \
-            if all(t in layer_types.STOCK_BITS or _is_nuq(t) for t in (type_k, type_v)) else None
+            if all(t in cache_types.CACHE_TYPES for t in (type_k, type_v)) else None
     for which, cbs in (("k", cb_k), ("v", cb_v)):
         for i, cb in cbs.items():
             padded = np.zeros(16, np.int8)
@@ -445,11 +445,4 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
 
 
 def _block(type_name: str) -> int:
-    from pykvq.ref import bfp, nuq, q53
-    if type_name in bfp.FORMATS:
-        return bfp.FORMATS[type_name].block
-    if type_name in nuq.FORMATS:
-        return nuq.FORMATS[type_name].block
-    if type_name == "q53_64":
-        return q53.QK
-    return 1 if type_name in cache_types.UNQUANTIZED else 32
+    return cache_types.block_size(type_name)

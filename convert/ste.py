@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from pykvq.ref import bfp, nuq, roundtrip
+from pykvq import cache_types
+from pykvq.ref import nuq, roundtrip
 
 
 def block_of(type_name: str) -> tuple[int, bool]:
     """(block size, has an outlier slot) of a quantized cache type."""
-    if type_name in nuq.FORMATS:
-        f = nuq.FORMATS[type_name]
-        return f.block, bool(f.outliers)
-    if type_name in bfp.FORMATS:
-        return bfp.FORMATS[type_name].block, False
-    return 32, False                      # q4_0, q8_0, q5_0, iq4_nl (q4_0 stands in): blocks of 32
+    if type_name in cache_types.KVQ_TYPES:
+        t = cache_types.KVQ_TYPES[type_name]
+        return t.qk, t.outliers
+    return cache_types.block_size(type_name), False
 
 
 def exact_error(x: np.ndarray, type_name: str, codebook: np.ndarray | None = None) -> np.ndarray:

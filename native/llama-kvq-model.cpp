@@ -22,8 +22,7 @@ static bool kvq_cache_type_ok(ggml_type t) {
         case GGML_TYPE_Q4_1: case GGML_TYPE_IQ4_NL: case GGML_TYPE_Q5_0: case GGML_TYPE_Q5_1:
             return true;
         default:
-            return llama_kvq_is_nuq(t) || t == GGML_TYPE_BFP4_32 || t == GGML_TYPE_BFP4_64 || t == GGML_TYPE_BFP8_32 ||
-                   t == GGML_TYPE_Q53_64;
+            return ggml_kvq_type_is_kvq(t);
     }
 }
 

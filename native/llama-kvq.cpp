@@ -83,8 +83,10 @@ int kvq_setting_index(const char * name) {
 
 thread_local std::string t_error;
 
+} // namespace
+
 // settings given by name, kept as text: a context parses each at creation (llama_kvq_ctx_opts_for_call)
-struct kvq_given {
+struct llama_kvq_params {
     std::string value[k_n_settings];
     bool        given[k_n_settings] = {};
 
@@ -109,9 +111,11 @@ struct kvq_given {
     }
 };
 
+namespace {
+
 std::mutex g_defaults_mutex;
-kvq_given  g_defaults;                                        // llama_kvq_set_default: the tools' flags
-thread_local const kvq_given          * t_request = nullptr; // llama_kvq_init_from_model_params' settings
+llama_kvq_params g_defaults;                                        // llama_kvq_set_default: the tools' flags
+thread_local const llama_kvq_params   * t_request = nullptr; // llama_kvq_init_from_model_params' settings
 thread_local const llama_kvq_ctx_opts * t_current = nullptr; // what the constructor being run sees
 
 const char * kvq_rot_str(llama_attn_rot_type r) {
@@ -119,8 +123,6 @@ const char * kvq_rot_str(llama_attn_rot_type r) {
 }
 
 } // namespace
-
-struct llama_kvq_params : kvq_given {};
 
 llama_kvq_params * llama_kvq_params_init(void) {
     return new llama_kvq_params();
@@ -153,7 +155,7 @@ void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum ll
 }
 
 llama_context * llama_kvq_init_from_model_params(llama_model * model, llama_context_params params, const llama_kvq_params * kvq) {
-    const kvq_given * prev = t_request;
+    const llama_kvq_params * prev = t_request;
     t_request = kvq;
     llama_context * ctx = llama_init_from_model(model, params);
     t_request = prev;
@@ -169,7 +171,7 @@ llama_context * llama_kvq_init_from_model(llama_model * model, llama_context_par
 }
 
 llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call() {
-    kvq_given defaults;
+    llama_kvq_params defaults;
     {
         std::lock_guard<std::mutex> lock(g_defaults_mutex);
         defaults = g_defaults;

@@ -113,14 +113,12 @@ KVQ_HD void kvq_put_f16(uint8_t * p, float f) {
 // ---- type facts ---------------------------------------------------------------------------
 
 template <ggml_type T> struct kvq_traits;
-template <> struct kvq_traits<GGML_TYPE_BFP4_32> { static constexpr int qk = 32; static constexpr int bs = 17; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
-template <> struct kvq_traits<GGML_TYPE_BFP4_64> { static constexpr int qk = 64; static constexpr int bs = 33; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
-template <> struct kvq_traits<GGML_TYPE_BFP8_32> { static constexpr int qk = 32; static constexpr int bs = 33; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
-template <> struct kvq_traits<GGML_TYPE_NUQ4>    { static constexpr int qk = 32; static constexpr int bs = 18; static constexpr int ncodes = 16; static constexpr bool outl = false; };
-template <> struct kvq_traits<GGML_TYPE_NUQ3>    { static constexpr int qk = 32; static constexpr int bs = 14; static constexpr int ncodes = 8;  static constexpr bool outl = false; };
-template <> struct kvq_traits<GGML_TYPE_NUQ2>    { static constexpr int qk = 32; static constexpr int bs = 10; static constexpr int ncodes = 4;  static constexpr bool outl = false; };
-template <> struct kvq_traits<GGML_TYPE_NUQ3O>   { static constexpr int qk = 64; static constexpr int bs = 29; static constexpr int ncodes = 8;  static constexpr bool outl = true;  };
-template <> struct kvq_traits<GGML_TYPE_NUQ2O>   { static constexpr int qk = 64; static constexpr int bs = 21; static constexpr int ncodes = 4;  static constexpr bool outl = true;  };
+// pykvq's types, one per row of ggml-kvq-types.h
+#define KVQ_TRAITS_ROW(name, NAME, id, qk_, family, vdt, VDT, cuda, codes, outl_, bits, ...)         \
+    template <> struct kvq_traits<GGML_TYPE_##NAME> {                                                \
+        static constexpr int qk = qk_; static constexpr int bs = sizeof(block_##name);              \
+        static constexpr int ncodes = codes; static constexpr bool outl = outl_; };
+GGML_KVQ_TYPES(KVQ_TRAITS_ROW, 0)
 // stock types the decode kernel also reads (K of the mixed pairs)
 template <> struct kvq_traits<GGML_TYPE_Q8_0>    { static constexpr int qk = 32; static constexpr int bs = 34; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
 template <> struct kvq_traits<GGML_TYPE_F16>     { static constexpr int qk = 1;  static constexpr int bs = 2;  static constexpr int ncodes = 0;  static constexpr bool outl = false; };
@@ -128,11 +126,6 @@ template <> struct kvq_traits<GGML_TYPE_F16>     { static constexpr int qk = 1; 
 template <> struct kvq_traits<GGML_TYPE_Q4_0>    { static constexpr int qk = 32; static constexpr int bs = 18; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
 template <> struct kvq_traits<GGML_TYPE_Q5_0>    { static constexpr int qk = 32; static constexpr int bs = 22; static constexpr int ncodes = 0;  static constexpr bool outl = false; };
 
-static_assert(kvq_traits<GGML_TYPE_BFP4_32>::bs == sizeof(block_bfp4_32) && kvq_traits<GGML_TYPE_BFP4_64>::bs == sizeof(block_bfp4_64) &&
-              kvq_traits<GGML_TYPE_BFP8_32>::bs == sizeof(block_bfp8_32) && kvq_traits<GGML_TYPE_NUQ4>::bs == sizeof(block_nuq4) &&
-              kvq_traits<GGML_TYPE_NUQ3>::bs == sizeof(block_nuq3) && kvq_traits<GGML_TYPE_NUQ2>::bs == sizeof(block_nuq2) &&
-              kvq_traits<GGML_TYPE_NUQ3O>::bs == sizeof(block_nuq3o) && kvq_traits<GGML_TYPE_NUQ2O>::bs == sizeof(block_nuq2o),
-              "block sizes of ggml-kvq.h");
 
 template <ggml_type T> constexpr bool kvq_is_nuq() { return kvq_traits<T>::ncodes > 0; }
 

@@ -44,17 +44,13 @@ static kvq_cb kvq_node_codebook(const ggml_tensor * node, ggml_type type, bool s
     return cb;
 }
 
-#define KVQ_TYPE_CASES(F, ...)                                   \
-    switch (type) {                                              \
-        case GGML_TYPE_BFP4_32: F(GGML_TYPE_BFP4_32, __VA_ARGS__); break; \
-        case GGML_TYPE_BFP4_64: F(GGML_TYPE_BFP4_64, __VA_ARGS__); break; \
-        case GGML_TYPE_BFP8_32: F(GGML_TYPE_BFP8_32, __VA_ARGS__); break; \
-        case GGML_TYPE_NUQ4:    F(GGML_TYPE_NUQ4,    __VA_ARGS__); break; \
-        case GGML_TYPE_NUQ3:    F(GGML_TYPE_NUQ3,    __VA_ARGS__); break; \
-        case GGML_TYPE_NUQ2:    F(GGML_TYPE_NUQ2,    __VA_ARGS__); break; \
-        case GGML_TYPE_NUQ3O:   F(GGML_TYPE_NUQ3O,   __VA_ARGS__); break; \
-        case GGML_TYPE_NUQ2O:   F(GGML_TYPE_NUQ2O,   __VA_ARGS__); break; \
-        default: GGML_ABORT("pykvq: %s is not a pykvq type", ggml_type_name(type)); \
+// switch (type) calling F(GGML_TYPE_X, ...) for each type with CUDA kernels (ggml-kvq-types.h's cuda column)
+#define KVQ_TYPE_CASE_ROW(name, NAME, id, qk, family, vdt, VDT, cuda, codes, outl, bits, F, ...) \
+    GGML_KVQ_IF(cuda)(case GGML_TYPE_##NAME: F(GGML_TYPE_##NAME, __VA_ARGS__); break;)
+#define KVQ_TYPE_CASES(F, ...)                                                   \
+    switch (type) {                                                              \
+        GGML_KVQ_TYPES(KVQ_TYPE_CASE_ROW, F, __VA_ARGS__)                        \
+        default: GGML_ABORT("pykvq: %s is not a pykvq type with CUDA kernels", ggml_type_name(type)); \
     }
 
 // the types a SET_ROWS / CPY quantizes into: pykvq's, and stock q4_0 / q5_0 where a SET_ROWS asks for
@@ -130,7 +126,7 @@ static void kvq_cpy_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         }
         return;
     }
-    if (ggml_kvq_type_is_kvq(dst->type)) {
+    if (ggml_kvq_type_has_cuda(dst->type)) {
         kvq_quantize_cuda(ctx, dst, nullptr);
         return;
     }
@@ -218,7 +214,7 @@ static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
     }
     return (mode == GGML_ROPE_TYPE_NORMAL || mode == GGML_ROPE_TYPE_NEOX) &&
            kvq_prerope_fits((int) K->ne[0], n_dims, mode == GGML_ROPE_TYPE_NEOX, n_rot_h) &&
-           (ggml_kvq_type_is_kvq(K->type) || K->type == GGML_TYPE_F16 || K->type == GGML_TYPE_Q8_0 ||
+           (ggml_kvq_type_has_cuda(K->type) || K->type == GGML_TYPE_F16 || K->type == GGML_TYPE_Q8_0 ||
             K->type == GGML_TYPE_Q4_0);
 }
 
@@ -277,7 +273,7 @@ static void kvq_fa_to_f16(const ggml_tensor * t, const kvq_cb & cb, ggml_tensor 
     }
     buf.alloc(ggml_nelements(t));
     s_t->data = buf.ptr;
-    if (ggml_kvq_type_is_kvq(t->type)) {
+    if (ggml_kvq_type_has_cuda(t->type)) {
         kvq_dequant_cuda(t, cb, buf.ptr, s_t->nb[1], s_t->nb[2], s_t->nb[3], stream);
     } else {
         const size_t ts = ggml_type_size(t->type);
@@ -404,7 +400,7 @@ static void kvq_fattn_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 // ---- entry points ----------------------------------------------------------------------------
 
 static bool kvq_involved(const ggml_tensor * op) {
-    if (ggml_kvq_type_is_kvq(op->type) || kvq_lsq_write(op)) {
+    if (ggml_kvq_type_has_cuda(op->type) || kvq_lsq_write(op)) {
         return true;
     }
     // a pre-RoPE K cache of any type: upstream's kernels would read it as rotated keys
@@ -412,7 +408,7 @@ static bool kvq_involved(const ggml_tensor * op) {
         return true;
     }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        if (op->src[i] && ggml_kvq_type_is_kvq(op->src[i]->type)) {
+        if (op->src[i] && ggml_kvq_type_has_cuda(op->src[i]->type)) {
             return true;
         }
     }
@@ -436,7 +432,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
         case GGML_OP_TRANSPOSE:
             return GGML_KVQ_CUDA_NOT_OURS;
         case GGML_OP_SET_ROWS:
-            return (ggml_kvq_type_is_kvq(op->type) || kvq_lsq_write(op)) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
+            return (ggml_kvq_type_has_cuda(op->type) || kvq_lsq_write(op)) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
                    (op->src[1]->type == GGML_TYPE_I64 || op->src[1]->type == GGML_TYPE_I32) &&
                    src0->ne[0] == op->ne[0] && kvq_rows_fit(op)
                 ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
@@ -446,8 +442,8 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
                 return ggml_is_contiguous(src0) && ggml_is_contiguous(op) && ggml_nbytes(src0) == ggml_nbytes(op)
                     ? GGML_KVQ_CUDA_YES : GGML_KVQ_CUDA_NO;
             }
-            const bool quantize   = src0->type == GGML_TYPE_F32 && ggml_kvq_type_is_kvq(op->type);
-            const bool dequantize = ggml_kvq_type_is_kvq(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
+            const bool quantize   = src0->type == GGML_TYPE_F32 && ggml_kvq_type_has_cuda(op->type);
+            const bool dequantize = ggml_kvq_type_has_cuda(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
             return (quantize || dequantize) && ggml_are_same_shape(src0, op) &&
                    src0->nb[0] == ggml_type_size(src0->type) && kvq_rows_fit(quantize ? op : src0) &&
                    op->nb[0] == ggml_type_size(op->type)
@@ -460,7 +456,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
                 return GGML_KVQ_CUDA_NO;
             }
             for (const ggml_tensor * t : { K, V }) {
-                if (ggml_kvq_type_is_kvq(t->type) ? !kvq_rows_fit(t) || t->ne[0] % 8 != 0 : !kvq_fa_stock_to_f16(t->type)) {
+                if (ggml_kvq_type_has_cuda(t->type) ? !kvq_rows_fit(t) || t->ne[0] % 8 != 0 : !kvq_fa_stock_to_f16(t->type)) {
                     return GGML_KVQ_CUDA_NO;
                 }
             }

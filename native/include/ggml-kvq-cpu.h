@@ -90,62 +90,15 @@ ggml_vec_dot_t    ggml_kvq_nuq_cpu_impl_vec_dot(int i, enum ggml_type type);
 ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float(int i, enum ggml_type type);
 ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float_k(int i, enum ggml_type type);
 
-// Entries for ggml-cpu.c's type_traits_cpu table (patch 0002).
-#define GGML_KVQ_TYPE_TRAITS_CPU                                                \
-    [GGML_TYPE_BFP4_32] = {                                                     \
-        .from_float   = quantize_row_bfp4_32,                                   \
-        .vec_dot      = ggml_vec_dot_bfp4_32_bfp8_32,                           \
-        .vec_dot_type = GGML_TYPE_BFP8_32,                                      \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_BFP4_64] = {                                                     \
-        .from_float   = quantize_row_bfp4_64,                                   \
-        .vec_dot      = ggml_vec_dot_bfp4_64_bfp8_32,                           \
-        .vec_dot_type = GGML_TYPE_BFP8_32,                                      \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_BFP8_32] = {                                                     \
-        .from_float   = quantize_row_bfp8_32,                                   \
-        .vec_dot      = ggml_vec_dot_bfp8_32_bfp8_32,                           \
-        .vec_dot_type = GGML_TYPE_BFP8_32,                                      \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_NUQ4] = {                                                        \
-        .from_float   = quantize_row_nuq4,                                      \
-        .vec_dot      = ggml_vec_dot_nuq4_q8_0,                                 \
-        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_NUQ3] = {                                                        \
-        .from_float   = quantize_row_nuq3,                                      \
-        .vec_dot      = ggml_vec_dot_nuq3_q8_0,                                 \
-        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_NUQ2] = {                                                        \
-        .from_float   = quantize_row_nuq2,                                      \
-        .vec_dot      = ggml_vec_dot_nuq2_q8_0,                                 \
-        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_NUQ3O] = {                                                       \
-        .from_float   = quantize_row_nuq3o,                                     \
-        .vec_dot      = ggml_vec_dot_nuq3o_q8_0,                                \
-        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_NUQ2O] = {                                                       \
-        .from_float   = quantize_row_nuq2o,                                     \
-        .vec_dot      = ggml_vec_dot_nuq2o_q8_0,                                \
-        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
-        .nrows        = 1,                                                      \
-    },                                                                          \
-    [GGML_TYPE_Q53_64] = {                                                      \
-        .from_float   = quantize_row_q53_64,                                    \
-        .vec_dot      = ggml_vec_dot_q53_64_q8_0,                               \
-        .vec_dot_type = GGML_TYPE_Q8_0,                                         \
+// Entries for ggml-cpu.c's type_traits_cpu table (patch 0002), one per row of ggml-kvq-types.h.
+#define GGML_KVQ_TRAITS_CPU_ROW(name, NAME, id, qk, family, vdt, VDT, ...)     \
+    [GGML_TYPE_##NAME] = {                                                      \
+        .from_float   = quantize_row_##name,                                    \
+        .vec_dot      = ggml_vec_dot_##name##_##vdt,                            \
+        .vec_dot_type = GGML_TYPE_##VDT,                                        \
         .nrows        = 1,                                                      \
     },
+#define GGML_KVQ_TYPE_TRAITS_CPU GGML_KVQ_TYPES(GGML_KVQ_TRAITS_CPU_ROW, 0)
 
 #ifdef __cplusplus
 }

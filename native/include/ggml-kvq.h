@@ -5,6 +5,7 @@
 #pragma once
 
 #include "ggml.h"
+#include "ggml-kvq-types.h"
 
 #include <stdint.h>
 
@@ -170,13 +171,31 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_q53_64) == 36, "block_q53_64 size");
 
 #define GGML_KVQ_NUQ_MAX_CODES 16
 
-// any of pykvq's types (bfp*, nuq*): their ids are contiguous (patches 0002, 0005)
-GGML_KVQ_HD bool ggml_kvq_type_is_kvq(enum ggml_type type) {
-    return type >= GGML_TYPE_BFP4_32 && type <= GGML_TYPE_NUQ2O;
+// the family of one of pykvq's types (ggml-kvq-types.h), GGML_KVQ_FAMILY_NONE for any other type
+#define GGML_KVQ_FAMILY_CASE(name, NAME, id, qk, family, ...) case GGML_TYPE_##NAME: return GGML_KVQ_FAMILY_##family;
+GGML_KVQ_HD enum ggml_kvq_family ggml_kvq_type_family(enum ggml_type type) {
+    switch (type) {
+        GGML_KVQ_TYPES(GGML_KVQ_FAMILY_CASE, 0)
+        default: return GGML_KVQ_FAMILY_NONE;
+    }
 }
 
-static inline bool ggml_kvq_type_is_nuq(enum ggml_type type) {
-    return type >= GGML_TYPE_NUQ4 && type <= GGML_TYPE_NUQ2O;
+// any of pykvq's types
+GGML_KVQ_HD bool ggml_kvq_type_is_kvq(enum ggml_type type) {
+    return ggml_kvq_type_family(type) != GGML_KVQ_FAMILY_NONE;
+}
+
+GGML_KVQ_HD bool ggml_kvq_type_is_nuq(enum ggml_type type) {
+    return ggml_kvq_type_family(type) == GGML_KVQ_FAMILY_NUQ;
+}
+
+// the pykvq types native/cuda has kernels for (the table's cuda column)
+#define GGML_KVQ_CUDA_CASE(name, NAME, id, qk, family, vdt, VDT, cuda, ...) GGML_KVQ_IF(cuda)(case GGML_TYPE_##NAME: return true;)
+GGML_KVQ_HD bool ggml_kvq_type_has_cuda(enum ggml_type type) {
+    switch (type) {
+        GGML_KVQ_TYPES(GGML_KVQ_CUDA_CASE, 0)
+        default: return false;
+    }
 }
 
 GGML_API bool           ggml_kvq_is_nuq(enum ggml_type type);
@@ -446,80 +465,20 @@ static inline float ggml_kvq_f16_bytes(const uint8_t * p) {
     return ggml_kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
 }
 
-// Entries for ggml.c's type_traits table (patch 0002).
-#define GGML_KVQ_TYPE_TRAITS                                                    \
-    [GGML_TYPE_BFP4_32] = {                                                     \
-        .type_name      = "bfp4_32",                                            \
-        .blck_size      = QK_BFP32,                                             \
-        .type_size      = sizeof(block_bfp4_32),                                \
+// Entries for ggml.c's type_traits table (patch 0002), one per row of ggml-kvq-types.h.
+#define GGML_KVQ_TRAITS_ROW(name, NAME, id, qk, ...)                            \
+    [GGML_TYPE_##NAME] = {                                                      \
+        .type_name      = #name,                                                \
+        .blck_size      = qk,                                                   \
+        .type_size      = sizeof(block_##name),                                 \
         .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_bfp4_32,             \
-        .from_float_ref = (ggml_from_float_t) quantize_row_bfp4_32_ref,         \
-    },                                                                          \
-    [GGML_TYPE_BFP4_64] = {                                                     \
-        .type_name      = "bfp4_64",                                            \
-        .blck_size      = QK_BFP64,                                             \
-        .type_size      = sizeof(block_bfp4_64),                                \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_bfp4_64,             \
-        .from_float_ref = (ggml_from_float_t) quantize_row_bfp4_64_ref,         \
-    },                                                                          \
-    [GGML_TYPE_BFP8_32] = {                                                     \
-        .type_name      = "bfp8_32",                                            \
-        .blck_size      = QK_BFP32,                                             \
-        .type_size      = sizeof(block_bfp8_32),                                \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_bfp8_32,             \
-        .from_float_ref = (ggml_from_float_t) quantize_row_bfp8_32_ref,         \
-    },                                                                          \
-    [GGML_TYPE_NUQ4] = {                                                        \
-        .type_name      = "nuq4",                                               \
-        .blck_size      = QK_NUQ,                                               \
-        .type_size      = sizeof(block_nuq4),                                   \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_nuq4,                \
-        .from_float_ref = (ggml_from_float_t) quantize_row_nuq4_ref,            \
-    },                                                                          \
-    [GGML_TYPE_NUQ3] = {                                                        \
-        .type_name      = "nuq3",                                               \
-        .blck_size      = QK_NUQ,                                               \
-        .type_size      = sizeof(block_nuq3),                                   \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_nuq3,                \
-        .from_float_ref = (ggml_from_float_t) quantize_row_nuq3_ref,            \
-    },                                                                          \
-    [GGML_TYPE_NUQ2] = {                                                        \
-        .type_name      = "nuq2",                                               \
-        .blck_size      = QK_NUQ,                                               \
-        .type_size      = sizeof(block_nuq2),                                   \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_nuq2,                \
-        .from_float_ref = (ggml_from_float_t) quantize_row_nuq2_ref,            \
-    },                                                                          \
-    [GGML_TYPE_NUQ3O] = {                                                       \
-        .type_name      = "nuq3o",                                              \
-        .blck_size      = QK_NUQO,                                              \
-        .type_size      = sizeof(block_nuq3o),                                  \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_nuq3o,               \
-        .from_float_ref = (ggml_from_float_t) quantize_row_nuq3o_ref,           \
-    },                                                                          \
-    [GGML_TYPE_NUQ2O] = {                                                       \
-        .type_name      = "nuq2o",                                              \
-        .blck_size      = QK_NUQO,                                              \
-        .type_size      = sizeof(block_nuq2o),                                  \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_nuq2o,               \
-        .from_float_ref = (ggml_from_float_t) quantize_row_nuq2o_ref,           \
-    },                                                                          \
-    [GGML_TYPE_Q53_64] = {                                                      \
-        .type_name      = "q53_64",                                             \
-        .blck_size      = QK_Q53,                                               \
-        .type_size      = sizeof(block_q53_64),                                 \
-        .is_quantized   = true,                                                 \
-        .to_float       = (ggml_to_float_t) dequantize_row_q53_64,              \
-        .from_float_ref = (ggml_from_float_t) quantize_row_q53_64_ref,          \
+        .to_float       = (ggml_to_float_t) dequantize_row_##name,              \
+        .from_float_ref = (ggml_from_float_t) quantize_row_##name##_ref,        \
     },
+#define GGML_KVQ_TYPE_TRAITS GGML_KVQ_TYPES(GGML_KVQ_TRAITS_ROW, 0)
+
+// whether a row of data holds valid blocks of type (ggml_validate_row_data for pykvq's types, by family)
+GGML_API bool ggml_kvq_validate_row(enum ggml_type type, const void * data, size_t nbytes);
 
 #ifdef __cplusplus
 }

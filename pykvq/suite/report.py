@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from ..cache_types import KVQ_TYPES
 from .speed import UPSTREAM_F16
 from .settings import Setting, parse_setting
 from .store import load
@@ -109,7 +110,7 @@ def plot_speed(rows: list[dict], meta: dict, path: Path) -> None:
     for ax, test, n in ((axes[0], "tg", meta["tg"]), (axes[1], "pp", meta["pp"])):
         for r in rows:
             ys = [r["tokens_per_s"].get(f"{test}{n} @ d{d}") for d in depths]
-            ours = r["label"].startswith(("bfp", "nuq"))
+            ours = r["label"].startswith(tuple(KVQ_TYPES))
             up = r["label"] == UPSTREAM_F16
             ax.plot(depths, ys, marker="o", ls=":" if up else "-" if ours else "--", label=r["label"],
                     lw=2.2 if r["label"] == "f16" else 1.4,

@@ -25,10 +25,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..cache_types import CACHE_TYPES, UNQUANTIZED
+from ..cache_types import CACHE_TYPES, KVQ_TYPES, UNQUANTIZED
 from ..errors import PykvqError
 
-NUQ = ("nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o")
+NUQ = tuple(n for n, t in KVQ_TYPES.items() if t.family == "nuq")
 # transform -> converter flags (before the target cache types)
 TRANSFORMS = {
     "none": None,
@@ -74,9 +74,8 @@ class Setting:
     @property
     def stock(self) -> bool:
         """Only upstream llama.cpp types and no conversion (what a stock build can run)."""
-        ours = ("bfp", "nuq", "q53", "auto")
         return (self.transform == "none" and self.encoder != "lsq"
-                and not any(t.startswith(ours) for t in (self.k, self.v)))
+                and not any(t in KVQ_TYPES or t == "auto" for t in (self.k, self.v)))
 
     def variant(self) -> str | None:
         """Name of the converted file (None: the model as fetched). Stable, so files are reused."""
