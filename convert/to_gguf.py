@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "blk.N.kvq_k_mean / kvq_k_scale (and kvq_k_std) (pykvq.cache.k_domain = prerope); codebooks and "
                         "--kv-bits are fitted in this domain. Measured (KLD vs f16, q4_0 K+V): Qwen2.5-Coder-1.5B "
                         "5.6 -> 0.011, SmolLM2 0.044 -> 0.022, gemma3-270m 0.096 -> 0.017 (docs/RESULTS.md). Needs "
-                        "flash attention; any architecture the runtime runs with standard RoPE")
+                        "flash attention (CPU; CUDA kernels exist, no GPU figure yet); any architecture the runtime "
+                        "runs with standard RoPE. At run time --kv-domain post gives the same file post-RoPE keys")
     p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
                    help="scale of --prerope-k, per channel: fisher = std^0.7 / F^0.15 with F the channel's "
                         "diagonal Fisher on the calibration text (a Fisher-weighted key error behind the online "

@@ -1,8 +1,9 @@
 #pragma once
 
-// pykvq: the llama side of the nuq cache types (non-uniform codebook quantization, native/include/ggml-kvq.h).
+// pykvq: the llama side of the cache types (libllama; native/llama-kvq*.cpp): per-context settings, the cache
+// types and codebooks a file asks for, the pre-RoPE / centred key cache, session states, what a context holds.
 //
-// A nuq cache tensor is dequantized through a per-layer int8 codebook; every graph node that writes or reads
+// Codebooks: a nuq cache tensor is dequantized through a per-layer int8 codebook; every graph node that writes or reads
 // one (SET_ROWS, CPY, GET_ROWS, MUL_MAT, FLASH_ATTN_EXT) is told which codebook to use, nullptr meaning the
 // type's fallback codebook. The helpers are no-ops for other types.
 
