@@ -12,7 +12,7 @@ from __future__ import annotations
 from .cache_types import CACHE_TYPES, GGML_TYPES
 from .errors import (CacheTypeError, ContextOverflowError, DecodeError, FetchError,
                      LibraryNotFoundError, ModelLoadError, PykvqError)
-from .eval import KLDResult, PerplexityResult
+from .metrics import KLDResult, PerplexityResult
 from .cache_info import KVCacheInfo
 from .model import Model
 

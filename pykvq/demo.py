@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .eval import KLDResult
+from .metrics import KLDResult
 from .keys import Keys
 from .model import KVCacheInfo, Model, kld_sweep
 from .suite.settings import Setting, parse_setting

@@ -1,6 +1,6 @@
 """Quality of a Model against a baseline: perplexity, base-logits files, KL divergence.
 
-The chunking and scoring follow llama-perplexity (pykvq/eval.py holds the pure-numpy metrics).
+The chunking and scoring follow llama-perplexity (pykvq/metrics.py holds the pure-numpy metrics).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ContextOverflowError, PykvqError
-from .eval import KLDAccumulator, KLDResult, PerplexityResult, log_softmax, nll, scored_positions
+from .metrics import KLDAccumulator, KLDResult, PerplexityResult, log_softmax, nll, scored_positions
 from .logits_file import LogitsFile, LogitsWriter
 from .progress import progress_bar
 

@@ -23,7 +23,7 @@ from convert.geometry import Geometry, head_rows, pair_channels, pair_perm_to_ch
 from convert.gguf_io import ConvertError, read_gguf, write_gguf
 from convert.rope_layout import neox_to_norm
 from pykvq import Model
-from pykvq.eval import log_softmax
+from pykvq.metrics import log_softmax
 from pykvq.keys import Keys, Tensors, Values
 
 REPO = Path(__file__).resolve().parent.parent

@@ -252,7 +252,7 @@ import os  # noqa: E402
 
 from pykvq import Model, log  # noqa: E402
 from pykvq.errors import DecodeError, PykvqError  # noqa: E402
-from pykvq.eval import log_softmax  # noqa: E402
+from pykvq.metrics import log_softmax  # noqa: E402
 from pykvq.keys import Keys, Tensors  # noqa: E402
 
 

@@ -44,7 +44,7 @@ def test_qwen_smoothing_on_k_quants(qwen, qwen_hf, passage, tmp_path):
     """Power-of-two pair scales on Q4_K / Q6_K rows (block scales d, dmin) and f32 q/k biases: exact
     but for f16-subnormal block scales, which the converter counts and reports."""
     import numpy as np
-    from pykvq.eval import log_softmax
+    from pykvq.metrics import log_softmax
     from test_convert import run_convert
     out = tmp_path / "smooth.gguf"
     res = run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--smooth-qk", "--calib-seqs", "2", "--calib-len", "256")
@@ -61,7 +61,7 @@ def test_qwen_ksort_relayout_and_v_rotation_keep_the_model(qwen, qwen_hf, passag
     """K-sort on a NEOX model (re-laid as NORM, biases moved) + smoothing + V/O Hadamard: within the
     activation-rounding floor of the Q4_K_M file (its matmuls quantize activations to q8_K)."""
     import numpy as np
-    from pykvq.eval import log_softmax
+    from pykvq.metrics import log_softmax
     from test_convert import run_convert
     out = tmp_path / "all.gguf"
     run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--ksort", "--smooth-qk", "--rotate-v", "hadamard",

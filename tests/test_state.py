@@ -21,7 +21,7 @@ from gguf_variants import variant
 
 from pykvq import Model, log
 from pykvq.errors import DecodeError
-from pykvq.eval import log_softmax
+from pykvq.metrics import log_softmax
 
 N_CTX = 512          # two sequences of 256 cells each (non-unified streams)
 N_PROMPT = 48        # the state is saved after N_PROMPT - 1 tokens
