@@ -166,6 +166,26 @@ static inline void nuq_mids(const int8_t * cb, int n_codes, float * mid) {
     }
 }
 
+// one row through a SIMD variant's block indexer (nuq_index_block_<isa>: the block's scale and each value's index):
+// the dense part of each block (its outlier, if any, set aside), then the format's packer
+typedef float (*nuq_index_block_t)(const float * x, int qk, const float * mid, int nm, uint8_t * idx);
+NUQ_INLINE void nuq_quantize_simd(const enum ggml_type t, const float * x, void * vy, int64_t k, nuq_index_block_t index_block) {
+    const int nm = nuq_n_codes(t) - 1;
+    float mid[GGML_KVQ_NUQ_MAX_CODES - 1];
+    nuq_mids(nuq_cb_a(t), nm + 1, mid);
+    const int    qk = nuq_qk(t);
+    const size_t bs = nuq_bs(t);
+    uint8_t idx[QK_NUQO];
+    float   tmp[QK_NUQO];
+    for (int64_t i = 0; i < k / qk; ++i, x += qk) {
+        int   oi;
+        float ov;
+        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
+        const float d = index_block(xb, qk, mid, nm, idx);
+        ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
+    }
+}
+
 // index of value j of a block (scalar; the outlier correction needs one)
 NUQ_INLINE int nuq_idx_at(const enum ggml_type t, const uint8_t * b, int j) {
     switch (t) {
@@ -383,7 +403,11 @@ static inline float nuq_hmax_avx2(__m256 v) {
 }
 
 // the dense part of one block of qk (32 or 64) values -> idx[], returns d
-static inline float nuq_index_block_avx2(const float * x, int qk, const __m256 * vm, int nm, uint8_t * idx) {
+static inline float nuq_index_block_avx2(const float * x, int qk, const float * mid, int nm, uint8_t * idx) {
+    __m256 vm[GGML_KVQ_NUQ_MAX_CODES - 1];
+    for (int m = 0; m < nm; ++m) {
+        vm[m] = _mm256_set1_ps(mid[m]);
+    }
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 acc = _mm256_setzero_ps();
     for (int j = 0; j < qk; j += 8) {
@@ -413,26 +437,6 @@ static inline float nuq_index_block_avx2(const float * x, int qk, const __m256 *
     return d;
 }
 
-NUQ_INLINE void nuq_quantize_avx2(const enum ggml_type t, const float * x, void * vy, int64_t k) {
-    const int nm = nuq_n_codes(t) - 1;
-    float  mid[GGML_KVQ_NUQ_MAX_CODES - 1];
-    __m256 vm[GGML_KVQ_NUQ_MAX_CODES - 1];
-    nuq_mids(nuq_cb_a(t), nm + 1, mid);
-    for (int m = 0; m < nm; ++m) {
-        vm[m] = _mm256_set1_ps(mid[m]);
-    }
-    const int    qk = nuq_qk(t);
-    const size_t bs = nuq_bs(t);
-    uint8_t idx[QK_NUQO];
-    float   tmp[QK_NUQO];
-    for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        int   oi;
-        float ov;
-        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
-        const float d = nuq_index_block_avx2(xb, qk, vm, nm, idx);
-        ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
-    }
-}
 #endif // __AVX2__
 
 //
@@ -505,7 +509,11 @@ static inline void nuq_store32_avx512(float * y, const __m256i q, const float d)
     _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
 }
 
-static inline float nuq_index_block_avx512(const float * x, int qk, const __m512 * vm, int nm, uint8_t * idx) {
+static inline float nuq_index_block_avx512(const float * x, int qk, const float * mid, int nm, uint8_t * idx) {
+    __m512 vm[GGML_KVQ_NUQ_MAX_CODES - 1];
+    for (int m = 0; m < nm; ++m) {
+        vm[m] = _mm512_set1_ps(mid[m]);
+    }
     __m512 acc = _mm512_setzero_ps();
     for (int j = 0; j < qk; j += 16) {
         acc = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), acc);   // NaN leaves acc
@@ -527,26 +535,6 @@ static inline float nuq_index_block_avx512(const float * x, int qk, const __m512
     return d;
 }
 
-NUQ_INLINE void nuq_quantize_avx512(const enum ggml_type t, const float * x, void * vy, int64_t k) {
-    const int nm = nuq_n_codes(t) - 1;
-    float  mid[GGML_KVQ_NUQ_MAX_CODES - 1];
-    __m512 vm[GGML_KVQ_NUQ_MAX_CODES - 1];
-    nuq_mids(nuq_cb_a(t), nm + 1, mid);
-    for (int m = 0; m < nm; ++m) {
-        vm[m] = _mm512_set1_ps(mid[m]);
-    }
-    const int    qk = nuq_qk(t);
-    const size_t bs = nuq_bs(t);
-    uint8_t idx[QK_NUQO];
-    float   tmp[QK_NUQO];
-    for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        int   oi;
-        float ov;
-        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
-        const float d = nuq_index_block_avx512(xb, qk, vm, nm, idx);
-        ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
-    }
-}
 #endif // AVX-512
 
 //
@@ -667,7 +655,11 @@ NUQ_INLINE void nuq_to_float_neon(const enum ggml_type t, const int8_t * cb, con
     }
 }
 
-static inline float nuq_index_block_neon(const float * x, int qk, const float32x4_t * vm, int nm, uint8_t * idx) {
+static inline float nuq_index_block_neon(const float * x, int qk, const float * mid, int nm, uint8_t * idx) {
+    float32x4_t vm[GGML_KVQ_NUQ_MAX_CODES - 1];
+    for (int m = 0; m < nm; ++m) {
+        vm[m] = vdupq_n_f32(mid[m]);
+    }
     float32x4_t acc = vdupq_n_f32(0.0f);
     for (int j = 0; j < qk; j += 4) {
         const float32x4_t v = vld1q_f32(x + j);
@@ -698,26 +690,6 @@ static inline float nuq_index_block_neon(const float * x, int qk, const float32x
     return d;
 }
 
-NUQ_INLINE void nuq_quantize_neon(const enum ggml_type t, const float * x, void * vy, int64_t k) {
-    const int nm = nuq_n_codes(t) - 1;
-    float       mid[GGML_KVQ_NUQ_MAX_CODES - 1];
-    float32x4_t vm[GGML_KVQ_NUQ_MAX_CODES - 1];
-    nuq_mids(nuq_cb_a(t), nm + 1, mid);
-    for (int m = 0; m < nm; ++m) {
-        vm[m] = vdupq_n_f32(mid[m]);
-    }
-    const int    qk = nuq_qk(t);
-    const size_t bs = nuq_bs(t);
-    uint8_t idx[QK_NUQO];
-    float   tmp[QK_NUQO];
-    for (int64_t i = 0; i < k / qk; ++i, x += qk) {
-        int   oi;
-        float ov;
-        const float * xb = nuq_dense(t, x, qk, tmp, &oi, &ov);
-        const float d = nuq_index_block_neon(xb, qk, vm, nm, idx);
-        ggml_kvq_nuq_pack(t, idx, d, ov, oi, (char *) vy + i*bs);
-    }
-}
 #endif // NEON
 
 //
@@ -740,7 +712,7 @@ NUQ_TYPES(NUQ_INST_GENERIC)
 #if defined(__AVX2__)
 #define NUQ_INST_AVX2(name, T)                                                                                 \
     static void quantize_##name##_avx2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {      \
-        nuq_quantize_avx2(T, x, y, k); }                                                                       \
+        nuq_quantize_simd(T, x, y, k, nuq_index_block_avx2); }                                                                       \
     static void vec_dot_##name##_avx2(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx2(T, n, s, vx, vy); } \
     static void to_float_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {     \
         nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, nuq_store32_avx2); } \
@@ -752,7 +724,7 @@ NUQ_TYPES(NUQ_INST_AVX2)
 #if defined(NUQ_HAVE_AVX512)
 #define NUQ_INST_AVX512(name, T)                                                                               \
     static void quantize_##name##_avx512(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {    \
-        nuq_quantize_avx512(T, x, y, k); }                                                                     \
+        nuq_quantize_simd(T, x, y, k, nuq_index_block_avx512); }                                                                     \
     static void vec_dot_##name##_avx512(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx512(T, n, s, vx, vy); } \
     static void to_float_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {   \
         nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, nuq_store32_avx512); } \
@@ -764,7 +736,7 @@ NUQ_TYPES(NUQ_INST_AVX512)
 #if defined(__ARM_NEON) && defined(__aarch64__)
 #define NUQ_INST_NEON(name, T)                                                                                 \
     static void quantize_##name##_neon(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {      \
-        nuq_quantize_neon(T, x, y, k); }                                                                       \
+        nuq_quantize_simd(T, x, y, k, nuq_index_block_neon); }                                                                       \
     static void vec_dot_##name##_neon(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_neon(T, n, s, vx, vy); } \
     static void to_float_##name##_neon(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {     \
         nuq_to_float_neon(T, nuq_cb_b(T), x, y, k); } \
