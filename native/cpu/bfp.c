@@ -6,6 +6,7 @@
 // Every variant below is compiled when the target allows it and is exported
 // through ggml_kvq_cpu_impl_*() so the tests check each against the reference.
 #include "ggml-kvq-cpu.h"
+#include "kvq-simd.h"
 
 #include <math.h>
 #include <string.h>
@@ -127,19 +128,7 @@ static inline void bfp_nibbles64_avx2(const uint8_t * qs, __m256i * lo, __m256i 
 }
 
 // 32 int8 · 32 int8 -> 8 int32 partial sums, as floats (|x| <= 127 keeps maddubs exact)
-static inline __m256 bfp_dot32_avx2(const __m256i x, const __m256i y) {
-    const __m256i ax = _mm256_sign_epi8(x, x);
-    const __m256i sy = _mm256_sign_epi8(y, x);
-    const __m256i p  = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(p);
-}
 
-static inline float bfp_hsum_avx2(const __m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
 
 static void vec_dot_bfp4_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
     BFP_UNUSED_ARGS;
@@ -149,9 +138,9 @@ static void vec_dot_bfp4_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
     for (int i = 0; i < n / QK_BFP32; ++i) {
         const __m256i qx = bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i].qs));
         const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(E8(x[i].e) * E8(y[i].e)), bfp_dot32_avx2(qx, qy), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(E8(x[i].e) * E8(y[i].e)), kvq_dot32_avx2(qx, qy), acc);
     }
-    *s = bfp_hsum_avx2(acc);
+    *s = kvq_hsum_avx2(acc);
 }
 
 static void vec_dot_bfp4_64_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
@@ -164,11 +153,11 @@ static void vec_dot_bfp4_64_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
         bfp_nibbles64_avx2(x[i].qs, &lo, &hi);
         const float dx = E8(x[i].e);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * E8(y[2*i + 0].e)),
-                              bfp_dot32_avx2(lo, _mm256_loadu_si256((const __m256i *) y[2*i + 0].qs)), acc);
+                              kvq_dot32_avx2(lo, _mm256_loadu_si256((const __m256i *) y[2*i + 0].qs)), acc);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * E8(y[2*i + 1].e)),
-                              bfp_dot32_avx2(hi, _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs)), acc);
+                              kvq_dot32_avx2(hi, _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs)), acc);
     }
-    *s = bfp_hsum_avx2(acc);
+    *s = kvq_hsum_avx2(acc);
 }
 
 static void vec_dot_bfp8_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
@@ -179,21 +168,12 @@ static void vec_dot_bfp8_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
     for (int i = 0; i < n / QK_BFP32; ++i) {
         const __m256i qx = _mm256_loadu_si256((const __m256i *) x[i].qs);
         const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(E8(x[i].e) * E8(y[i].e)), bfp_dot32_avx2(qx, qy), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(E8(x[i].e) * E8(y[i].e)), kvq_dot32_avx2(qx, qy), acc);
     }
-    *s = bfp_hsum_avx2(acc);
+    *s = kvq_hsum_avx2(acc);
 }
 
 // 32 int8 mantissas times d -> 32 floats
-static inline void bfp_store32_avx2(float * y, const __m256i q, const float d) {
-    const __m256  vd = _mm256_set1_ps(d);
-    const __m128i l  = _mm256_castsi256_si128(q);
-    const __m128i h  = _mm256_extracti128_si256(q, 1);
-    _mm256_storeu_ps(y +  0, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l))));
-    _mm256_storeu_ps(y +  8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)))));
-    _mm256_storeu_ps(y + 16, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))));
-    _mm256_storeu_ps(y + 24, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)))));
-}
 
 // The dequantizers' loops, shared by AVX2 and AVX-512; only the 32-value store differs
 // (the store is a constant argument of an inlined function: no indirect call remains).
@@ -221,13 +201,13 @@ static inline void bfp8_32_to_float_x86(const block_bfp8_32 * x, float * y, int6
 }
 
 static void dequantize_row_bfp4_32_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    bfp4_32_to_float_x86(x, y, k, bfp_store32_avx2);
+    bfp4_32_to_float_x86(x, y, k, kvq_store32_avx2);
 }
 static void dequantize_row_bfp4_64_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    bfp4_64_to_float_x86(x, y, k, bfp_store32_avx2);
+    bfp4_64_to_float_x86(x, y, k, kvq_store32_avx2);
 }
 static void dequantize_row_bfp8_32_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    bfp8_32_to_float_x86(x, y, k, bfp_store32_avx2);
+    bfp8_32_to_float_x86(x, y, k, kvq_store32_avx2);
 }
 #endif // __AVX2__
 
@@ -239,25 +219,11 @@ static void dequantize_row_bfp8_32_avx2(const void * GGML_RESTRICT x, float * GG
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__)
 #define BFP_HAVE_AVX512 1
 
-static inline __m512 bfp_dot64_avx512(const __m512i x, const __m512i y) {
-    const __m512i   ax  = _mm512_abs_epi8(x);
-    const __mmask64 neg = _mm512_movepi8_mask(x);
-    const __m512i   sy  = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-#if defined(__AVX512VNNI__)
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sy);
-#else
-    const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sy), _mm512_set1_epi16(1));
-#endif
-    return _mm512_cvtepi32_ps(p);
-}
 
 static inline __m512 bfp_scales2(const float d0, const float d1) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
 }
 
-static inline __m512i bfp_join256(const __m256i a, const __m256i b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-}
 
 static void vec_dot_bfp4_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     BFP_UNUSED_ARGS;
@@ -267,12 +233,12 @@ static void vec_dot_bfp4_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     __m512 acc = _mm512_setzero_ps();
     int i = 0;
     for (; i + 1 < nb; i += 2) {
-        const __m512i qx = bfp_join256(bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 0].qs)),
+        const __m512i qx = kvq_join256(bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 0].qs)),
                                        bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 1].qs)));
-        const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
+        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
                                        _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
         const __m512  d  = bfp_scales2(E8(x[i].e) * E8(y[i].e), E8(x[i + 1].e) * E8(y[i + 1].e));
-        acc = _mm512_fmadd_ps(d, bfp_dot64_avx512(qx, qy), acc);
+        acc = _mm512_fmadd_ps(d, kvq_dot64_avx512(qx, qy), acc);
     }
     float sumf = _mm512_reduce_add_ps(acc);
     if (i < nb) {
@@ -291,11 +257,11 @@ static void vec_dot_bfp4_64_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     for (int i = 0; i < n / QK_BFP64; ++i) {
         __m256i lo, hi;
         bfp_nibbles64_avx2(x[i].qs, &lo, &hi);
-        const __m512i qx = bfp_join256(lo, hi);
-        const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[2*i + 0].qs),
+        const __m512i qx = kvq_join256(lo, hi);
+        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[2*i + 0].qs),
                                        _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs));
         const float   dx = E8(x[i].e);
-        acc = _mm512_fmadd_ps(bfp_scales2(dx * E8(y[2*i].e), dx * E8(y[2*i + 1].e)), bfp_dot64_avx512(qx, qy), acc);
+        acc = _mm512_fmadd_ps(bfp_scales2(dx * E8(y[2*i].e), dx * E8(y[2*i + 1].e)), kvq_dot64_avx512(qx, qy), acc);
     }
     *s = _mm512_reduce_add_ps(acc);
 }
@@ -308,12 +274,12 @@ static void vec_dot_bfp8_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     __m512 acc = _mm512_setzero_ps();
     int i = 0;
     for (; i + 1 < nb; i += 2) {
-        const __m512i qx = bfp_join256(_mm256_loadu_si256((const __m256i *) x[i + 0].qs),
+        const __m512i qx = kvq_join256(_mm256_loadu_si256((const __m256i *) x[i + 0].qs),
                                        _mm256_loadu_si256((const __m256i *) x[i + 1].qs));
-        const __m512i qy = bfp_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
+        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
                                        _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
         const __m512  d  = bfp_scales2(E8(x[i].e) * E8(y[i].e), E8(x[i + 1].e) * E8(y[i + 1].e));
-        acc = _mm512_fmadd_ps(d, bfp_dot64_avx512(qx, qy), acc);
+        acc = _mm512_fmadd_ps(d, kvq_dot64_avx512(qx, qy), acc);
     }
     float sumf = _mm512_reduce_add_ps(acc);
     if (i < nb) {
@@ -324,20 +290,15 @@ static void vec_dot_bfp8_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     *s = sumf;
 }
 
-static inline void bfp_store32_avx512(float * y, const __m256i q, const float d) {
-    const __m512 vd = _mm512_set1_ps(d);
-    _mm512_storeu_ps(y +  0, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
-    _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
-}
 
 static void dequantize_row_bfp4_32_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    bfp4_32_to_float_x86(x, y, k, bfp_store32_avx512);
+    bfp4_32_to_float_x86(x, y, k, kvq_store32_avx512);
 }
 static void dequantize_row_bfp4_64_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    bfp4_64_to_float_x86(x, y, k, bfp_store32_avx512);
+    bfp4_64_to_float_x86(x, y, k, kvq_store32_avx512);
 }
 static void dequantize_row_bfp8_32_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
-    bfp8_32_to_float_x86(x, y, k, bfp_store32_avx512);
+    bfp8_32_to_float_x86(x, y, k, kvq_store32_avx512);
 }
 #endif // AVX-512
 
@@ -346,15 +307,6 @@ static void dequantize_row_bfp8_32_avx512(const void * GGML_RESTRICT x, float * 
 //
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
-static inline int32x4_t bfp_dot16_neon(int32x4_t acc, const int8x16_t x, const int8x16_t y) {
-#if defined(__ARM_FEATURE_DOTPROD)
-    return vdotq_s32(acc, x, y);
-#else
-    const int16x8_t lo = vmull_s8(vget_low_s8(x),  vget_low_s8(y));
-    const int16x8_t hi = vmull_s8(vget_high_s8(x), vget_high_s8(y));
-    return vpadalq_s16(vpadalq_s16(acc, lo), hi);
-#endif
-}
 
 static inline void bfp_nibbles_neon(const uint8_t * qs, int8x16_t * lo, int8x16_t * hi) {
     const uint8x16_t b = vld1q_u8(qs);
@@ -370,8 +322,8 @@ static void vec_dot_bfp4_32_bfp8_32_neon(BFP_VEC_DOT_ARGS) {
     for (int i = 0; i < n / QK_BFP32; ++i) {
         int8x16_t lo, hi;
         bfp_nibbles_neon(x[i].qs, &lo, &hi);
-        int32x4_t p = bfp_dot16_neon(vdupq_n_s32(0), lo, vld1q_s8(y[i].qs));
-        p = bfp_dot16_neon(p, hi, vld1q_s8(y[i].qs + 16));
+        int32x4_t p = kvq_dot16_neon(vdupq_n_s32(0), lo, vld1q_s8(y[i].qs));
+        p = kvq_dot16_neon(p, hi, vld1q_s8(y[i].qs + 16));
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), E8(x[i].e) * E8(y[i].e));
     }
     *s = vaddvq_f32(acc);
@@ -386,10 +338,10 @@ static void vec_dot_bfp4_64_bfp8_32_neon(BFP_VEC_DOT_ARGS) {
         int8x16_t lo0, hi0, lo1, hi1;
         bfp_nibbles_neon(x[i].qs,      &lo0, &hi0);
         bfp_nibbles_neon(x[i].qs + 16, &lo1, &hi1);
-        int32x4_t a = bfp_dot16_neon(vdupq_n_s32(0), lo0, vld1q_s8(y[2*i].qs));
-        a = bfp_dot16_neon(a, lo1, vld1q_s8(y[2*i].qs + 16));
-        int32x4_t b = bfp_dot16_neon(vdupq_n_s32(0), hi0, vld1q_s8(y[2*i + 1].qs));
-        b = bfp_dot16_neon(b, hi1, vld1q_s8(y[2*i + 1].qs + 16));
+        int32x4_t a = kvq_dot16_neon(vdupq_n_s32(0), lo0, vld1q_s8(y[2*i].qs));
+        a = kvq_dot16_neon(a, lo1, vld1q_s8(y[2*i].qs + 16));
+        int32x4_t b = kvq_dot16_neon(vdupq_n_s32(0), hi0, vld1q_s8(y[2*i + 1].qs));
+        b = kvq_dot16_neon(b, hi1, vld1q_s8(y[2*i + 1].qs + 16));
         const float dx = E8(x[i].e);
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(a), dx * E8(y[2*i].e));
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(b), dx * E8(y[2*i + 1].e));
@@ -403,29 +355,21 @@ static void vec_dot_bfp8_32_bfp8_32_neon(BFP_VEC_DOT_ARGS) {
     const block_bfp8_32 * y = vy;
     float32x4_t acc = vdupq_n_f32(0.0f);
     for (int i = 0; i < n / QK_BFP32; ++i) {
-        int32x4_t p = bfp_dot16_neon(vdupq_n_s32(0), vld1q_s8(x[i].qs), vld1q_s8(y[i].qs));
-        p = bfp_dot16_neon(p, vld1q_s8(x[i].qs + 16), vld1q_s8(y[i].qs + 16));
+        int32x4_t p = kvq_dot16_neon(vdupq_n_s32(0), vld1q_s8(x[i].qs), vld1q_s8(y[i].qs));
+        p = kvq_dot16_neon(p, vld1q_s8(x[i].qs + 16), vld1q_s8(y[i].qs + 16));
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), E8(x[i].e) * E8(y[i].e));
     }
     *s = vaddvq_f32(acc);
 }
 
-static inline void bfp_store16_neon(float * y, const int8x16_t q, const float d) {
-    const int16x8_t l = vmovl_s8(vget_low_s8(q));
-    const int16x8_t h = vmovl_s8(vget_high_s8(q));
-    vst1q_f32(y +  0, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(l))),  d));
-    vst1q_f32(y +  4, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(l))), d));
-    vst1q_f32(y +  8, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))),  d));
-    vst1q_f32(y + 12, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d));
-}
 
 static void dequantize_row_bfp4_32_neon(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
     const block_bfp4_32 * x = vx;
     for (int64_t i = 0; i < k / QK_BFP32; ++i, y += QK_BFP32) {
         int8x16_t lo, hi;
         bfp_nibbles_neon(x[i].qs, &lo, &hi);
-        bfp_store16_neon(y,      lo, E8(x[i].e));
-        bfp_store16_neon(y + 16, hi, E8(x[i].e));
+        kvq_store16_neon(y,      lo, E8(x[i].e));
+        kvq_store16_neon(y + 16, hi, E8(x[i].e));
     }
 }
 
@@ -436,18 +380,18 @@ static void dequantize_row_bfp4_64_neon(const void * GGML_RESTRICT vx, float * G
         bfp_nibbles_neon(x[i].qs,      &lo0, &hi0);
         bfp_nibbles_neon(x[i].qs + 16, &lo1, &hi1);
         const float d = E8(x[i].e);
-        bfp_store16_neon(y,      lo0, d);
-        bfp_store16_neon(y + 16, lo1, d);
-        bfp_store16_neon(y + 32, hi0, d);
-        bfp_store16_neon(y + 48, hi1, d);
+        kvq_store16_neon(y,      lo0, d);
+        kvq_store16_neon(y + 16, lo1, d);
+        kvq_store16_neon(y + 32, hi0, d);
+        kvq_store16_neon(y + 48, hi1, d);
     }
 }
 
 static void dequantize_row_bfp8_32_neon(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
     const block_bfp8_32 * x = vx;
     for (int64_t i = 0; i < k / QK_BFP32; ++i, y += QK_BFP32) {
-        bfp_store16_neon(y,      vld1q_s8(x[i].qs),      E8(x[i].e));
-        bfp_store16_neon(y + 16, vld1q_s8(x[i].qs + 16), E8(x[i].e));
+        kvq_store16_neon(y,      vld1q_s8(x[i].qs),      E8(x[i].e));
+        kvq_store16_neon(y + 16, vld1q_s8(x[i].qs + 16), E8(x[i].e));
     }
 }
 #endif // NEON

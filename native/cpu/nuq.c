@@ -13,6 +13,7 @@
 // Every variant below is compiled when the target allows it and is exported
 // through ggml_kvq_cpu_impl_*() so the tests check each against the reference.
 #include "ggml-kvq-cpu.h"
+#include "kvq-simd.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -324,18 +325,7 @@ NUQ_INLINE __m256i nuq_idx32_avx2(const enum ggml_type t, const uint8_t * b, con
 }
 
 // 32 int8 · 32 int8 -> 8 int32 partial sums as floats (|codebook| <= 127 keeps maddubs exact)
-static inline __m256 nuq_dot32_avx2(const __m256i x, const __m256i y) {
-    const __m256i ax = _mm256_sign_epi8(x, x);
-    const __m256i sy = _mm256_sign_epi8(y, x);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1)));
-}
 
-static inline float nuq_hsum_avx2(const __m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
 
 NUQ_INLINE void nuq_vec_dot_avx2(const enum ggml_type t, int n, float * s, const void * vx, const void * vy) {
     const int8_t *   cb  = nuq_cb_a(t);
@@ -352,25 +342,16 @@ NUQ_INLINE void nuq_vec_dot_avx2(const enum ggml_type t, int n, float * s, const
             const nuq_q8_0 * yy = y + i*(qk/32) + h;
             const __m256i    kv = _mm256_shuffle_epi8(cbv, nuq_idx32_avx2(t, b, h));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * NUQ_H2F(yy->d)),
-                                  nuq_dot32_avx2(kv, _mm256_loadu_si256((const __m256i *) yy->qs)), acc);
+                                  kvq_dot32_avx2(kv, _mm256_loadu_si256((const __m256i *) yy->qs)), acc);
         }
         if (nuq_outl(t)) {
             corr += nuq_outlier_corr(t, b, d, cb, y + 2*i);
         }
     }
-    *s = nuq_hsum_avx2(acc) + corr;
+    *s = kvq_hsum_avx2(acc) + corr;
 }
 
 // 32 int8 codebook values times d -> 32 floats
-static inline void nuq_store32_avx2(float * y, const __m256i q, const float d) {
-    const __m256  vd = _mm256_set1_ps(d);
-    const __m128i l  = _mm256_castsi256_si128(q);
-    const __m128i h  = _mm256_extracti128_si256(q, 1);
-    _mm256_storeu_ps(y +  0, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l))));
-    _mm256_storeu_ps(y +  8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)))));
-    _mm256_storeu_ps(y + 16, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))));
-    _mm256_storeu_ps(y + 24, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)))));
-}
 
 typedef void (*nuq_store32_x86_t)(float * y, __m256i q, float d);
 
@@ -446,21 +427,7 @@ static inline float nuq_index_block_avx2(const float * x, int qk, const float * 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__)
 #define NUQ_HAVE_AVX512 1
 
-static inline __m512 nuq_dot64_avx512(const __m512i x, const __m512i y) {
-    const __m512i   ax  = _mm512_abs_epi8(x);
-    const __mmask64 neg = _mm512_movepi8_mask(x);
-    const __m512i   sy  = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-#if defined(__AVX512VNNI__)
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sy);
-#else
-    const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sy), _mm512_set1_epi16(1));
-#endif
-    return _mm512_cvtepi32_ps(p);
-}
 
-static inline __m512i nuq_join256(const __m256i a, const __m256i b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-}
 
 // 32-value group g of the row: block g / (qk/32), half g % (qk/32)
 NUQ_INLINE __m256i nuq_group_kv_avx512(const enum ggml_type t, const uint8_t * x, int g, __m256i cbv, float * d) {
@@ -482,17 +449,17 @@ NUQ_INLINE void nuq_vec_dot_avx512(const enum ggml_type t, int n, float * s, con
         float d0, d1;
         const __m256i k0 = nuq_group_kv_avx512(t, x, g,     cbv, &d0);
         const __m256i k1 = nuq_group_kv_avx512(t, x, g + 1, cbv, &d1);
-        const __m512i qy = nuq_join256(_mm256_loadu_si256((const __m256i *) y[g].qs),
+        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[g].qs),
                                        _mm256_loadu_si256((const __m256i *) y[g + 1].qs));
         const __m512  sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * NUQ_H2F(y[g].d)),
                                                         _mm512_set1_ps(d1 * NUQ_H2F(y[g + 1].d)));
-        acc = _mm512_fmadd_ps(sc, nuq_dot64_avx512(nuq_join256(k0, k1), qy), acc);
+        acc = _mm512_fmadd_ps(sc, kvq_dot64_avx512(kvq_join256(k0, k1), qy), acc);
     }
     float sumf = _mm512_reduce_add_ps(acc);
     if (g < ng) {   // odd number of 32-blocks (32-value types only)
         float d0;
         const __m256i k0 = nuq_group_kv_avx512(t, x, g, cbv, &d0);
-        sumf += (d0 * NUQ_H2F(y[g].d)) * nuq_hsum_avx2(nuq_dot32_avx2(k0, _mm256_loadu_si256((const __m256i *) y[g].qs)));
+        sumf += (d0 * NUQ_H2F(y[g].d)) * kvq_hsum_avx2(kvq_dot32_avx2(k0, _mm256_loadu_si256((const __m256i *) y[g].qs)));
     }
     if (nuq_outl(t)) {
         for (int i = 0; i < n / QK_NUQO; ++i) {
@@ -503,11 +470,6 @@ NUQ_INLINE void nuq_vec_dot_avx512(const enum ggml_type t, int n, float * s, con
     *s = sumf;
 }
 
-static inline void nuq_store32_avx512(float * y, const __m256i q, const float d) {
-    const __m512 vd = _mm512_set1_ps(d);
-    _mm512_storeu_ps(y +  0, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
-    _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
-}
 
 static inline float nuq_index_block_avx512(const float * x, int qk, const float * mid, int nm, uint8_t * idx) {
     __m512 vm[GGML_KVQ_NUQ_MAX_CODES - 1];
@@ -542,15 +504,6 @@ static inline float nuq_index_block_avx512(const float * x, int qk, const float 
 //
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
-static inline int32x4_t nuq_dot16_neon(int32x4_t acc, const int8x16_t x, const int8x16_t y) {
-#if defined(__ARM_FEATURE_DOTPROD)
-    return vdotq_s32(acc, x, y);
-#else
-    const int16x8_t lo = vmull_s8(vget_low_s8(x),  vget_low_s8(y));
-    const int16x8_t hi = vmull_s8(vget_high_s8(x), vget_high_s8(y));
-    return vpadalq_s16(vpadalq_s16(acc, lo), hi);
-#endif
-}
 
 // 0x04 in byte i where bit i of the 16 bits (b0 | b1 << 8) is set
 static inline uint8x16_t nuq_bits16_neon(uint8_t b0, uint8_t b1) {
@@ -613,8 +566,8 @@ NUQ_INLINE void nuq_vec_dot_neon(const enum ggml_type t, int n, float * s, const
             const nuq_q8_0 * yy = y + i*(qk/32) + h;
             uint8x16_t lo, hi;
             nuq_idx32_neon(t, b, h, &lo, &hi);
-            int32x4_t p = nuq_dot16_neon(vdupq_n_s32(0), vqtbl1q_s8(cbv, lo), vld1q_s8(yy->qs));
-            p = nuq_dot16_neon(p, vqtbl1q_s8(cbv, hi), vld1q_s8(yy->qs + 16));
+            int32x4_t p = kvq_dot16_neon(vdupq_n_s32(0), vqtbl1q_s8(cbv, lo), vld1q_s8(yy->qs));
+            p = kvq_dot16_neon(p, vqtbl1q_s8(cbv, hi), vld1q_s8(yy->qs + 16));
             acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * NUQ_H2F(yy->d));
         }
         if (nuq_outl(t)) {
@@ -624,14 +577,6 @@ NUQ_INLINE void nuq_vec_dot_neon(const enum ggml_type t, int n, float * s, const
     *s = vaddvq_f32(acc) + corr;
 }
 
-static inline void nuq_store16_neon(float * y, const int8x16_t q, const float d) {
-    const int16x8_t l = vmovl_s8(vget_low_s8(q));
-    const int16x8_t h = vmovl_s8(vget_high_s8(q));
-    vst1q_f32(y +  0, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(l))),  d));
-    vst1q_f32(y +  4, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(l))), d));
-    vst1q_f32(y +  8, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))),  d));
-    vst1q_f32(y + 12, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d));
-}
 
 NUQ_INLINE void nuq_to_float_neon(const enum ggml_type t, const int8_t * cb, const void * vx, float * y, int64_t k) {
     const int8x16_t cbv = vld1q_s8(cb);
@@ -643,8 +588,8 @@ NUQ_INLINE void nuq_to_float_neon(const enum ggml_type t, const int8_t * cb, con
         for (int h = 0; h < qk / 32; ++h) {
             uint8x16_t lo, hi;
             nuq_idx32_neon(t, b, h, &lo, &hi);
-            nuq_store16_neon(y + 32*h,      vqtbl1q_s8(cbv, lo), d);
-            nuq_store16_neon(y + 32*h + 16, vqtbl1q_s8(cbv, hi), d);
+            kvq_store16_neon(y + 32*h,      vqtbl1q_s8(cbv, lo), d);
+            kvq_store16_neon(y + 32*h + 16, vqtbl1q_s8(cbv, hi), d);
         }
         if (nuq_outl(t)) {
             const int oi = b[offsetof(block_nuq3o, oi)];
@@ -715,9 +660,9 @@ NUQ_TYPES(NUQ_INST_GENERIC)
         nuq_quantize_simd(T, x, y, k, nuq_index_block_avx2); }                                                                       \
     static void vec_dot_##name##_avx2(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx2(T, n, s, vx, vy); } \
     static void to_float_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {     \
-        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, nuq_store32_avx2); } \
+        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_avx2); } \
     static void to_float_k_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
-        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, nuq_store32_avx2); }
+        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_avx2); }
 NUQ_TYPES(NUQ_INST_AVX2)
 #endif
 
@@ -727,9 +672,9 @@ NUQ_TYPES(NUQ_INST_AVX2)
         nuq_quantize_simd(T, x, y, k, nuq_index_block_avx512); }                                                                     \
     static void vec_dot_##name##_avx512(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx512(T, n, s, vx, vy); } \
     static void to_float_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {   \
-        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, nuq_store32_avx512); } \
+        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_avx512); } \
     static void to_float_k_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
-        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, nuq_store32_avx512); }
+        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_avx512); }
 NUQ_TYPES(NUQ_INST_AVX512)
 #endif
 
