@@ -537,3 +537,57 @@ std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which) {
     return format("the state's %c cache (%s) was written with %s, this context uses %s", which, type_name(have).c_str(),
                   cb_name(cb_have).c_str(), cb_name(cb_want).c_str());
 }
+
+//
+// the llama_context constructor's hooks
+//
+
+void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv) {
+    if (mem == nullptr) {
+        return;
+    }
+    const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
+    if (opts.attn_rot_k != LLAMA_ATTN_ROT_TYPE_AUTO || opts.attn_rot_v != LLAMA_ATTN_ROT_TYPE_AUTO) {
+        llama_memory_set_attn_rot(mem, opts.attn_rot_k, opts.attn_rot_v);
+    }
+    // the cache writes' encoder, and a pre-RoPE key cache where the file asks for one and this memory can hold it
+    const uint32_t n_pre = llama_memory_kvq_set_k_domain(mem);
+    if (n_pre == 0 && model.kvq.k_prerope && !dynamic_cast<llama_kv_cache *>(mem)) {
+        LLAMA_LOG_WARN("%s: the file asks for a pre-RoPE key cache, which pykvq supports in plain and sliding-window KV caches only "
+                       "(not hybrid memory): keys are cached after RoPE\n", __func__);
+    }
+    if (n_pre > 0 && model.n_gpu_layers() > 0 && offload_kqv) {
+        for (const auto & d : model.devices) {   // CUDA and pykvq RPC workers have the kernels; others are refused
+            const std::string why = llama_kvq_prerope_device_unsupported(d.dev, opts.k_domain == LLAMA_KVQ_K_DOMAIN_CENTRED);
+            if (!why.empty()) {
+                throw std::runtime_error(why);
+            }
+        }
+    }
+    llama_kvq_check_cache_devices(model, mem);   // types with CPU kernels only
+    llama_kvq_log_cache(model, mem);
+}
+
+void llama_kvq_check_without_flash_attn(const llama_model & model, const llama_memory_i * mem, bool offload_kqv) {
+    const auto layers = llama_memory_kvq_layers(mem, model.hparams.n_layer_all);
+    // per layer (the cache types can differ between layers)
+    for (const auto & d : layers) {
+        if (d.type_v >= 0 && ggml_is_quantized((ggml_type) d.type_v)) {
+            throw std::runtime_error("quantized V cache was requested, but this requires Flash Attention");
+        }
+    }
+    // without flash attention K·Q is a MUL_MAT on the cache, which no GPU backend implements for the pykvq
+    // types: it would run on the CPU, copying the cache each step
+    bool gpu = false;
+    for (const auto & dev : model.devices) {
+        gpu |= ggml_backend_dev_type(dev.dev) != GGML_BACKEND_DEVICE_TYPE_CPU;
+    }
+    if (gpu && offload_kqv && model.n_gpu_layers() > 0) {
+        for (const auto & d : layers) {
+            if (d.type_k >= 0 && ggml_kvq_type_is_kvq((ggml_type) d.type_k)) {
+                throw std::runtime_error(std::string("K cache type ") + ggml_type_name((ggml_type) d.type_k) +
+                                         " on a GPU needs flash attention (its K·Q has no GPU kernel without it); use -fa on");
+            }
+        }
+    }
+}

@@ -233,6 +233,13 @@ void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory
 // logs what a context's caches hold: types per layer when they differ, bits/value, codebook sources
 void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
 
+// the llama_context constructor's hooks (patches: one call each). After the memory is made: this context's
+// rotation, encoder and key domain (llama_kvq_ctx_opts_current), then the device checks and the cache log; throws
+// when a device cannot run what the cache holds. mem may be null (no KV cache)
+void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv);
+// without flash attention: a quantized V layer, or a pykvq K type on a GPU (K·Q would be a CPU MUL_MAT), throws
+void llama_kvq_check_without_flash_attn(const llama_model & model, const llama_memory_i * mem, bool offload_kqv);
+
 // what a converted GGUF asks for (native/llama-kvq-model.cpp)
 void llama_kvq_load_cache_keys(llama_model & model, const gguf_context * ctx);  // pykvq.cache.* keys
 void llama_kvq_load_codebooks(llama_model & model);                              // host copies of blk.N.kvq_codebook_k/v
