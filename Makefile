@@ -1,7 +1,7 @@
 # pykvq: the two commands are `make demo` and `make test`.
 #
 #   make demo   venv + deps, fetch/patch/build llama.cpp, fetch SmolLM2; answers with f16 and pykvq's cache, size + KLD table vs stock q4_0
-#   make test   the same set-up, then pytest
+#   make test   the same set-up and build-asan/ (the hostile-file driver with ASan + UBSan), then pytest
 #   make soak   the same set-up (and build-asan/: libllama + the hostile-file driver with ASan + UBSan), then the long fuzz and soak runs (tests marked soak; PYKVQ_SOAK=1)
 #   make gpu-check  on a machine with an NVIDIA GPU: build with CUDA, run every GPU check and benchmark
 #   make results  the same set-up, then the evaluation/benchmark suite -> docs/RESULTS.md (RESULTS_ARGS="--models smollm2-135m,qwen2.5-coder-1.5b")
@@ -22,7 +22,7 @@ export CCACHE_NOHASHDIR ?= 1
 demo: setup build
 	$(VPY) -m pykvq demo
 
-test: setup build
+test: setup build build-asan
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 soak: setup build build-asan
