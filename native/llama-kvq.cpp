@@ -145,10 +145,6 @@ const char * llama_kvq_settings_error(void) {
     return t_error.c_str();
 }
 
-const char * llama_kvq_setting_name(int32_t i)   { return i >= 0 && i < k_n_settings ? k_settings[i].name : nullptr; }
-const char * llama_kvq_setting_values(int32_t i) { return i >= 0 && i < k_n_settings ? k_settings[i].values : nullptr; }
-const char * llama_kvq_setting_env(int32_t i)    { return i >= 0 && i < k_n_settings ? k_settings[i].env : nullptr; }
-
 void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v) {
     llama_kvq_set_default("attn_rot_k", kvq_rot_str(attn_rot_k));
     llama_kvq_set_default("attn_rot_v", kvq_rot_str(attn_rot_v));
@@ -288,7 +284,7 @@ int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, 
     } else if (strcmp(name, "encoder") == 0) {
         v = first->encoder == GGML_KVQ_ENCODER_LSQ ? "lsq" : "stock";
     } else if (strcmp(name, "attn_rot_k") == 0 || strcmp(name, "attn_rot_v") == 0) {
-        v = (name[9] == 'k' ? first->rot_k : first->rot_v) ? "on" : "off";
+        v = llama_kvq_attn_rot(ctx, name[9] == 'v') == 1 ? "on" : "off";
     } else {
         return -1;
     }

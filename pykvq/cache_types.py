@@ -50,22 +50,23 @@ STOCK_TYPES: dict[str, tuple[int, int, float]] = {
 CACHE_TYPES: dict[str, int] = {**{n: v[0] for n, v in STOCK_TYPES.items()}, **{n: t.id for n, t in KVQ_TYPES.items()}}
 
 
+def _block_shape(name: str) -> tuple[int, float]:
+    """(values per block, bits per value) of a cache type."""
+    if name in KVQ_TYPES:
+        return KVQ_TYPES[name].qk, KVQ_TYPES[name].bits
+    if name in STOCK_TYPES:
+        return STOCK_TYPES[name][1:]
+    raise CacheTypeError(f"unknown KV cache type {name!r}")
+
+
 def bits_per_value(name: str) -> float:
     """Bits per cached value of a cache type (its block's bytes x 8 / values)."""
-    if name in KVQ_TYPES:
-        return KVQ_TYPES[name].bits
-    if name in STOCK_TYPES:
-        return STOCK_TYPES[name][2]
-    raise CacheTypeError(f"unknown KV cache type {name!r}")
+    return _block_shape(name)[1]
 
 
 def block_size(name: str) -> int:
     """Values per block of a cache type."""
-    if name in KVQ_TYPES:
-        return KVQ_TYPES[name].qk
-    if name in STOCK_TYPES:
-        return STOCK_TYPES[name][1]
-    raise CacheTypeError(f"unknown KV cache type {name!r}")
+    return _block_shape(name)[0]
 
 
 # ggml's enum names for every type above (pykvq.GGML_TYPE_NUQ4 == 46), e.g. for llama-cpp-python's type_k / type_v

@@ -11,7 +11,6 @@ uint64_t llama_model_n_params(const struct llama_model * model);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
 bool ggml_is_quantized(int type);
-const char * llama_kvq_setting_name(int32_t i);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
 bool llama_supports_gpu_offload(void);
 struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);

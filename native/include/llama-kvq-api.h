@@ -44,10 +44,6 @@ LLAMA_API void llama_kvq_params_free(struct llama_kvq_params * params);
 LLAMA_API bool llama_kvq_params_set(struct llama_kvq_params * params, const char * name, const char * value);
 LLAMA_API bool llama_kvq_set_default(const char * name, const char * value);
 LLAMA_API const char * llama_kvq_settings_error(void);                 // the last refusal on this thread
-// the table: the name of setting i, what it takes, its environment variable (NULL: none); NULL past the end
-LLAMA_API const char * llama_kvq_setting_name(int32_t i);
-LLAMA_API const char * llama_kvq_setting_values(int32_t i);
-LLAMA_API const char * llama_kvq_setting_env(int32_t i);
 
 // llama_init_from_model with the settings of kvq (NULL: the defaults)
 LLAMA_API struct llama_context * llama_kvq_init_from_model_params(

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cache_types import KVQ_TYPES
 from . import bfp, nuq, q53, scale_search, stock  # noqa: F401
 
 # the vec_dot_type of each K cache type in the pinned tree (iq4_nl, q4_1, q5_1 pair with q8_0/q8_1)
+# (pykvq's own types: the type table, pykvq/cache_types.py)
 VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_0", "iq4_nl": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0",
-                "q8_0": "q8_0", "bfp4_32": "bfp8_32", "bfp4_64": "bfp8_32", "bfp8_32": "bfp8_32",
-                "f16": "f16", "bf16": "bf16", "f32": "f32",
-                "q53_64": "q8_0", **{t: "q8_0" for t in nuq.FORMATS}}
+                "q8_0": "q8_0", "f16": "f16", "bf16": "bf16", "f32": "f32",
+                **{n: t.vec_dot_type for n, t in KVQ_TYPES.items()}}
 
 # q4_1 and iq4_nl have no numpy round trip yet; q4_0 stands in for them in calibration
 _STANDIN = {"q4_1": "q4_0", "iq4_nl": "q4_0", "q5_1": "q5_0"}
