@@ -322,7 +322,7 @@ static int kvq_pick_encoder(const llama_model & model, const llama_kvq_ctx_opts 
     const bool lsq       = forced ? opts.encoder == GGML_KVQ_ENCODER_LSQ : converted;
     if (logged) {
         LLAMA_LOG_INFO("%s: q4_0 / q5_0 cache writes: %s (%s)\n", "llama_kv_cache", lsq ? "least-squares block scales" : "stock encoder",
-                       forced ? opts.encoder_from.c_str() : converted ? "a pykvq-converted file" : "not a pykvq-converted file");
+                       forced ? "the encoder setting" : converted ? "a pykvq-converted file" : "not a pykvq-converted file");
     }
     return lsq ? GGML_KVQ_ENCODER_LSQ : GGML_KVQ_ENCODER_STOCK;
 }
@@ -331,9 +331,6 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
     n_prerope = 0;
     n_centred = 0;
     const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
-    if (!opts.error.empty()) {
-        throw std::runtime_error(opts.error);   // a bad PYKVQ_* value in the environment
-    }
     // logged where it matters: some layer's K or V is q4_0 / q5_0
     const auto searched = [](const ggml_tensor * t) { return t != nullptr && (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q5_0); };
     kvq_encoder = kvq_pick_encoder(model, opts, std::any_of(layers.begin(), layers.end(),

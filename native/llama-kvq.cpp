@@ -23,7 +23,6 @@ namespace {
 struct kvq_setting {
     const char * name;
     const char * values;   // what it takes, for messages and --help
-    const char * env;      // the environment fallback, nullptr for none
     bool (*parse)(llama_kvq_ctx_opts & o, const char * v);   // false: not a value it takes
 };
 
@@ -46,23 +45,23 @@ int kvq_index_of(const char * v, std::initializer_list<const char *> names) {
 }
 
 const kvq_setting k_settings[] = {
-    { "attn_rot_k", "auto, on or off", nullptr,
+    { "attn_rot_k", "auto, on or off",
       [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_k, v); } },
-    { "attn_rot_v", "auto, on or off", nullptr,
+    { "attn_rot_v", "auto, on or off",
       [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_v, v); } },
-    { "k_domain", "auto, post, pre or centred", "PYKVQ_K_DOMAIN",
+    { "k_domain", "auto, post, pre or centred",
       [](llama_kvq_ctx_opts & o, const char * v) {
           const int i = kvq_index_of(v, { "auto", "post", "pre", "centred" });
           o.k_domain = i - 1;   // LLAMA_KVQ_K_DOMAIN_AUTO = -1, POST, PRE, CENTRED
           return i >= 0;
       } },
-    { "encoder", "auto, stock or lsq", "PYKVQ_ENCODER",
+    { "encoder", "auto, stock or lsq",
       [](llama_kvq_ctx_opts & o, const char * v) {
           const int i = kvq_index_of(v, { "auto", "stock", "lsq" });
           o.encoder = i == 1 ? GGML_KVQ_ENCODER_STOCK : i == 2 ? GGML_KVQ_ENCODER_LSQ : -1;
           return i >= 0;
       } },
-    { "k_centre_residual", "a number >= 0", "PYKVQ_K_CENTRE_RESIDUAL",
+    { "k_centre_residual", "a number >= 0",
       [](llama_kvq_ctx_opts & o, const char * v) {
           char * end = nullptr;
           const double x = strtod(v, &end);
@@ -172,27 +171,15 @@ llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call() {
         std::lock_guard<std::mutex> lock(g_defaults_mutex);
         defaults = g_defaults;
     }
-    // each setting from the request, else the process default, else the environment, else auto
+    // each setting from the request, else the process default, else auto. The environment is the callers' fallback
+    // (the tools' --kv-* flags read PYKVQ_*, as upstream's set_env; pykvq.Model does the same), never read here.
+    // Values were checked when they were set, so parsing cannot fail.
     llama_kvq_ctx_opts opts;
     for (int i = 0; i < k_n_settings; ++i) {
-        const kvq_setting & row = k_settings[i];
-        std::string from = row.name;
-        const char * v = nullptr;
-        if (t_request != nullptr && t_request->given[i]) {
-            v = t_request->value[i].c_str();
-        } else if (defaults.given[i]) {
-            v = defaults.value[i].c_str();
-        } else if (row.env != nullptr && (v = getenv(row.env)) != nullptr) {
-            from = row.env;
-        }
-        if (v == nullptr) {
-            continue;
-        }
-        if (!row.parse(opts, v) && opts.error.empty()) {   // only the environment's can be bad here
-            opts.error = from + " = '" + v + "': expected " + row.values;
-        }
-        if (strcmp(row.name, "encoder") == 0) {
-            opts.encoder_from = from == row.name ? "the encoder setting" : from;
+        const char * v = t_request != nullptr && t_request->given[i] ? t_request->value[i].c_str()
+                       : defaults.given[i]                           ? defaults.value[i].c_str() : nullptr;
+        if (v != nullptr) {
+            k_settings[i].parse(opts, v);
         }
     }
     return opts;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .cache_types import CACHE_TYPES, GGML_TYPES
 from .errors import (CacheTypeError, ContextOverflowError, DecodeError, FetchError,
-                     LibraryNotFoundError, ModelLoadError, PykvqError)
+                     LibraryNotFoundError, ModelLoadError, PykvqError, SettingError)
 from .metrics import KLDResult, PerplexityResult
 from .cache_info import KVCacheInfo
 from .model import Model
@@ -28,7 +28,7 @@ from ._lib import llama_cpp_lib_path, use_with_llama_cpp  # noqa: E402
 __all__ = ["Model", "generate", "system_info", "native_version", "llama_cpp_lib_path", "use_with_llama_cpp",
            "KVCacheInfo", "KLDResult",
            "PerplexityResult", "CACHE_TYPES", "PykvqError", "LibraryNotFoundError", "ModelLoadError",
-           "CacheTypeError", "ContextOverflowError", "DecodeError", "FetchError", *GGML_TYPES]
+           "CacheTypeError", "ContextOverflowError", "DecodeError", "FetchError", "SettingError", *GGML_TYPES]
 
 _default_models: dict = {}
 

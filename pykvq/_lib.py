@@ -139,6 +139,7 @@ struct llama_kvq_params;
 struct llama_kvq_params * llama_kvq_params_init(void);
 void llama_kvq_params_free(struct llama_kvq_params * params);
 bool llama_kvq_params_set(struct llama_kvq_params * params, const char * name, const char * value);
+bool llama_kvq_set_default(const char * name, const char * value);
 const char * llama_kvq_settings_error(void);
 struct llama_context * llama_kvq_init_from_model_params(struct llama_model * model, struct llama_context_params params,
                                                         const struct llama_kvq_params * kvq);
@@ -240,10 +241,41 @@ def llama_cpp_lib_path() -> str:
     return str(lib_path().parent)
 
 
-def use_with_llama_cpp() -> str:
+# the per-context settings a caller may leave to the environment (the tools' --kv-* flags read the same variables)
+SETTING_ENV = {"k_domain": "PYKVQ_K_DOMAIN", "encoder": "PYKVQ_ENCODER", "k_centre_residual": "PYKVQ_K_CENTRE_RESIDUAL"}
+
+
+def setting_from_env(name: str) -> str | None:
+    """The environment's value for a pykvq setting (None when unset or the setting has no variable)."""
+    env = SETTING_ENV.get(name)
+    return os.environ.get(env) if env else None
+
+
+def set_setting(setter, name: str, value, *, from_env: bool = False) -> None:
+    """setter(name, value) as bytes (llama_kvq_params_set on a params, llama_kvq_set_default); a refused value
+    raises SettingError naming where it came from (the argument, or the environment variable)."""
+    from .errors import SettingError
+    if not setter(name.encode(), str(value).encode()):
+        why = ffi.string(lib().llama_kvq_settings_error()).decode()
+        if from_env:
+            why = f"{SETTING_ENV[name]} = '{value}': " + why.split(": ", 1)[-1]
+        raise SettingError(why)
+
+
+def use_with_llama_cpp(**settings) -> str:
     """Point llama-cpp-python at pykvq's patched libllama: sets $LLAMA_CPP_LIB_PATH (read once, when llama_cpp
-    is imported: call this first) unless it is already set; returns the directory llama_cpp will load from."""
-    return os.environ.setdefault("LLAMA_CPP_LIB_PATH", llama_cpp_lib_path())
+    is imported: call this first) unless it is already set; returns the directory llama_cpp will load from.
+
+    settings (k_domain=, encoder=, k_centre_residual=, attn_rot_k=, attn_rot_v=) become the process defaults of
+    every context llama_cpp makes; one not given falls back to its PYKVQ_* environment variable."""
+    path = os.environ.setdefault("LLAMA_CPP_LIB_PATH", llama_cpp_lib_path())
+    for name in dict.fromkeys([*settings, *SETTING_ENV]):
+        value, from_env = settings.get(name), False
+        if value is None:
+            value, from_env = setting_from_env(name), True
+        if value is not None:   # the library llama_cpp loads is this one: one copy per process, one set of defaults
+            set_setting(lib().llama_kvq_set_default, name, value, from_env=from_env)
+    return path
 
 
 def lib():

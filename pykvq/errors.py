@@ -17,6 +17,10 @@ class CacheTypeError(PykvqError, ValueError):
     """Unknown KV-cache type, or one this model/context cannot use."""
 
 
+class SettingError(PykvqError, ValueError):
+    """A pykvq setting (k_domain, encoder, ...) given a value it does not take, or an unknown setting."""
+
+
 class ContextOverflowError(PykvqError, ValueError):
     """The input does not fit into the context window."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache_types, log
-from ._lib import ffi, lib, reclaim_log
+from ._lib import ffi, lib, reclaim_log, set_setting, setting_from_env
 from .cache_info import KVCacheInfo
 from .errors import CacheTypeError, ContextOverflowError, DecodeError, ModelLoadError, PykvqError
 from .evaluation import Evaluation, kld_sweep
@@ -41,8 +41,8 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
-# k_domain= / encoder= of Model: that context's pykvq settings (None: the process default, else the environment's
-# PYKVQ_K_DOMAIN / PYKVQ_ENCODER, else auto)
+# k_domain= / encoder= of Model: that context's pykvq settings (None: the environment's PYKVQ_K_DOMAIN /
+# PYKVQ_ENCODER, else the process default, else auto)
 K_DOMAINS = (None, "auto", "post", "pre", "centred")
 ENCODERS = (None, "auto", "stock", "lsq")
 _ROT_NAMES = {-1: "auto", 0: "off", 1: "on"}
@@ -50,12 +50,16 @@ _ROT_NAMES = {-1: "auto", 0: "off", 1: "on"}
 
 @contextmanager
 def _kvq_params(L, values: dict[str, object]):
-    """A llama_kvq_params holding the settings given (native/llama-kvq.cpp's table); None leaves one to the defaults."""
+    """A llama_kvq_params holding the settings given (native/llama-kvq.cpp's table); one left None takes its PYKVQ_*
+    environment variable when set, else the process default."""
     p = L.llama_kvq_params_init()
     try:
         for name, v in values.items():
-            if v is not None and not L.llama_kvq_params_set(p, name.encode(), str(v).encode()):
-                raise ValueError(ffi.string(L.llama_kvq_settings_error()).decode())
+            from_env = v is None
+            if from_env:
+                v = setting_from_env(name)
+            if v is not None:
+                set_setting(lambda n, x: L.llama_kvq_params_set(p, n, x), name, v, from_env=from_env)
         yield p
     finally:
         L.llama_kvq_params_free(p)
@@ -84,7 +88,7 @@ class Model(Generation, Evaluation):
     The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").
     k_centre_residual: the centred cache's residual mean energy (x the head's variance; default 0.5).
     None for any of these three: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL,
-    else auto. self.k_domain / self.encoder say what the context really runs.
+    else the process default (pykvq.use_with_llama_cpp), else auto. self.k_domain / self.encoder say what the context really runs.
 
     Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
     save_logits / kl_divergence (pykvq/evaluation.py).

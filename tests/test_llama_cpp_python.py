@@ -166,3 +166,29 @@ def test_pykvq_keeps_its_log_after_llama_cpp_is_imported(smollm2):
         m.close()
     """, str(smollm2))
     assert int(out.strip().splitlines()[-1]) > 1000
+
+
+def test_settings_reach_llama_cpp_contexts_as_process_defaults(smollm2):
+    """pykvq.use_with_llama_cpp(encoder=...) sets the process default every llama_cpp context takes (the library
+    reads no environment variable itself; PYKVQ_* is the fallback of the argument). A refused value names its
+    source."""
+    code = """
+        import sys, pykvq
+        for kw, env in (({"encoder": "best"}, {}), ({}, {"PYKVQ_K_DOMAIN": "sideways"})):
+            import os; os.environ.update(env)
+            try:
+                pykvq.use_with_llama_cpp(**kw)
+            except pykvq.SettingError as e:
+                print("refused:", e)
+            os.environ.pop("PYKVQ_K_DOMAIN", None)
+        pykvq.use_with_llama_cpp(encoder="lsq")
+        from llama_cpp import Llama
+        llm = Llama(model_path=sys.argv[1], n_ctx=256, type_k=pykvq.GGML_TYPE_Q4_0, flash_attn=True, verbose=True)
+    """
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(smollm2)], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env={k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "refused: encoder = 'best': expected auto, stock or lsq" in out
+    assert "refused: PYKVQ_K_DOMAIN = 'sideways': expected auto, post, pre or centred" in out
+    assert "q4_0 / q5_0 cache writes: least-squares block scales (the encoder setting)" in out

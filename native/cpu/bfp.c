@@ -225,71 +225,62 @@ static inline __m512 bfp_scales2(const float d0, const float d1) {
 }
 
 
-static void vec_dot_bfp4_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
-    BFP_UNUSED_ARGS;
-    const block_bfp4_32 * x = vx;
-    const block_bfp8_32 * y = vy;
-    const int nb = n / QK_BFP32;
+// The three dot products differ only in how x's 32-value blocks load as int8 lanes and where their scales live:
+// bfp_dot_pairs_avx512 takes two blocks a step (against two bfp8_32 blocks of y), each type gives its loaders.
+typedef __m512i (*bfp_x2_avx512_t)(const void * vx, int j);   // x's 32-value blocks j, j + 1 as 64 int8 lanes
+typedef float   (*bfp_xe_t)(const void * vx, int j);          // the scale of x's 32-value block j
+
+static inline float bfp_dot_pairs_avx512(const void * vx, const block_bfp8_32 * y, const int nb,
+                                         const bfp_x2_avx512_t x2, const bfp_xe_t xe) {
     __m512 acc = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 1 < nb; i += 2) {
-        const __m512i qx = kvq_join256(bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 0].qs)),
-                                       bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[i + 1].qs)));
-        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
-                                       _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
-        const __m512  d  = bfp_scales2(E8(x[i].e) * E8(y[i].e), E8(x[i + 1].e) * E8(y[i + 1].e));
-        acc = _mm512_fmadd_ps(d, kvq_dot64_avx512(qx, qy), acc);
+    for (int j = 0; j + 1 < nb; j += 2) {
+        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[j + 0].qs),
+                                       _mm256_loadu_si256((const __m256i *) y[j + 1].qs));
+        const __m512  d  = bfp_scales2(xe(vx, j) * E8(y[j].e), xe(vx, j + 1) * E8(y[j + 1].e));
+        acc = _mm512_fmadd_ps(d, kvq_dot64_avx512(x2(vx, j), qy), acc);
     }
-    float sumf = _mm512_reduce_add_ps(acc);
-    if (i < nb) {
-        float t;
-        vec_dot_bfp4_32_bfp8_32_avx2(QK_BFP32, &t, 0, x + i, 0, y + i, 0, 1);
-        sumf += t;
-    }
-    *s = sumf;
+    return _mm512_reduce_add_ps(acc);   // an odd last block is the caller's
 }
+
+static inline __m512i bfp4_32_x2_avx512(const void * vx, int j) {
+    const block_bfp4_32 * x = (const block_bfp4_32 *) vx + j;
+    return kvq_join256(bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[0].qs)),
+                       bfp_nibbles_avx2(_mm_loadu_si128((const __m128i *) x[1].qs)));
+}
+static inline __m512i bfp4_64_x2_avx512(const void * vx, int j) {   // j even: one bfp4_64 block
+    __m256i lo, hi;
+    bfp_nibbles64_avx2(((const block_bfp4_64 *) vx)[j/2].qs, &lo, &hi);
+    return kvq_join256(lo, hi);
+}
+static inline __m512i bfp8_32_x2_avx512(const void * vx, int j) {
+    const block_bfp8_32 * x = (const block_bfp8_32 *) vx + j;
+    return kvq_join256(_mm256_loadu_si256((const __m256i *) x[0].qs), _mm256_loadu_si256((const __m256i *) x[1].qs));
+}
+static inline float bfp4_32_e(const void * vx, int j) { return E8(((const block_bfp4_32 *) vx)[j].e); }
+static inline float bfp4_64_e(const void * vx, int j) { return E8(((const block_bfp4_64 *) vx)[j/2].e); }
+static inline float bfp8_32_e(const void * vx, int j) { return E8(((const block_bfp8_32 *) vx)[j].e); }
+
+// a 32-value type: pairs of blocks, then an odd last one by the AVX2 kernel
+#define BFP_VEC_DOT_AVX512_32(T)                                                                          \
+static void vec_dot_##T##_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {                                               \
+    BFP_UNUSED_ARGS;                                                                                       \
+    const int nb = n / QK_BFP32;                                                                           \
+    float sumf = bfp_dot_pairs_avx512(vx, (const block_bfp8_32 *) vy, nb, T##_x2_avx512, T##_e);           \
+    if (nb & 1) {                                                                                          \
+        float t;                                                                                           \
+        vec_dot_##T##_bfp8_32_avx2(QK_BFP32, &t, 0, (const block_##T *) vx + nb - 1, 0,                    \
+                                   (const block_bfp8_32 *) vy + nb - 1, 0, 1);                             \
+        sumf += t;                                                                                         \
+    }                                                                                                      \
+    *s = sumf;                                                                                             \
+}
+BFP_VEC_DOT_AVX512_32(bfp4_32)
+BFP_VEC_DOT_AVX512_32(bfp8_32)
 
 static void vec_dot_bfp4_64_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
     BFP_UNUSED_ARGS;
-    const block_bfp4_64 * x = vx;
-    const block_bfp8_32 * y = vy;
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n / QK_BFP64; ++i) {
-        __m256i lo, hi;
-        bfp_nibbles64_avx2(x[i].qs, &lo, &hi);
-        const __m512i qx = kvq_join256(lo, hi);
-        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[2*i + 0].qs),
-                                       _mm256_loadu_si256((const __m256i *) y[2*i + 1].qs));
-        const float   dx = E8(x[i].e);
-        acc = _mm512_fmadd_ps(bfp_scales2(dx * E8(y[2*i].e), dx * E8(y[2*i + 1].e)), kvq_dot64_avx512(qx, qy), acc);
-    }
-    *s = _mm512_reduce_add_ps(acc);
+    *s = bfp_dot_pairs_avx512(vx, (const block_bfp8_32 *) vy, n / QK_BFP32, bfp4_64_x2_avx512, bfp4_64_e);
 }
-
-static void vec_dot_bfp8_32_bfp8_32_avx512(BFP_VEC_DOT_ARGS) {
-    BFP_UNUSED_ARGS;
-    const block_bfp8_32 * x = vx;
-    const block_bfp8_32 * y = vy;
-    const int nb = n / QK_BFP32;
-    __m512 acc = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 1 < nb; i += 2) {
-        const __m512i qx = kvq_join256(_mm256_loadu_si256((const __m256i *) x[i + 0].qs),
-                                       _mm256_loadu_si256((const __m256i *) x[i + 1].qs));
-        const __m512i qy = kvq_join256(_mm256_loadu_si256((const __m256i *) y[i + 0].qs),
-                                       _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
-        const __m512  d  = bfp_scales2(E8(x[i].e) * E8(y[i].e), E8(x[i + 1].e) * E8(y[i + 1].e));
-        acc = _mm512_fmadd_ps(d, kvq_dot64_avx512(qx, qy), acc);
-    }
-    float sumf = _mm512_reduce_add_ps(acc);
-    if (i < nb) {
-        float t;
-        vec_dot_bfp8_32_bfp8_32_avx2(QK_BFP32, &t, 0, x + i, 0, y + i, 0, 1);
-        sumf += t;
-    }
-    *s = sumf;
-}
-
 
 static void dequantize_row_bfp4_32_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
     bfp4_32_to_float_x86(x, y, k, kvq_store32_avx512);

@@ -34,8 +34,9 @@ LLAMA_API void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_
 //   encoder                 auto | stock | lsq     how q4_0 / q5_0 cache rows are written (auto: lsq for a converted file)
 //   k_centre_residual       a number >= 0          the mean energy a centred cache may leave uncorrected (x the variance)
 // A context takes each setting from the llama_kvq_params it is made with, else the process default
-// (llama_kvq_set_default: the tools' flags), else the environment variable PYKVQ_<NAME> (k_domain, encoder,
-// k_centre_residual: for bindings that cannot call these functions), else auto.
+// (llama_kvq_set_default: the tools' flags), else auto. The library reads no environment variable for them: the
+// tools' --kv-* flags fall back to PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL (as upstream's set_env),
+// and pykvq (Model, use_with_llama_cpp) does the same on the Python side.
 struct llama_kvq_params;
 
 LLAMA_API struct llama_kvq_params * llama_kvq_params_init(void);       // every setting left to the defaults

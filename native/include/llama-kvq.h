@@ -143,8 +143,6 @@ struct llama_kvq_ctx_opts {
     int    k_domain        = LLAMA_KVQ_K_DOMAIN_AUTO;
     int    encoder         = -1;     // -1 auto, else GGML_KVQ_ENCODER_STOCK / _LSQ
     double centre_residual = LLAMA_KVQ_CENTRE_RESIDUAL;
-    std::string encoder_from;        // who chose the encoder (for the log), empty for auto
-    std::string error;               // a bad value from the environment: making the context fails with it
 };
 
 // the settings for the llama_init_from_model call being made on this thread
