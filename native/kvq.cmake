@@ -6,13 +6,13 @@
 # target that links ggml (ggml-cpu, llama, the tools), so hooks can #ifdef.
 
 target_sources(ggml-base PRIVATE
-    ${GGML_KVQ_DIR}/ggml-kvq.c
-    ${GGML_KVQ_DIR}/bfp.c
-    ${GGML_KVQ_DIR}/nuq.c
-    ${GGML_KVQ_DIR}/q53.c
-    ${GGML_KVQ_DIR}/lsq.c
-    ${GGML_KVQ_DIR}/prerope.c
-    ${GGML_KVQ_DIR}/ggml-kvq-rpc.cpp
+    ${GGML_KVQ_DIR}/ggml/ggml-kvq.c
+    ${GGML_KVQ_DIR}/ggml/bfp.c
+    ${GGML_KVQ_DIR}/ggml/nuq.c
+    ${GGML_KVQ_DIR}/ggml/q53.c
+    ${GGML_KVQ_DIR}/ggml/lsq.c
+    ${GGML_KVQ_DIR}/ggml/prerope.c
+    ${GGML_KVQ_DIR}/ggml/ggml-kvq-rpc.cpp
 )
 target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
 target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
@@ -20,18 +20,27 @@ target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
 # CPU kernels: added to every ggml-cpu variant with that variant's arch flags
 # (patch 0002, ggml/src/ggml-cpu/CMakeLists.txt).
 set(GGML_KVQ_CPU_SOURCES
-    ${GGML_KVQ_DIR}/cpu/bfp.c
-    ${GGML_KVQ_DIR}/cpu/nuq.c
-    ${GGML_KVQ_DIR}/cpu/q53.c
-    ${GGML_KVQ_DIR}/cpu/lsq.c
-    ${GGML_KVQ_DIR}/cpu/fattn.cpp
+    ${GGML_KVQ_DIR}/ggml/cpu/bfp.c
+    ${GGML_KVQ_DIR}/ggml/cpu/nuq.c
+    ${GGML_KVQ_DIR}/ggml/cpu/q53.c
+    ${GGML_KVQ_DIR}/ggml/cpu/lsq.c
+    ${GGML_KVQ_DIR}/ggml/cpu/fattn.cpp
 )
 
 # CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by patch 0009, compiled with its flags
 # and architectures; they include ggml-cuda's own headers (common.cuh, fattn.cuh).
 set(GGML_KVQ_CUDA_SOURCES
-    ${GGML_KVQ_DIR}/cuda/kvq-cuda.cu
-    ${GGML_KVQ_DIR}/cuda/kvq-fattn-d64.cu
-    ${GGML_KVQ_DIR}/cuda/kvq-fattn-d128.cu
-    ${GGML_KVQ_DIR}/cuda/kvq-fattn-d256.cu
+    ${GGML_KVQ_DIR}/ggml/cuda/kvq-cuda.cu
+    ${GGML_KVQ_DIR}/ggml/cuda/kvq-fattn-d64.cu
+    ${GGML_KVQ_DIR}/ggml/cuda/kvq-fattn-d128.cu
+    ${GGML_KVQ_DIR}/ggml/cuda/kvq-fattn-d256.cu
 )
+
+# libllama's side (src/CMakeLists.txt, patch 0003): a cache variable, since llama's directory is ggml's sibling
+set(LLAMA_KVQ_SOURCES
+    ${GGML_KVQ_DIR}/llama/llama-kvq.cpp
+    ${GGML_KVQ_DIR}/llama/llama-kvq-memory.cpp
+    ${GGML_KVQ_DIR}/llama/llama-kvq-model.cpp
+    ${GGML_KVQ_DIR}/llama/llama-kvq-prerope.cpp
+    ${GGML_KVQ_DIR}/llama/llama-kvq-calib.cpp
+    CACHE INTERNAL "pykvq's libllama sources")

@@ -147,7 +147,7 @@ int32_t llama_kvq_get(const struct llama_context * ctx, const char * name, char 
 int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 int32_t llama_kvq_model_n_layer_types(const struct llama_model * model, bool v);
 int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);
-/* runtime calibration (native/llama-kvq-calib.cpp; pykvq/calibrate.py); which: 0 q, 1 k, 2 v */
+/* runtime calibration (native/llama/llama-kvq-calib.cpp; pykvq/calibrate.py); which: 0 q, 1 k, 2 v */
 struct llama_kvq_calib;
 struct llama_kvq_calib * llama_kvq_calib_init(bool keep_samples);
 void llama_kvq_calib_free(struct llama_kvq_calib * calib);

@@ -19,7 +19,7 @@ class KVQType:
     qk: int              # values per block
     family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" 5+3-bit halves
     vec_dot_type: str    # what Q is converted to for K·Q
-    cuda: bool           # CUDA kernels (native/cuda); else CPU only
+    cuda: bool           # CUDA kernels (native/ggml/cuda); else CPU only
     codes: int           # codebook entries (nuq), else 0
     outliers: bool       # a block keeps its largest value exactly
     bits: float          # bits per value (the block's bytes x 8 / qk)

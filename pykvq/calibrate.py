@@ -4,7 +4,7 @@
     pykvq calibrate model.gguf -o stats.npz                  # the same from the command line
 
 The GGUF runs in the patched llama.cpp with its own quantized, memory-mapped weights; the graph's eval
-callback (native/llama-kvq-calib.cpp) hands over each layer's ROPE inputs and V, as llama-imatrix gathers
+callback (native/llama/llama-kvq-calib.cpp) hands over each layer's ROPE inputs and V, as llama-imatrix gathers
 its statistics. Memory is what running the model takes, speed is prefill speed, and every architecture the
 runtime runs with a ROPE op is covered. The converter calibrates this way by default (convert/calib.py).
 

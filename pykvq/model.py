@@ -50,7 +50,7 @@ _ROT_NAMES = {-1: "auto", 0: "off", 1: "on"}
 
 @contextmanager
 def _kvq_params(L, values: dict[str, object]):
-    """A llama_kvq_params holding the settings given (native/llama-kvq.cpp's table); one left None takes its PYKVQ_*
+    """A llama_kvq_params holding the settings given (native/llama/llama-kvq.cpp's table); one left None takes its PYKVQ_*
     environment variable when set, else the process default."""
     p = L.llama_kvq_params_init()
     try:

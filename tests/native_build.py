@@ -32,7 +32,7 @@ def run_check(check: str, cc: str, flags: list[str], runner: str | None, tmp_pat
     inc = [f"-I{src / 'include'}", f"-I{REPO / 'third_party/llama.cpp/ggml/include'}"]
     exe = tmp_path / check
     cmd = [cc, "-O2", "-std=c11", *flags, *inc, str(src / "tests" / f"{check}.c"),
-           *(str(src / s) for s in SOURCES), "-lm", "-o", str(exe)]
+           *(str(src / "ggml" / s) for s in SOURCES), "-lm", "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)   # compiled even where it cannot run
     if not runner:
         for flag, cpu in NEED.items():

@@ -1,4 +1,4 @@
-"""Calibration inside the runtime (pykvq/calibrate.py, native/llama-kvq-calib.cpp) and the converter's default
+"""Calibration inside the runtime (pykvq/calibrate.py, native/llama/llama-kvq-calib.cpp) and the converter's default
 forward-sensitivity path (convert/calib.from_runtime, cache_domain.prerope_key_moments).
 
 References: transformers running the same weights (dequantized from the GGUF) on the same token ids for the

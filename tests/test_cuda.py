@@ -22,7 +22,7 @@ NATIVE = REPO / "native"
 GGML = REPO / "third_party" / "llama.cpp" / "ggml"
 
 # every .cu of ours, and the upstream TUs patches 0009-0010 change (the hooks, the 2-D rope factors)
-CUDA_TUS = sorted(str(p) for p in (NATIVE / "cuda").glob("*.cu")) + [
+CUDA_TUS = sorted(str(p) for p in (NATIVE / "ggml" / "cuda").glob("*.cu")) + [
     str(GGML / "src" / "ggml-cuda" / "ggml-cuda.cu"),
     str(GGML / "src" / "ggml-cuda" / "rope.cu"),
 ]
@@ -46,15 +46,15 @@ def _reference_objects(tmp_path) -> list[str]:
     objs = []
     for src in ("bfp.c", "nuq.c", "lsq.c", "q53.c", "ggml-kvq.c"):
         obj = tmp_path / (src + ".o")
-        subprocess.run(["gcc", "-O2", "-std=c11", *inc, "-c", str(NATIVE / src), "-o", str(obj)], check=True)
+        subprocess.run(["gcc", "-O2", "-std=c11", *inc, "-c", str(NATIVE / "ggml" / src), "-o", str(obj)], check=True)
         objs.append(str(obj))
     return objs
 
 
 def _run_emulated(tmp_path, name: str, expect: str) -> None:
-    """Build native/tests/<name>.cpp against the host emulation (cuda_emu/ before native/cuda/ on the
+    """Build native/tests/<name>.cpp against the host emulation (cuda_emu/ before native/ggml/cuda/ on the
     include path) and the reference codecs, run it, and look for its summary line."""
-    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
+    inc = [f"-I{NATIVE / 'tests' / 'cuda_emu'}", f"-I{NATIVE / 'ggml' / 'cuda'}", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
     exe = tmp_path / name
     subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-Werror", *inc,
                     str(NATIVE / "tests" / f"{name}.cpp"), *_reference_objects(tmp_path), "-lm", "-o", str(exe)],
@@ -86,7 +86,7 @@ def test_row_kernels_emulated(tmp_path):
     the host emulation: bytes equal to the reference quantizer at the rows the indices name (I64
     and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
     dequantized f32 / f16 equal to the reference dequantizer, for every type; stock q4_0 / q5_0 as a tagged
-    SET_ROWS writes them (least-squares scales), against native/lsq.c."""
+    SET_ROWS writes them (least-squares scales), against native/ggml/lsq.c."""
     _run_emulated(tmp_path, "cuda_rows_emu", "checks 54 failures 0")
 
 

@@ -34,7 +34,7 @@ def codec(type_name: str, cb=None):
 
 def type_word(type_name: str, cb=None) -> int:
     """llama_kvq_state_type_word for a K layer without rotation or pre-RoPE: the type id, and a file codebook's
-    fingerprint (FNV-1a of its entries, 1 + h % 255) in bits 20..27 (native/llama-kvq-memory.cpp)."""
+    fingerprint (FNV-1a of its entries, 1 + h % 255) in bits 20..27 (native/llama/llama-kvq-memory.cpp)."""
     word = cache_types.resolve(type_name)
     if cb is not None:
         h = 2166136261

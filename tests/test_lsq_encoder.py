@@ -1,4 +1,4 @@
-"""Least-squares block scales (pykvq/ref/scale_search.py, native/lsq.c): the C encoders of stock q4_0 /
+"""Least-squares block scales (pykvq/ref/scale_search.py, native/ggml/lsq.c): the C encoders of stock q4_0 /
 q5_0 against the numpy rule bit for bit, never worse than ggml's own encoder and better on Gaussian
 blocks, and the CPU's SET_ROWS taking them only where the node is tagged (what a pykvq-converted file's
 cache writes are; a stock file's stay upstream's byte for byte)."""

@@ -113,7 +113,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def cuda_codec(tmp_path_factory):
-    """native/cuda/kvq-codec.cuh built for the host as a library (cuda_codec_check.cpp, KVQ_CODEC_LIB)."""
+    """native/ggml/cuda/kvq-codec.cuh built for the host as a library (cuda_codec_check.cpp, KVQ_CODEC_LIB)."""
     so = tmp_path_factory.mktemp("codec") / "libkvqcodec.so"
     subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Werror", "-Wno-unused-function", "-shared", "-fPIC",
                     "-DKVQ_CODEC_LIB", f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}",

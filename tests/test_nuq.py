@@ -440,7 +440,7 @@ def test_graph_ops_use_the_node_codebooks(kt, vt):
         assert np.all(np.abs(got - want) <= 1e-5 * mag + 1e-30)
 
         # attention: softmax(scale K·Q) V, V expanded with its own codebook; the flash-attention
-        # path for quantized caches (native/cpu/fattn.cpp) keeps Q in f32
+        # path for quantized caches (native/ggml/cpu/fattn.cpp) keeps Q in f32
         s_ = scale * (qsrc.astype(np.float64) @ kd.T.astype(np.float64))
         p = np.exp(s_ - s_.max(axis=1, keepdims=True))
         att = (p / p.sum(axis=1, keepdims=True)) @ vd.astype(np.float64)

@@ -1,5 +1,5 @@
 // pykvq: CPU kernels for the KV-cache types (compiled into ggml-cpu with its
-// arch flags; bodies in native/cpu/). Wired into ggml-cpu.c's type_traits_cpu
+// arch flags; bodies in native/ggml/cpu/). Wired into ggml-cpu.c's type_traits_cpu
 // table and the flash-attention V path by patch 0002.
 #pragma once
 
@@ -39,7 +39,7 @@ void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
 void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference, SIMD
 void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
-// least-squares block scales (cpu/lsq.c; the rule: native/lsq.c): the same bits, the candidate scales side by side
+// least-squares block scales (cpu/lsq.c; the rule: native/ggml/lsq.c): the same bits, the candidate scales side by side
 void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 void quantize_row_q4_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_q5_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
@@ -63,7 +63,7 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type);
 ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type);
 
 // Flash attention for the caches upstream's fast CPU paths leave to the per-row
-// loop (every quantized type, mixed K/V types): native/cpu/fattn.cpp, patch 0007.
+// loop (every quantized type, mixed K/V types): native/ggml/cpu/fattn.cpp, patch 0007.
 // _supported is false for f16/f32 K and V of one type (upstream's tiled and
 // split-KV paths), for inputs it does not take, and for every node when the
 // environment sets GGML_KVQ_FA=0 (the per-row path, for comparisons); with use_ref

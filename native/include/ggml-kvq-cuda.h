@@ -1,4 +1,4 @@
-// pykvq: the CUDA backend's view of the cache types (bodies in native/cuda/, wired into
+// pykvq: the CUDA backend's view of the cache types (bodies in native/ggml/cuda/, wired into
 // ggml-cuda.cu by patch 0009). C++ only: ggml-cuda is C++/CUDA.
 #pragma once
 
@@ -10,7 +10,7 @@ struct ggml_backend_cuda_context;
 enum ggml_kvq_cuda_support {
     GGML_KVQ_CUDA_NOT_OURS = -1,  // no pykvq type involved: upstream decides
     GGML_KVQ_CUDA_NO       =  0,  // involves a pykvq type and is not implemented
-    GGML_KVQ_CUDA_YES      =  1,  // implemented in native/cuda
+    GGML_KVQ_CUDA_YES      =  1,  // implemented in native/ggml/cuda
     GGML_KVQ_CUDA_AS_F16   =  2,  // FLASH_ATTN_EXT: supported when upstream supports *standin
                                   // (the same node with f16 K/V), which the prefill path runs
 };

@@ -7,11 +7,11 @@
 //   X(name, NAME, id, qk, family, vdt, VDT, cuda, codes, outl, bits, ...)
 //     name    ggml_type_name, -ctk; its block struct block_<name> and functions quantize_row_<name>[_ref],
 //             dequantize_row_<name>, ggml_vec_dot_<name>_<vdt>
-//     NAME    GGML_TYPE_<NAME>, whose value in ggml.h's enum must be id (checked in native/ggml-kvq.c)
+//     NAME    GGML_TYPE_<NAME>, whose value in ggml.h's enum must be id (checked in native/ggml/ggml-kvq.c)
 //     qk      values per block
 //     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (5+3-bit halves)
 //     vdt     the vec_dot_type Q is converted to for K·Q (VDT: its enum name)
-//     cuda    1: CUDA kernels (native/cuda), 0: CPU only
+//     cuda    1: CUDA kernels (native/ggml/cuda), 0: CPU only
 //     codes   codebook entries (nuq), else 0;  outl: 1 when a block keeps its largest value exactly
 //     bits    bits per value x 1000 (the block's bytes x 8000 / qk; checked against sizeof)
 //   The trailing ... passes a caller's extra arguments through to X (GGML_KVQ_TYPES(X, args)); give at least one.

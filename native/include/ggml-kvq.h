@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-// the small inline helpers below are shared with the CUDA kernels (native/cuda/kvq-codec.cuh)
+// the small inline helpers below are shared with the CUDA kernels (native/ggml/cuda/kvq-codec.cuh)
 #if defined(__CUDACC__)
 #define GGML_KVQ_HD static inline __host__ __device__
 #else
@@ -146,7 +146,7 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2)  == 10, "block_nuq2 size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3o) == 29, "block_nuq3o size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2o) == 21, "block_nuq2o size");
 
-// q53_64 (pykvq/ref/q53.py, native/q53.c): a block of 64 values in 4.5 bits/value, split unevenly: the
+// q53_64 (pykvq/ref/q53.py, native/ggml/q53.c): a block of 64 values in 4.5 bits/value, split unevenly: the
 // first 32 in 5 bits (q5_0's rule and layout), the last 32 in 3 bits (the same rule with 8 levels, nuq3's
 // layout), each half with its own f16 scale. For a key cache laid out so that the important channels of
 // every 64 come first (a pre-RoPE file converted for it).
@@ -189,7 +189,7 @@ GGML_KVQ_HD bool ggml_kvq_type_is_nuq(enum ggml_type type) {
     return ggml_kvq_type_family(type) == GGML_KVQ_FAMILY_NUQ;
 }
 
-// the pykvq types native/cuda has kernels for (the table's cuda column)
+// the pykvq types native/ggml/cuda has kernels for (the table's cuda column)
 #define GGML_KVQ_CUDA_CASE(name, NAME, id, qk, family, vdt, VDT, cuda, ...) GGML_KVQ_IF(cuda)(case GGML_TYPE_##NAME: return true;)
 GGML_KVQ_HD bool ggml_kvq_type_has_cuda(enum ggml_type type) {
     switch (type) {
@@ -378,7 +378,7 @@ GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k
 GGML_API bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes);
 
 //
-// Least-squares block scales (native/lsq.c, pykvq/ref/scale_search.py). For a block of GGML_KVQ_LSQ_N values and
+// Least-squares block scales (native/ggml/lsq.c, pykvq/ref/scale_search.py). For a block of GGML_KVQ_LSQ_N values and
 // half = 2^(bits-1): q*_0's rule with its scale d = vmax/-half times the factor f_k = (35 + k)/50, k = 0 .. 25
 // (0.70 .. 1.20; f_15 = 1 is q*_0's own), the one whose read-back values have the least squared error (double,
 // summed in order, the first of equals). NaN is read as 0, +-inf as +-FLT_MAX, |d| saturates at 65504.

@@ -28,7 +28,7 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model(
 // the rotation of contexts created later in this process by llama_init_from_model (the tools' -rotk / -rotv)
 LLAMA_API void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v);
 
-// ---- per-context settings by name (native/llama-kvq.cpp holds the table) -------------------------------------
+// ---- per-context settings by name (native/llama/llama-kvq.cpp holds the table) -------------------------------------
 //   attn_rot_k, attn_rot_v  auto | on | off        the online Hadamard rotation of the K / V cache
 //   k_domain                auto | post | pre | centred   where a --prerope-k file's quantized keys are cached
 //   encoder                 auto | stock | lsq     how q4_0 / q5_0 cache rows are written (auto: lsq for a converted file)
@@ -74,7 +74,7 @@ LLAMA_API int32_t llama_kvq_attn_rot(const struct llama_context * ctx, bool v);
 LLAMA_API int32_t llama_kvq_memory_used_cells(const struct llama_context * ctx, llama_seq_id seq_id);
 
 
-// ---- runtime calibration (native/llama-kvq-calib.cpp; pykvq.calibrate) ---------------------------------------
+// ---- runtime calibration (native/llama/llama-kvq-calib.cpp; pykvq.calibrate) ---------------------------------------
 // Per layer: statistics of Q and K before RoPE (src[0] of the ROPE nodes named Qcur-<il> / Kcur-<il>) and of V,
 // gathered by the graph's eval callback while the context decodes calibration text, as llama-imatrix does.
 struct llama_kvq_calib;

@@ -1,6 +1,6 @@
 #pragma once
 
-// pykvq: the llama side of the cache types (libllama; native/llama-kvq*.cpp): per-context settings, the cache
+// pykvq: the llama side of the cache types (libllama; native/llama/llama-kvq*.cpp): per-context settings, the cache
 // types and codebooks a file asks for, the pre-RoPE / centred key cache, session states, what a context holds.
 //
 // Codebooks: a nuq cache tensor is dequantized through a per-layer int8 codebook; every graph node that writes or reads
@@ -66,7 +66,7 @@ static inline ggml_type llama_kvq_type_from_name(const char * name) {
     return GGML_TYPE_COUNT;
 }
 
-// pykvq: the pre-RoPE key cache (native/llama-kvq-prerope.cpp)
+// pykvq: the pre-RoPE key cache (native/llama/llama-kvq-prerope.cpp)
 #include <vector>
 
 // what one layer's FLASH_ATTN_EXT needs besides the cell positions
@@ -84,7 +84,7 @@ struct llama_kvq_prerope_fa {
 // why a layer cannot have a pre-RoPE key cache (nullptr: it can)
 const char * llama_kvq_prerope_unsupported(int rope_type, bool has_rope, bool is_mla);
 
-// "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/cuda/kvq-prerope.cuh, or an RPC
+// "" when a pre-RoPE key cache offloaded to dev has kernels there (CUDA's, native/ggml/cuda/kvq-prerope.cuh, or an RPC
 // worker whose HELLO says its backends have them), else the error the context raises, naming the device and the ways out
 // (centred: the centred post-RoPE cache, whose kernels are the CPU's only)
 std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev, bool centred);
@@ -123,12 +123,12 @@ void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const ll
 #define LLAMA_KVQ_STATE_CENTRED  0x40000
 #define LLAMA_KVQ_STATE_CB_SHIFT 20
 
-// the type word a state records for a layer's cache tensor (native/llama-kvq-memory.cpp)
+// the type word a state records for a layer's cache tensor (native/llama/llama-kvq-memory.cpp)
 int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain /* 0 post, 1 pre, 2 centred */, bool rot);
 // "" when a state's word (have) fits this context's (want), else why not, naming K or V
 std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
 
-// pykvq's per-context settings (native/llama-kvq.cpp, the table behind llama_kvq_params_set). llama_context_params
+// pykvq's per-context settings (native/llama/llama-kvq.cpp, the table behind llama_kvq_params_set). llama_context_params
 // has no room for them: they come from llama_kvq_init_from_model_params, else the process default
 // (llama_kvq_set_default: the tools' flags), else the environment
 enum llama_kvq_k_domain {
@@ -161,7 +161,7 @@ private:
 // what the llama_context constructor running on this thread was asked for (all AUTO outside a scope)
 const llama_kvq_ctx_opts & llama_kvq_ctx_opts_current();
 
-// pykvq in llama's memories (native/llama-kvq-memory.cpp)
+// pykvq in llama's memories (native/llama/llama-kvq-memory.cpp)
 #include <functional>
 #include <string>
 
@@ -238,7 +238,7 @@ void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool
 // without flash attention: a quantized V layer, or a pykvq K type on a GPU (K·Q would be a CPU MUL_MAT), throws
 void llama_kvq_check_without_flash_attn(const llama_model & model, const llama_memory_i * mem, bool offload_kqv);
 
-// what a converted GGUF asks for (native/llama-kvq-model.cpp)
+// what a converted GGUF asks for (native/llama/llama-kvq-model.cpp)
 void llama_kvq_load_cache_keys(llama_model & model, const gguf_context * ctx);  // pykvq.cache.* keys
 void llama_kvq_load_codebooks(llama_model & model);                              // host copies of blk.N.kvq_codebook_k/v
 // the file's codebook for layer il's K / V cache of `type` (nullptr: none, or not the type it was calibrated for);

@@ -1,4 +1,4 @@
-// Host build of native/cuda/kvq-codec.cuh (the block codecs every CUDA kernel of pykvq
+// Host build of native/ggml/cuda/kvq-codec.cuh (the block codecs every CUDA kernel of pykvq
 // runs) checked against the C reference quantizers, which tests/test_bfp.py and
 // test_nuq.py hold to the numpy ones bit for bit. Built and run by tests/test_cuda.py
 // on any machine (no GPU needed):
@@ -8,7 +8,7 @@
 // for random cache-like rows, edge cases (zeros, NaN, inf, ties, f16-range extremes, values
 // beyond f16 / near FLT_MAX, subnormals; docs/FORMATS.md "Edge inputs": decoded rows are finite)
 // and, for the nuq types, the fallback and random codebooks.
-#include "../cuda/kvq-codec.cuh"
+#include "../ggml/cuda/kvq-codec.cuh"
 
 #include <cmath>
 #include <cstdarg>

@@ -1,4 +1,4 @@
-// The CUDA decode flash-attention kernel (native/cuda/kvq-fattn.cuh), its very source, run on
+// The CUDA decode flash-attention kernel (native/ggml/cuda/kvq-fattn.cuh), its very source, run on
 // the host under cuda_emu/common.cuh's fiber emulation and compared with attention computed in
 // double precision over the same dequantized K / V (the C reference dequantizers). Covers the
 // GQA grouping (1, 3 and 12 query heads per KV head: one and two head blocks), KV lengths that

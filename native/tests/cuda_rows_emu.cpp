@@ -1,4 +1,4 @@
-// The element-wise CUDA kernels of native/cuda/kvq-rows.cuh (SET_ROWS / CPY quantize, the
+// The element-wise CUDA kernels of native/ggml/cuda/kvq-rows.cuh (SET_ROWS / CPY quantize, the
 // dequantize used by CPY and the prefill path), their very source, run on the host under
 // cuda_emu/common.cuh and compared byte for byte / bit for bit with the C reference codecs:
 // broadcast row indices (I64 and I32), strided sources and destinations, rows left alone.

@@ -1,6 +1,6 @@
 // Standalone check of the q53_64 CPU kernels (cpu/q53.c) in whatever variant this build compiles: AVX2, or
 // the scalar code that a pre-AVX2 x86 or an ARM build runs (q53_64 has no NEON path). Built by
-// tests/test_q53.py with several -march settings (aarch64 under qemu), against the reference (native/q53.c,
+// tests/test_q53.py with several -march settings (aarch64 under qemu), against the reference (native/ggml/q53.c,
 // itself held to numpy by test_q53.py):
 //   quantize (the SIMD scale search): bytes equal to quantize_row_q53_64_ref
 //   to_float:                         bits equal to dequantize_row_q53_64

@@ -19,7 +19,7 @@ land nearest; this rule tries 26 multiples of it and keeps the best:
 
 It cuts the squared error of Gaussian blocks by ~11% at 5 bits, ~13% at 3 and 4. Only the stored d
 changes: the output is the stock format, read by every decoder unchanged. The C twin is
-native/lsq.c (ggml_kvq_lsq_block); q53_64 always encodes so, a q4_0 / q5_0 cache where the runtime
+native/ggml/lsq.c (ggml_kvq_lsq_block); q53_64 always encodes so, a q4_0 / q5_0 cache where the runtime
 asks (a pykvq-converted file: docs/FORMATS.md).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// Host emulation of the CUDA features native/cuda/kvq-fattn.cuh's kernels use, so the very
+// Host emulation of the CUDA features native/ggml/cuda/kvq-fattn.cuh's kernels use, so the very
 // kernel source runs on a machine without a GPU (tests/test_cuda.py). Each CUDA thread is a
 // fiber (ucontext); a warp's shuffles and a block's __syncthreads are barriers over its fibers,
 // so divergent warps keep their meaning. Blocks run one after another, so __shared__ arrays are

@@ -1,4 +1,4 @@
-// CPU encoders with least-squares block scales (native/lsq.c has the rule): the same bits as the reference, the
+// CPU encoders with least-squares block scales (native/ggml/lsq.c has the rule): the same bits as the reference, the
 // 26 candidate scales side by side in AVX2 registers. A cache row is written once per token, but at decode that
 // is one thread's work on the critical path (~3 us a block in scalar code), so the search must be cheap.
 #include "../lsq-rule.h"  // first: no fused multiply-add in this file, the intrinsics included

@@ -1,4 +1,4 @@
-// pykvq: the scalar pieces of the least-squares block rule (native/lsq.c; pykvq/ref/scale_search.py), shared by the
+// pykvq: the scalar pieces of the least-squares block rule (native/ggml/lsq.c; pykvq/ref/scale_search.py), shared by the
 // reference and the CPU's SIMD search. Include it first: it turns off fused multiply-add for the rest of the file
 // (the intrinsics included), because the rule rounds every product before it is added, as numpy does (clang on ARM,
 // and GCC on any target with FMA, would fuse).

@@ -10,7 +10,7 @@
 #include <math.h>
 #include <string.h>
 
-// each half: q*_0's rule with a least-squares scale (ggml_kvq_lsq_block, native/lsq.c), half = 2^(bits-1)
+// each half: q*_0's rule with a least-squares scale (ggml_kvq_lsq_block, native/ggml/lsq.c), half = 2^(bits-1)
 GGML_KVQ_STATIC_ASSERT(QK_Q53/2 == GGML_KVQ_LSQ_N, "a q53_64 half is one least-squares block");
 
 void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {

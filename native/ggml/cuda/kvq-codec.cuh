@@ -221,7 +221,7 @@ KVQ_HD void kvq_pack_high(const uint8_t * idx, int n, uint8_t * qh) {
     }
 }
 
-// least-squares block scales (native/lsq.c, ggml_kvq_lsq_block): q*_0's levels with half = 2^(bits-1), the scale
+// least-squares block scales (native/ggml/lsq.c, ggml_kvq_lsq_block): q*_0's levels with half = 2^(bits-1), the scale
 // among 26 multiples of the signed-max one whose read-back values have the least squared error (double, summed in
 // order, the first of equals). d_out: the f16 scale's bytes; q[32]: levels in [0, 2*half)
 KVQ_HD void kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q) {

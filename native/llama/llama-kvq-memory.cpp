@@ -299,7 +299,7 @@ void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem) 
 }
 
 //
-// the pre-RoPE key cache (the graph side: native/llama-kvq-prerope.cpp)
+// the pre-RoPE key cache (the graph side: native/llama/llama-kvq-prerope.cpp)
 //
 
 // why layer il cannot cache its keys centred by the file's statistics (pre-RoPE, or centred post-RoPE without

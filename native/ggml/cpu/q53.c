@@ -1,4 +1,4 @@
-// CPU kernels for q53_64 (native/q53.c has the reference): quantize (the reference's rows with the SIMD
+// CPU kernels for q53_64 (native/ggml/q53.c has the reference): quantize (the reference's rows with the SIMD
 // scale search of cpu/lsq.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
 // half gives one int32 dot product and one float scale, d5·d8 and d3·d8.
 #include "ggml-kvq-cpu.h"
