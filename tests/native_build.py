@@ -11,7 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # cpu/bfp.c's impl table hands nuq types to cpu/nuq.c (and q53_64 to cpu/q53.c), so every check links them all
-SOURCES = ["cpu/bfp.c", "cpu/nuq.c", "cpu/q53.c", "cpu/lsq.c", "bfp.c", "nuq.c", "q53.c", "lsq.c", "ggml-kvq.c"]
+SOURCES = [f"ggml/{s}" for s in ("cpu/bfp.c", "cpu/nuq.c", "cpu/q53.c", "cpu/lsq.c", "bfp.c", "nuq.c", "q53.c", "lsq.c",
+                                  "ggml-kvq.c")]   # under native/
 # compiler flag -> the /proc/cpuinfo flag a native x86 run needs
 NEED = {"-mavx512vnni": "avx512_vnni", "-mavx512f": "avx512bw", "-mavx2": "avx2"}
 
@@ -32,7 +33,7 @@ def run_check(check: str, cc: str, flags: list[str], runner: str | None, tmp_pat
     inc = [f"-I{src / 'include'}", f"-I{REPO / 'third_party/llama.cpp/ggml/include'}"]
     exe = tmp_path / check
     cmd = [cc, "-O2", "-std=c11", *flags, *inc, str(src / "tests" / f"{check}.c"),
-           *(str(src / "ggml" / s) for s in SOURCES), "-lm", "-o", str(exe)]
+           *(str(src / s) for s in SOURCES), "-lm", "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)   # compiled even where it cannot run
     if not runner:
         for flag, cpu in NEED.items():

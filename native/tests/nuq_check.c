@@ -67,13 +67,12 @@ static void make_row(int r, int n, const int8_t * cb, int nc, float * x) {
     }
 }
 
-// bytes per block and values per block of any pykvq type
+// block size and bytes of any pykvq type, from the type table
+#define KVQ_SIZE_CASE(name, NAME, id, qk_, ...) case GGML_TYPE_##NAME: *qk = qk_; return sizeof(block_##name);
 static size_t kvq_type_size(enum ggml_type t, int * qk) {
     switch (t) {
-        case GGML_TYPE_BFP4_32: *qk = QK_BFP32; return sizeof(block_bfp4_32);
-        case GGML_TYPE_BFP4_64: *qk = QK_BFP64; return sizeof(block_bfp4_64);
-        case GGML_TYPE_BFP8_32: *qk = QK_BFP32; return sizeof(block_bfp8_32);
-        default:                *qk = ggml_kvq_nuq_block(t); return ggml_kvq_nuq_type_size(t);
+        GGML_KVQ_TYPES(KVQ_SIZE_CASE, 0)
+        default: *qk = 1; return 0;
     }
 }
 
