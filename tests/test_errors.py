@@ -37,6 +37,18 @@ def test_quantized_v_without_flash_attention(smollm2):
         Model(smollm2, cache_type_v="q4_0", flash_attn=False)
 
 
+def test_runtime_cache_type_checks_keep_upstreams_messages(smollm2):
+    """llama_init_from_model's cache-type checks (now llama_kvq_check_cache_types, per layer) refuse a quantized V
+    without flash attention with upstream's message, and a tool run with it on goes through."""
+    from conftest import run_tool
+    base = ("-m", smollm2, "-ctk", "q4_0", "-ctv", "nuq4", "-p", "hi", "-n", "1", "-no-cnv", "-t", "2")
+    off = run_tool("llama-completion", *base, "-fa", "off", timeout=120)
+    assert off.returncode != 0
+    assert "llama_init_from_model: quantized V cache requires flash_attn to be enabled" in off.stderr
+    on = run_tool("llama-completion", *base, "-fa", "on", timeout=120)
+    assert on.returncode == 0, on.stderr[-2000:]
+
+
 def test_prompt_longer_than_context(smollm2):
     # llama.cpp rounds n_ctx up to a multiple of 256
     with Model(smollm2, n_ctx=256) as m:

@@ -246,3 +246,7 @@ void llama_kvq_load_codebooks(llama_model & model);                             
 const int8_t * llama_kvq_layer_codebook(const llama_model & model, int il, bool v, ggml_type type);
 // fills what the caller left open (cache types, rotation) from the file's keys and logs where each came from
 void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_params & params, llama_kvq_ctx_opts & kvq);
+// upstream's cache-type checks of llama_init_from_model, for every layer's own type (a file's per-layer types when
+// type_k / type_v is LLAMA_KV_CACHE_TYPE_MODEL): MLA's equal K / V types, flash attention for a quantized V (turned
+// on when auto), block sizes that divide the head. False (logged) refuses the context.
+bool llama_kvq_check_cache_types(const llama_model & model, llama_context_params & params);

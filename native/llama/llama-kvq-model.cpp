@@ -374,3 +374,45 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
         LLAMA_LOG_INFO("%s: online V rotation off: a transform (%s) is baked into W_v/W_o (force with attn_rot_v/-rotv on)\n", __func__, key(LLAMA_KVQ_KEY_BAKED_ROTATE_V).c_str());
     }
 }
+
+bool llama_kvq_check_cache_types(const llama_model & model, llama_context_params & params) {
+    static const char * fn = "llama_init_from_model";   // upstream's messages, as that function logged them
+    const auto & hp = model.hparams;
+    const auto type_at = [&](ggml_type t, uint32_t il, bool v) { return model.kvq_cache_type(t, il, v); };
+    bool v_quantized = false;
+    for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
+        const ggml_type tk = type_at(params.type_k, il, false);
+        const ggml_type tv = type_at(params.type_v, il, true);
+        if ((hp.is_mla() || model.arch == LLM_ARCH_DEEPSEEK4) && tk != tv) {
+            LLAMA_LOG_ERROR("%s: model does not support different K (%s) and V (%s) cache types (layer %u)\n", fn,
+                            ggml_type_name(tk), ggml_type_name(tv), il);
+            return false;
+        }
+        v_quantized = v_quantized || ggml_is_quantized(tv);
+    }
+    if (v_quantized && params.flash_attn_type != LLAMA_FLASH_ATTN_TYPE_ENABLED) {
+        if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_AUTO) {
+            LLAMA_LOG_INFO("%s: enabling flash_attn since it is required for quantized V cache\n", fn);
+            params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+        }
+        if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+            LLAMA_LOG_ERROR("%s: quantized V cache requires flash_attn to be enabled\n", fn);
+            return false;
+        }
+    }
+    if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+        return true;
+    }
+    for (const bool v : { false, true }) {
+        for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+            const ggml_type t    = type_at(v ? params.type_v : params.type_k, il, v);
+            const uint32_t  head = v ? hp.n_embd_head_v(il) : hp.n_embd_head_k(il);
+            if (ggml_is_quantized(t) && head % ggml_blck_size(t) != 0) {
+                LLAMA_LOG_ERROR("%s: %s cache type %s with block size %u does not divide n_embd_head_%s=%u (layer %u)\n",
+                                fn, v ? "V" : "K", ggml_type_name(t), (unsigned) ggml_blck_size(t), v ? "v" : "k", head, il);
+                return false;
+            }
+        }
+    }
+    return true;
+}
