@@ -24,7 +24,7 @@ median of its head, so that channels that hardly move are not blown up into the 
   one     1 everywhere (the mean only)
 Every method but std also writes blk.N.kvq_k_std (the std), which the centred post-RoPE cache reads to
 choose the mean pairs it keeps. The default (DEFAULT_SCALE, below) is what scripts/prerope_study.py
-measured to pay on both models; docs/prerope.md has the tables.
+measured to pay on both models; docs/prerope-study.md has the tables.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "diagonal Fisher on the calibration text (a Fisher-weighted key error behind the online "
                         "Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
                         "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
-                        "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope.md)")
+                        "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope-study.md)")
     p.add_argument("--sensitivity", choices=("forward", "backprop"), default=None,
                    help="where calibration's channel weights come from. forward (the default for a GGUF input "
                         "without codebooks or --kv-bits): pykvq's runtime runs "

@@ -79,7 +79,7 @@ def test_qwen_q53_keys_on_a_128_head(qwen, qwen_hf, wikitext, tmp_path):
     """q53_64 keys on a 128 head: the online K rotation is the 128-wide Hadamard without its stride-32 butterfly
     (the two blocks' 5-bit halves turn together), a plain matrix written by llama_kvq_k_rot_fill and undone in
     flash attention. A rotation the write side took for upstream's Hadamard (its fast path ignores the matrix)
-    measured KLD 1.48 here; right, 0.0075 over 8 chunks (docs/prerope.md)."""
+    measured KLD 1.48 here; right, 0.0075 over 8 chunks (docs/prerope-study.md)."""
     from test_convert import run_convert
     out = tmp_path / "q53.gguf"
     run_convert(qwen, "-o", out, "--hf-dir", qwen_hf, "--prerope-k", "--cache-type-k", "q53_64",

@@ -23,7 +23,7 @@ Why uneven: the loss reads the channels of a pre-RoPE key head very unevenly (th
 of the channel times its variance spans orders of magnitude). A key cache whose channels are laid
 out so that the important half of every 64 lands in the 5-bit half (importance_layout below, baked
 into W_q / W_k by the converter's pair permutation) spends its bits where the loss reads them.
-Fake quantization with this rule (scripts/prerope_study.py, rows "mixed bits"; docs/prerope.md) beats
+Fake quantization with this rule (scripts/prerope_study.py, rows "mixed bits"; docs/prerope-study.md) beats
 the 4-bit cache at the same size: SmolLM2-135M keys 0.0101 vs 0.0150 KLD.
 
 Storage (little endian, no padding; 36 bytes):
