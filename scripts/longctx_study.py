@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from convert import cache_domain, prerope  # noqa: E402
 from pykvq.ref import roundtrip  # noqa: E402
 from pykvq.ref.stock import _roundtrip_signed_max as roundtrip_signed  # noqa: E402
+from prerope_study import rot  # noqa: E402  (blocks of n channels times the Hadamard)
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,6 @@ def type_bits(t: str) -> float:
 def row_bits(r: Row, ctx: int) -> float:
     exact = min(ctx, r.window + r.sinks)
     return ((ctx - exact) * (type_bits(r.k) + type_bits(r.v)) / 2 + exact * 16.0) / ctx
-
-
-def rot(x: np.ndarray, n: int) -> np.ndarray:
-    from convert.hadamard import hadamard
-    h = hadamard(n).astype(np.float32)
-    return (x.reshape(*x.shape[:-1], -1, n) @ h).reshape(x.shape)
 
 
 def per_token(x: np.ndarray, t: str, hd: int) -> np.ndarray:
