@@ -262,6 +262,17 @@ def set_setting(setter, name: str, value, *, from_env: bool = False) -> None:
         raise SettingError(why)
 
 
+def apply_settings(setter, values: dict) -> None:
+    """set_setting for each setting given in values; one given as None, or a SETTING_ENV one not given, takes
+    its PYKVQ_* environment variable when that is set (the callers' fallback: the library reads none)."""
+    for name in dict.fromkeys([*values, *SETTING_ENV]):
+        value, from_env = values.get(name), False
+        if value is None:
+            value, from_env = setting_from_env(name), True
+        if value is not None:
+            set_setting(setter, name, value, from_env=from_env)
+
+
 def use_with_llama_cpp(**settings) -> str:
     """Point llama-cpp-python at pykvq's patched libllama: sets $LLAMA_CPP_LIB_PATH (read once, when llama_cpp
     is imported: call this first) unless it is already set; returns the directory llama_cpp will load from.
@@ -269,12 +280,8 @@ def use_with_llama_cpp(**settings) -> str:
     settings (k_domain=, encoder=, k_centre_residual=, attn_rot_k=, attn_rot_v=) become the process defaults of
     every context llama_cpp makes; one not given falls back to its PYKVQ_* environment variable."""
     path = os.environ.setdefault("LLAMA_CPP_LIB_PATH", llama_cpp_lib_path())
-    for name in dict.fromkeys([*settings, *SETTING_ENV]):
-        value, from_env = settings.get(name), False
-        if value is None:
-            value, from_env = setting_from_env(name), True
-        if value is not None:   # the library llama_cpp loads is this one: one copy per process, one set of defaults
-            set_setting(lib().llama_kvq_set_default, name, value, from_env=from_env)
+    # the library llama_cpp loads is this one: one copy per process, one set of defaults
+    apply_settings(lambda n, v: lib().llama_kvq_set_default(n, v), settings)
     return path
 
 

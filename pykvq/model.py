@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache_types, log
-from ._lib import ffi, lib, reclaim_log, set_setting, setting_from_env
+from ._lib import apply_settings, ffi, lib, reclaim_log
 from .cache_info import KVCacheInfo
 from .errors import CacheTypeError, ContextOverflowError, DecodeError, ModelLoadError, PykvqError
 from .evaluation import Evaluation, kld_sweep
@@ -54,12 +54,7 @@ def _kvq_params(L, values: dict[str, object]):
     environment variable when set, else the process default."""
     p = L.llama_kvq_params_init()
     try:
-        for name, v in values.items():
-            from_env = v is None
-            if from_env:
-                v = setting_from_env(name)
-            if v is not None:
-                set_setting(lambda n, x: L.llama_kvq_params_set(p, n, x), name, v, from_env=from_env)
+        apply_settings(lambda n, x: L.llama_kvq_params_set(p, n, x), values)
         yield p
     finally:
         L.llama_kvq_params_free(p)

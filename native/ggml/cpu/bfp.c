@@ -127,9 +127,6 @@ static inline void bfp_nibbles64_avx2(const uint8_t * qs, __m256i * lo, __m256i 
     *hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), o8);
 }
 
-// 32 int8 · 32 int8 -> 8 int32 partial sums, as floats (|x| <= 127 keeps maddubs exact)
-
-
 static void vec_dot_bfp4_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
     BFP_UNUSED_ARGS;
     const block_bfp4_32 * x = vx;
@@ -172,8 +169,6 @@ static void vec_dot_bfp8_32_bfp8_32_avx2(BFP_VEC_DOT_ARGS) {
     }
     *s = kvq_hsum_avx2(acc);
 }
-
-// 32 int8 mantissas times d -> 32 floats
 
 // The dequantizers' loops, shared by AVX2 and AVX-512; only the 32-value store differs
 // (the store is a constant argument of an inlined function: no indirect call remains).
@@ -219,11 +214,9 @@ static void dequantize_row_bfp8_32_avx2(const void * GGML_RESTRICT x, float * GG
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__)
 #define BFP_HAVE_AVX512 1
 
-
 static inline __m512 bfp_scales2(const float d0, const float d1) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
 }
-
 
 // The three dot products differ only in how x's 32-value blocks load as int8 lanes and where their scales live:
 // bfp_dot_pairs_avx512 takes two blocks a step (against two bfp8_32 blocks of y), each type gives its loaders.
