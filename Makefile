@@ -4,6 +4,7 @@
 #   make test   the same set-up and build-asan/ (the hostile-file driver with ASan + UBSan), then pytest
 #   make soak   the same set-up (and build-asan/: libllama + the hostile-file driver with ASan + UBSan), then the long fuzz and soak runs (tests marked soak; PYKVQ_SOAK=1)
 #   make gpu-check  on a machine with an NVIDIA GPU: build with CUDA, run every GPU check and benchmark
+#   make gpu-prebuild  here, no GPU needed: the CUDA binaries and model parts packed for a lent offline GPU machine
 #   make results  the same set-up, then the evaluation/benchmark suite -> docs/RESULTS.md (RESULTS_ARGS="--models smollm2-135m,qwen2.5-coder-1.5b")
 #
 # Options: CMAKE_ARGS="-DPYKVQ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"  JOBS=16  PYTEST_ARGS="-k kld"
@@ -17,7 +18,7 @@ VPY     := $(VENV)/bin/python
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: demo test soak results gpu-check setup fetch build build-asan clean distclean
+.PHONY: demo test soak results gpu-check gpu-prebuild setup fetch build build-asan clean distclean
 
 demo: setup build
 	$(VPY) -m pykvq demo
@@ -35,6 +36,11 @@ results: setup build
 # for the pykvq types, no CPU fallback, generation, KLD GPU = CPU, llama-bench ratios. GPU_ARGS="--steps ops"
 gpu-check: fetch
 	$(if $(wildcard $(VPY)),$(VPY),$(PY)) scripts/gpu_check.py $(GPU_ARGS)
+
+# The CUDA build made here (nvcc; cuBLAS from its pinned wheel, a link-time driver stub) and packed with the model
+# into .gpu1/ and .gpu2/, one carry each, for scripts/gpu_bare.sh on a lent GPU machine (saves its ~400 s build)
+gpu-prebuild: setup fetch
+	bash scripts/gpu_prebuild.sh
 
 setup: $(VENV)/.pykvq-setup
 

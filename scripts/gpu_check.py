@@ -20,6 +20,9 @@ Steps (each writes $OUT or results/gpu/):
             SmolLM2's and Qwen2.5-1.5B's head shapes, pykvq's types and the pre-RoPE K cache next to
             f16 / q8_0 / q4_0 (native/tests/kvq-backend-ops.inc), as µs per call and ratios; printed,
             not failed on (--perf-backend CPU runs it on any machine)
+  graphs    whether CUDA graphs replay the decode of a pykvq cache: llama-bench tg32 with and without
+            GGML_CUDA_DISABLE_GRAPHS=1 for f16 / q4_0 / nuq4 / bfp4_32, and the graph log lines (warmup
+            complete / reset, graph reused) of a verbose llama-completion; printed, not failed on
   fallback  llama-completion -ngl 99 -fa on per cache setting: the scheduler's graph split count
             must equal the f16 cache's (a pykvq op left to the CPU adds splits), and the
             generated text is printed
@@ -35,7 +38,7 @@ Steps (each writes $OUT or results/gpu/):
             must show every quantized-K layer pre-RoPE and the graph splits equal f16's (no CPU
             fallback); KLD GPU vs CPU (same bound as kld) and, for reference, the post-RoPE cache's
             (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
-            as a ratio to post-RoPE of the same type and to f16 (issue 20: decode >= 0.95x post,
+            as a ratio to post-RoPE of the same type (the source model's) and to f16 (issue 20: decode >= 0.95x post,
             >= 1.0x f16; prefill >= 0.9x f16), printed, not failed on
 """
 from __future__ import annotations
@@ -50,7 +53,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["build", "ops", "perf", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
+STEPS = ["build", "ops", "perf", "graphs", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
 # stock baselines first; "K/V" = different K and V types
 SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
             "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
@@ -188,6 +191,36 @@ def step_perf(a) -> dict:
     return {"backend": a.perf_backend, "rows": rows}
 
 
+GRAPH_SETTINGS = ["f16", "q4_0", "nuq4", "bfp4_32"]
+
+
+def step_graphs(a) -> dict:
+    """Decode's per-token cost with and without CUDA graphs: a cache type whose decode gains nothing from them
+    (or whose graph keeps resetting) is launched kernel by kernel on every token."""
+    bench, comp = Path(a.build) / "bin" / "llama-bench", Path(a.build) / "bin" / "llama-completion"
+    model = a.model
+    out: dict = {}
+    for s in GRAPH_SETTINGS:
+        k, v = kv(s)
+        row = {}
+        for tag, env_set in (("graphs", None), ("no_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"})):
+            r = run([bench, "-m", model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "0", "-n", "32",
+                     "-r", "2", "-o", "json"], env_set=env_set, timeout=600)
+            t = json.loads(r.stdout or "[]") if r.returncode == 0 and not DRY_RUN else []
+            row[tag] = t[0]["avg_ts"] if t else None
+        r = run([comp, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "512", "-n", "16",
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
+        text = r.stdout + r.stderr
+        row["log"] = {key: len(re.findall(pat, text)) for key, pat in
+                      (("warmup_complete", r"CUDA graph warmup complete"), ("warmup_reset", r"CUDA graph warmup reset"),
+                       ("reused", r"CUDA Graph id \d+ reused"), ("update_failed", r"CUDA graph update failed"))}
+        out[s] = row
+        g, n = row["graphs"], row["no_graphs"]
+        log(f"graphs {s}: tg32 {g} t/s with graphs, {n} without" + (f" ({g / n:.2f}×)" if g and n else "") +
+            f"; log {row['log']}")
+    return out
+
+
 def _error(stderr: str) -> str:
     """The lines that say why a tool stopped: the abort or error message, not the backtrace."""
     keep = [line for line in stderr.splitlines() if re.search(r"error|abort|assert|failed", line, re.I)]
@@ -202,7 +235,7 @@ def _splits(text: str) -> int | None:
 def step_fallback(a) -> dict:
     exe = Path(a.build) / "bin" / "llama-completion"
     out = {}
-    for s in SETTINGS:
+    for s in a.settings:
         k, v = kv(s)
         r = run([exe, "-m", a.model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
                  "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
@@ -273,7 +306,7 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False)
 
 
 def step_kld(a) -> dict:
-    return _kld_compare(a, a.model, SETTINGS[1:], "model")
+    return _kld_compare(a, a.model, [s for s in a.settings if s != "f16"], "model")
 
 
 def step_ksort(a) -> dict:
@@ -291,7 +324,7 @@ def step_ksort(a) -> dict:
 def step_bench(a) -> dict:
     exe = Path(a.build) / "bin" / "llama-bench"
     rows = []
-    for s in SETTINGS:
+    for s in a.settings:
         k, v = kv(s)
         r = run([exe, "-m", a.bench_model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "512", "-n", "32",
                  "-d", a.depths, "-r", str(a.reps), "-o", "json"], timeout=3600)
@@ -308,7 +341,7 @@ def step_bench(a) -> dict:
     lines = ["| cache | " + " | ".join(f"tg32 @{d}" for d in a.depths.split(",")) + " | " +
              " | ".join(f"pp512 @{d}" for d in a.depths.split(",")) + " |",
              "|---" * (1 + 2*len(a.depths.split(","))) + "|"]
-    for s in SETTINGS:
+    for s in a.settings:
         cells = []
         for kind in ("tg", "pp"):
             for d in a.depths.split(","):
@@ -377,16 +410,17 @@ def step_prerope(a) -> dict:
 
 
 def _prerope_bench(a, model: Path) -> list[dict]:
-    """llama-bench on the pre-RoPE file: f16, then each setting pre-RoPE (the file's default) and post-RoPE."""
+    """llama-bench on the pre-RoPE file: f16, then each setting pre-RoPE (the file's default), and post-RoPE
+    on the source model (--model), since llama-bench has no --kv-domain."""
     exe = Path(a.build) / "bin" / "llama-bench"
     depths = a.prerope_depths.split(",")
     rows = []
-    runs = [("f16", "f16", None)] + [(s, d, POST_ON_GPU if d == "post" else None)
-                                     for s in PREROPE_SETTINGS for d in ("pre", "post")]
-    for s, dom, env_set in runs:
+    runs = [("f16", "f16")] + [(s, d) for s in PREROPE_SETTINGS for d in ("pre", "post")]
+    for s, dom in runs:
         k, v = kv(s)
-        r = run([exe, "-m", model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "512", "-n", "32",
-                 "-d", a.prerope_depths, "-r", str(a.reps), "-o", "json"], env_set=env_set, timeout=3600)
+        # llama-bench takes no --kv-domain: the post-RoPE rows run the source model (same shapes and weights)
+        r = run([exe, "-m", a.model if dom == "post" else model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v,
+                 "-p", "512", "-n", "32", "-d", a.prerope_depths, "-r", str(a.reps), "-o", "json"], timeout=3600)
         if r.returncode != 0:
             a.failures.append(f"prerope bench {s} {dom}: rc {r.returncode}: {r.stderr[-1000:]}")
             continue
@@ -422,6 +456,8 @@ def main() -> None:
     ap.add_argument("--bench-model", help="GGUF for the benchmark (default: Qwen2.5-Coder-1.5B)")
     ap.add_argument("--text", help="evaluation text (default: WikiText-2 test via pykvq)")
     ap.add_argument("--chunks", type=int, default=8, help="512-token chunks for KLD")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="cache settings (K or K/V) of the fallback, kld and bench steps (default: all; f16 first)")
     ap.add_argument("--depths", default="0,8192,32768", help="llama-bench -d")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--perf-backend", default="CUDA0", help="test-backend-ops -b of the perf step (CPU: any machine)")
@@ -432,6 +468,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="log each step's commands without running any")
     a = ap.parse_args()
     a.failures = []
+    a.settings = a.settings.split(",")
     if a.list:
         print("\n".join(line for line in __doc__.split("Steps", 1)[1].splitlines()[1:] if line.strip()))
         return
@@ -442,7 +479,7 @@ def main() -> None:
     bad = set(steps) - set(STEPS)
     if bad:
         ap.error(f"unknown step(s) {sorted(bad)}; choose from {STEPS}")
-    if {"fallback", "pykvq", "kld", "ksort", "prerope"} & set(steps):
+    if {"fallback", "pykvq", "kld", "ksort", "prerope", "graphs"} & set(steps):
         a.model = a.model or default_model("smollm2-135m")
         if not a.model:
             ap.error("--model is needed for fallback / kld")

@@ -146,7 +146,8 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     assert len(kld) == 1 + 3*n                                          # base, then CPU, GPU, GPU post-RoPE
     assert sum("-ngl 0" in c for c in kld) == 1 + n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
     bench = [c for c in cmds if "llama-bench" in c]
-    assert len(bench) == 1 + 2*n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in bench) == n
+    # llama-bench has no key-domain flag (and the runtime reads no environment): post-RoPE rows run the source
+    assert len(bench) == 1 + 2*n and sum(f"-m {model} " in c for c in bench) == n and not any("PYKVQ" in c for c in bench)
     assert not (tmp_path / "out" / "gpu_check.json").exists()           # a dry run writes no results
 
 

@@ -4,7 +4,8 @@ CUDA math libraries (CI): the include/ folder of the pinned ``nvidia-cublas`` wh
 downloaded with pip, checked against its sha256 and extracted once into
 ``third_party/.cache/``. Prints the include directory.
 
-    python third_party/cuda_headers.py
+    python third_party/cuda_headers.py            # the include directory
+    python third_party/cuda_headers.py --libs     # the libraries' directory (for a CUDA build here)
 """
 from __future__ import annotations
 
@@ -26,10 +27,8 @@ class HeadersError(RuntimeError):
     pass
 
 
-def include_dir() -> Path:
-    out = CACHE / f"{PACKAGE}-{VERSION}" / "include"
-    if (out / "cublas_v2.h").exists():
-        return out
+def _wheel() -> Path:
+    """The pinned wheel in CACHE, downloaded and checked if it is not there."""
     CACHE.mkdir(parents=True, exist_ok=True)
     wheels = sorted(CACHE.glob(f"nvidia_cublas-{VERSION}-*.whl"))
     if not wheels:
@@ -44,21 +43,45 @@ def include_dir() -> Path:
     if digest != SHA256:
         wheel.unlink()
         raise HeadersError(f"{wheel.name}: sha256 {digest}, expected {SHA256} (deleted; run again)")
+    return wheel
+
+
+def _extract(part: str, check: str) -> Path:
+    """The wheel's <part>/ files, flat, in CACHE/<package>-<version>/<part>; the wheel (~0.4 GB) is deleted."""
+    out = CACHE / f"{PACKAGE}-{VERSION}" / part
+    if (out / check).exists():
+        return out
+    wheel = _wheel()
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
-            if "/include/" in name and not name.endswith("/"):
+            if f"/{part}/" in name and not name.endswith("/"):
                 (tmp / Path(name).name).write_bytes(z.read(name))
-    if not (tmp / "cublas_v2.h").exists():
-        raise HeadersError(f"{wheel.name} has no include/cublas_v2.h")
+    if not (tmp / check).exists():
+        raise HeadersError(f"{wheel.name} has no {part}/{check}")
     tmp.rename(out)
-    wheel.unlink()   # the headers are all we keep (the wheel is ~0.4 GB)
+    wheel.unlink()
+    return out
+
+
+def include_dir() -> Path:
+    return _extract("include", "cublas_v2.h")
+
+
+def lib_dir() -> Path:
+    """libcublas / libcublasLt to link a CUDA build against (scripts/gpu_prebuild.sh), with the
+    unversioned names a linker looks for."""
+    out = _extract("lib", "libcublas.so.13")
+    for name in ("libcublas", "libcublasLt"):
+        link = out / f"{name}.so"
+        if not link.exists():
+            link.symlink_to(f"{name}.so.13")
     return out
 
 
 if __name__ == "__main__":
     try:
-        print(include_dir())
+        print(lib_dir() if sys.argv[1:] == ["--libs"] else include_dir())
     except (HeadersError, subprocess.CalledProcessError) as e:
         sys.exit(f"cuda_headers: {e}")
