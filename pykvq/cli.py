@@ -5,7 +5,7 @@
     pykvq perplexity -ctk q4_0 -ctv q4_0 --chunks 20
     pykvq kld -ctk q4_0 -ctv q4_0 --chunks 20          # against an f16 cache
     pykvq info
-    pykvq results [--quick]                             # eval + bench + passkey + docs/RESULTS.md
+    pykvq results [--quick]                             # eval + bench + passkey + long + docs/RESULTS.md
 """
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def cmd_report(args) -> int:
 def cmd_results(args) -> int:
     from .suite.run import run_all
     out, docs = _suite_dirs(args)
-    parts = tuple(p for p in ("eval", "bench", "passkey") if p not in (args.skip or "").split(","))
+    parts = tuple(p for p in ("eval", "bench", "passkey", "long") if p not in (args.skip or "").split(","))
     path = run_all(args.models.split(","), out, docs, quick=args.quick, text_file=args.file, parts=parts,
                    threads=args.threads, n_gpu_layers=args.n_gpu_layers, progress=True, readme=_readme(args))
     print(path)
@@ -402,11 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_out_args(p)
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("results", help="eval + bench + passkey + report in one command (resumable)")
+    p = sub.add_parser("results", help="eval + bench + passkey + long context + report in one command (resumable)")
     p.add_argument("--models", default="smollm2-135m",
                    help="comma-separated known models (default smollm2-135m; add qwen2.5-coder-1.5b)")
     p.add_argument("--quick", action="store_true", help="CI-sized run into results/quick")
-    p.add_argument("--skip", default=None, help="parts to skip: eval, bench, passkey (comma-separated)")
+    p.add_argument("--skip", default=None, help="parts to skip: eval, bench, passkey, long (the README's settings at "
+                   "4k-16k tokens) (comma-separated)")
     p.add_argument("-f", "--file", default=None, help="text to evaluate (default: WikiText-2 test)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for bench (default: all)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="bench with layers offloaded to a GPU")

@@ -38,7 +38,7 @@ Steps (each writes $OUT or results/gpu/):
             must show every quantized-K layer pre-RoPE and the graph splits equal f16's (no CPU
             fallback); KLD GPU vs CPU (same bound as kld) and, for reference, the post-RoPE cache's
             (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
-            as a ratio to post-RoPE of the same type (the source model's) and to f16 (issue 20: decode >= 0.95x post,
+            as a ratio to post-RoPE of the same type and to f16 (issue 20: decode >= 0.95x post,
             >= 1.0x f16; prefill >= 0.9x f16), printed, not failed on
 """
 from __future__ import annotations
@@ -63,8 +63,10 @@ THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
 DRY_RUN = False
-# a pre-RoPE file runs pre-RoPE by default (every quantized K layer, on CUDA too); this turns it post-RoPE
-POST_ON_GPU = {"PYKVQ_K_DOMAIN": "post"}   # a pre-RoPE file's post-RoPE cache, for the ratios
+# a pre-RoPE file's CUDA-held layers stay post-RoPE unless asked (their pre-RoPE reads are wrong across batches,
+# 2026-11-27); the prerope step asks, through the tools' environment fallback of --kv-domain
+DOMAIN_ENV = {"pre": {"PYKVQ_K_DOMAIN": "pre"}, "post": {"PYKVQ_K_DOMAIN": "post"}}
+POST_ON_GPU = DOMAIN_ENV["post"]   # a pre-RoPE file's post-RoPE cache, for the ratios
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -277,7 +279,9 @@ def _kld(text: str) -> float | None:
 
 def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
-    prerope: a pre-RoPE file: the GPU runs once more with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
+    prerope: a pre-RoPE file, its keys forced pre-RoPE (PYKVQ_K_DOMAIN=pre); the GPU runs once more with batches of 32
+    (the cells an earlier batch wrote, read by a later one: wrong on the H200 of 2026-11-27), and once with its
+    post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
@@ -289,19 +293,24 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False)
     for s in settings:
         k, v = kv(s)
         row = {}
-        for dev, ngl in (("cpu", "0"), ("gpu", "99")):
-            r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
-                     "--kl-divergence"], timeout=1800)
+        for dev, ngl, extra in (("cpu", "0", []), ("gpu", "99", []), ("gpu_ub32", "99", ["-b", "512", "-ub", "32"])):
+            if dev == "gpu_ub32" and not prerope:
+                continue
+            r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, *extra, "--kl-divergence-base", base,
+                     "--kl-divergence"], env_set=DOMAIN_ENV["pre"] if prerope else None, timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
         if prerope:
             r = run([exe, *common, "-ngl", "99", "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
                      "--kl-divergence"], env_set=POST_ON_GPU, timeout=1800)
             row["gpu_post"] = _kld(r.stdout + r.stderr)
         out[s] = row
-        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}" + (f" (post-RoPE gpu {row['gpu_post']})" if prerope else ""))
-        c, g = row["cpu"], row["gpu"]
-        if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
-            a.failures.append(f"kld {tag} {s}: cpu {c} vs gpu {g}")
+        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}" +
+            (f" gpu -ub 32 {row['gpu_ub32']} (post-RoPE gpu {row['gpu_post']})" if prerope else ""))
+        c = row["cpu"]
+        for dev in ("gpu", "gpu_ub32") if prerope else ("gpu",):
+            g = row[dev]
+            if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
+                a.failures.append(f"kld {tag} {s}: cpu {c} vs {dev} {g}")
     return out
 
 
@@ -386,7 +395,7 @@ def step_prerope(a) -> dict:
     for s in ["f16"] + PREROPE_SETTINGS:
         k, v = kv(s)
         r = run([exe, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
-                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], env_set=DOMAIN_ENV["pre"], timeout=600)
         text = r.stdout + r.stderr
         m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
         o = {"rc": r.returncode, "splits": _splits(text), "prerope_layers": m.groups() if m else None,
@@ -410,17 +419,16 @@ def step_prerope(a) -> dict:
 
 
 def _prerope_bench(a, model: Path) -> list[dict]:
-    """llama-bench on the pre-RoPE file: f16, then each setting pre-RoPE (the file's default), and post-RoPE
-    on the source model (--model), since llama-bench has no --kv-domain."""
+    """llama-bench on the pre-RoPE file: f16, then each setting with pre-RoPE keys (forced: CUDA-held layers stay
+    post-RoPE by default) and post-RoPE."""
     exe = Path(a.build) / "bin" / "llama-bench"
     depths = a.prerope_depths.split(",")
     rows = []
     runs = [("f16", "f16")] + [(s, d) for s in PREROPE_SETTINGS for d in ("pre", "post")]
     for s, dom in runs:
         k, v = kv(s)
-        # llama-bench takes no --kv-domain: the post-RoPE rows run the source model (same shapes and weights)
-        r = run([exe, "-m", a.model if dom == "post" else model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v,
-                 "-p", "512", "-n", "32", "-d", a.prerope_depths, "-r", str(a.reps), "-o", "json"], timeout=3600)
+        r = run([exe, "-m", model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "512", "-n", "32",
+                 "-d", a.prerope_depths, "-r", str(a.reps), "-o", "json"], env_set=DOMAIN_ENV.get(dom), timeout=3600)
         if r.returncode != 0:
             a.failures.append(f"prerope bench {s} {dom}: rc {r.returncode}: {r.stderr[-1000:]}")
             continue

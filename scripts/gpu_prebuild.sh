@@ -48,7 +48,7 @@ if [ -z "$PRE" ]; then
   PRE=$B/pre.gguf
   $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k
 fi
-CAP=$(( 62*1024*1024 ))       # a call carries 64 MiB, the tree (~3 MB) included
+CAP=$(( 60*1024*1024 ))       # a call carries 64 MiB, the tree (~3 MB) included
 size=$(stat -c %s "$MODEL"); off=0; n=1
 room=$(( CAP - $(stat -c %s .gpu1/build-cuda.tar.xz) ))
 [ $room -gt 0 ] || { n=2; room=$CAP; }

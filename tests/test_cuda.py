@@ -142,12 +142,15 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     n = len(ast.literal_eval(settings))
     completion = [c for c in cmds if "llama-completion" in c]
     assert len(completion) == 1 + n and all("-ngl 99" in c and str(pre) in c for c in completion)
+    # CUDA-held layers stay post-RoPE unless asked: every pre-RoPE run asks (the tools' --kv-domain environment)
+    assert all(c.startswith("PYKVQ_K_DOMAIN=pre") for c in completion)
     kld = [c for c in cmds if "llama-perplexity" in c]
-    assert len(kld) == 1 + 3*n                                          # base, then CPU, GPU, GPU post-RoPE
+    assert len(kld) == 1 + 4*n                                # base, then CPU, GPU, GPU in batches of 32, GPU post-RoPE
     assert sum("-ngl 0" in c for c in kld) == 1 + n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
+    assert sum("-ub 32" in c for c in kld) == n and sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*n
     bench = [c for c in cmds if "llama-bench" in c]
-    # llama-bench has no key-domain flag (and the runtime reads no environment): post-RoPE rows run the source
-    assert len(bench) == 1 + 2*n and sum(f"-m {model} " in c for c in bench) == n and not any("PYKVQ" in c for c in bench)
+    assert len(bench) == 1 + 2*n and all(str(pre) in c for c in bench)
+    assert sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in bench) == n and sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in bench) == n
     assert not (tmp_path / "out" / "gpu_check.json").exists()           # a dry run writes no results
 
 

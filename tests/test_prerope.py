@@ -504,3 +504,9 @@ def test_tools_take_the_settings_as_flags(smol_pre, tmp_path):
     res = run_tool("llama-completion", *base, "--kv-domain", "sideways", timeout=300)
     assert res.returncode != 0 and "k_domain = 'sideways': expected auto, post, pre or centred" in res.stderr, \
         res.stderr[-2000:]
+    # llama-bench has no --kv-* flags: it takes the same environment (what gpu_check's pre/post rows rely on)
+    bench = ["-m", smol_pre, "-p", "0", "-n", "1", "-r", "1", "-fa", "1", "-t", "2", "-ctk", "q4_0", "-ctv", "q4_0"]
+    res = run_tool("llama-bench", *bench, "-v", timeout=300, env={"PYKVQ_K_DOMAIN": "post"})
+    assert res.returncode == 0 and "pre-RoPE key cache off (k_domain = post)" in res.stderr, res.stderr[-2000:]
+    res = run_tool("llama-bench", *bench, timeout=300, env={"PYKVQ_K_DOMAIN": "sideways"})
+    assert res.returncode != 0 and "PYKVQ_K_DOMAIN: k_domain = 'sideways': expected auto" in res.stderr, res.stderr[-2000:]

@@ -132,9 +132,14 @@ def test_quick_run_writes_results_report_and_plots(quick):
         assert (quick / f"{kind}_smollm2-135m.json").is_file()
     docs = quick / "docs"
     md = (docs / "RESULTS.md").read_text()
-    for needle in ("## Headline", "### Quality", "### Speed and memory", "### Passkey retrieval",
+    for needle in ("## Headline", "### Quality", "### Speed and memory", "### Passkey retrieval", "### Long context",
                    "pareto_smollm2-135m.png", "speed_smollm2-135m.png"):
         assert needle in md
+    # the long-context part: the quick preset's 1024 tokens beside the 256-token matrix, as a ratio to q8_0
+    long = _load(quick / "long" / "eval_smollm2-135m_ctx1024_c1.json")
+    assert long["meta"]["config"]["n_ctx"] == 1024 and set(long["rows"]) == {"q8_0", "nuq4", "f16"}
+    nuq4 = long["rows"]["nuq4"]["mean_kld"] / long["rows"]["q8_0"]["mean_kld"]
+    assert f"| nuq4 | 4.500 | " in md and f"({nuq4:.1f}×) |" in md
     for png in ("pareto_smollm2-135m.png", "speed_smollm2-135m.png"):
         assert (docs / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

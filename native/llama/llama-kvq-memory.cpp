@@ -359,6 +359,14 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, true);
+        // On an H200 (2026-11-27, docs/RESULTS.md) CUDA's pre-RoPE flash attention read the cells written by an
+        // earlier batch wrongly (KLD 0.12-5 where the CPU gives 0.037; cells of the batch itself are right): a
+        // CUDA-held layer stays post-RoPE unless k_domain = pre asks for the CUDA kernels anyway
+        if (why == nullptr && !force_pre && layer.k->buffer != nullptr && !ggml_backend_buffer_is_host(layer.k->buffer) &&
+            strncmp(ggml_backend_buffer_name(layer.k->buffer), "CUDA", 4) == 0) {
+            why = "its K cache is on a CUDA device, whose pre-RoPE flash attention is not yet right across batches "
+                  "(-nkvo keeps the cache on the CPU with pre-RoPE keys; --kv-domain pre uses the CUDA kernels anyway)";
+        }
         if (why != nullptr) {
             why_not = why;
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);

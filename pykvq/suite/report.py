@@ -224,6 +224,34 @@ K_TRANSFORM = {"none": "none (upstream's online Hadamard)", "smooth": "pair smoo
                "smooth+klearned": "learned pair scale + angle (from smoothing)"}
 
 
+def long_md(runs: list[dict], short: dict | None) -> list[str]:
+    """The README's settings at long contexts (results/long/eval_<model>_ctx<N>_c<C>.json), beside the 512-token
+    matrix's KLD; "× q8_0" is the setting's KLD over stock q8_0's at the same length."""
+    runs = sorted(runs, key=lambda d: d["meta"]["config"]["n_ctx"])
+    cols = [(f"@{d['meta']['config']['n_ctx']}", d["rows"]) for d in runs]
+    if short:
+        cols.insert(0, (f"@{short['meta']['config']['n_ctx']}", short["rows"]))
+    labels = [lab for lab in runs[0]["rows"] if lab != "f16"]
+    md = ["### Long context", "",
+          "The README's settings at the context lengths caches are compressed for: KLD against an f16 cache (" +
+          "; ".join(f"{d['meta']['config']['chunks']} × {d['meta']['config']['n_ctx']} tokens" for d in runs) +
+          f", {runs[0]['meta']['config']['text']}); × q8_0 = the setting's KLD over stock q8_0's at that length.", "",
+          "| setting | bits/value | " + " | ".join(f"KLD {c} (× q8_0)" for c, _ in cols) + " | PPL vs f16 " +
+          " / ".join(c for c, _ in cols[-len(runs):]) + " |",
+          "|---" * (2 + len(cols) + 1) + "|"]
+    for lab in labels:
+        cells = []
+        for _, rows in cols:
+            r, q8 = rows.get(lab), rows.get("q8_0")
+            cells.append("–" if r is None else f"{_f(r['mean_kld'])}" +
+                         (f" ({r['mean_kld'] / q8['mean_kld']:.1f}×)" if q8 and q8["mean_kld"] > 0 else ""))
+        ppl = [f"{100 * (d['rows'][lab]['ppl'] / d['rows'][lab]['ppl_base'] - 1):+.1f}%" if lab in d["rows"] else "–"
+               for d in runs]
+        bits = next(rows[lab]["bits_per_value"] for _, rows in cols if lab in rows)
+        md.append(f"| {lab} | {bits:.3f} | " + " | ".join(cells) + " | " + " / ".join(ppl) + " |")
+    return md + [""]
+
+
 def learned_md(d: dict) -> list[str]:
     """The learned-transform comparison (results/learned/eval_<model>.json): V transforms with an f16 K
     cache, per V type; K pair transforms with an f16 V cache."""
@@ -347,6 +375,10 @@ def write(results: Path, docs: Path, models: list[str] | None = None, readme: Pa
             md += speed_md(parts["bench"], model, img)
         if "passkey" in parts:
             md += passkey_md(parts["passkey"])
+        long_runs = [d for d in (load(p) for p in sorted((results / "long").glob(f"eval_{model}_ctx*.json"))
+                                 if not p.name.endswith(".stale.json")) if d and d["rows"]]
+        if long_runs:
+            md += long_md(long_runs, parts.get("eval"))
         learned = results / "learned" / f"eval_{model}.json"
         if learned.is_file():
             md += learned_md(load(learned))

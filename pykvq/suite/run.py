@@ -1,4 +1,4 @@
-"""`pykvq results`: quality matrix, speed, passkey and the report, in one command.
+"""`pykvq results`: quality matrix, speed, passkey, long context and the report, in one command.
 
 Presets size the run: "full" is the documented run (SmolLM2 on 2 CPU cores in
 about half an hour), per-model overrides keep bigger models affordable, and
@@ -14,14 +14,19 @@ from ..errors import PykvqError
 from . import passkey, quality, report, speed
 from .settings import matrix, parse_settings
 
+# the README's settings at the context lengths caches are compressed for: (n_ctx, chunks); SmolLM2 was trained
+# to 8192 tokens, Qwen2.5-Coder-1.5B to 32768
+LONG_SETTINGS = "q8_0,q8_0/q4_0,q4_0,nuq4,q4_0@prerope,q53_64/q4_0@prerope,nuq4@prerope,auto@prerope+kvbits-3.6"
 PRESETS = {
     "full": dict(settings="full", n_ctx=512, chunks=16,
                  bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o,q4_0@prerope,q4_0@prerope:centred,nuq4@prerope,"
                              "q53_64/q4_0@prerope",
                  depths=[0, 4096, 8192], pp=512, tg=32,
-                 passkey_types="f16,q4_0,nuq4,nuq2o,q4_0@prerope,q53_64/q4_0@prerope", lengths=None, trials=2),
+                 passkey_types="f16,q4_0,nuq4,nuq2o,q4_0@prerope,q53_64/q4_0@prerope", lengths=None, trials=2,
+                 long_settings=LONG_SETTINGS, long_ctx=[(4096, 3), (8192, 1)]),
     "quick": dict(settings="quick", n_ctx=256, chunks=2, bench_types="f16,q4_0,nuq4,q4_0@prerope", depths=[0, 256], pp=64,
-                  tg=8, passkey_types="f16,nuq4", lengths=[256, 512], trials=1),
+                  tg=8, passkey_types="f16,nuq4", lengths=[256, 512], trials=1, long_settings="q8_0,nuq4",
+                  long_ctx=[(1024, 1)]),
 }
 # per model, on top of "full": a 1.5B model on 2 cores gets the core matrix and shorter runs
 MODEL_OVERRIDES = {
@@ -34,7 +39,7 @@ MODEL_OVERRIDES = {
                                depths=[0, 4096],
                                passkey_types="f16,q4_0,nuq4,q8_0/q4_0,q8_0/nuq3o,q4_0@prerope,q53_64/q4_0@prerope",
                                lengths=[1024, 2048],
-                               trials=2),
+                               trials=2, long_ctx=[(4096, 1), (16384, 1)]),
 }
 
 
@@ -58,7 +63,7 @@ def params(model: str, quick: bool) -> dict:
 
 
 def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, text_file: str | None = None,
-            parts: tuple[str, ...] = ("eval", "bench", "passkey"), threads: int | None = None,
+            parts: tuple[str, ...] = ("eval", "bench", "passkey", "long"), threads: int | None = None,
             n_gpu_layers: int = 0, progress: bool | None = None, readme: Path | None = None) -> Path:
     from ..registry import MODELS, fetch
     text, text_name = eval_text(text_file)
@@ -77,4 +82,8 @@ def run_all(models: list[str], out: Path, docs: Path, *, quick: bool = False, te
         if "passkey" in parts:
             passkey.run(src, parse_settings(p["passkey_types"]), out / f"passkey_{name}.json",
                         lengths=p["lengths"] or default_lengths(src), trials=p["trials"])
+        if "long" in parts:
+            for n_ctx, chunks in p["long_ctx"]:
+                quality.run(src, matrix(p["long_settings"]), out / "long" / f"eval_{name}_ctx{n_ctx}_c{chunks}.json",
+                            text=text, text_name=text_name, n_ctx=n_ctx, chunks=chunks, progress=progress)
     return report.write(out, docs, readme=readme)
