@@ -1,8 +1,9 @@
 """`pykvq results`: quality matrix, speed, passkey, long context and the report, in one command.
 
 Presets size the run: "full" is the documented run (SmolLM2 on 2 CPU cores in
-about half an hour), per-model overrides keep bigger models affordable, and
-"quick" is CI-sized (a minute or two). Every part resumes from its JSON file.
+about half an hour, plus ~40 minutes for the long-context part: `--skip long`),
+per-model overrides keep bigger models affordable, and "quick" is CI-sized (a
+minute or two). Every part resumes from its JSON file.
 """
 from __future__ import annotations
 
