@@ -38,7 +38,7 @@ gpu-check: fetch
 	$(if $(wildcard $(VPY)),$(VPY),$(PY)) scripts/gpu_check.py $(GPU_ARGS)
 
 # The CUDA build made here (nvcc; cuBLAS from its pinned wheel, a link-time driver stub) and packed with the model
-# into .gpu1/ and .gpu2/, one carry each, for scripts/gpu_bare.sh on a lent GPU machine (saves its ~400 s build)
+# into .gpu1/, .gpu2/, ... (one 64 MiB carry each) for scripts/gpu_bare.sh on a lent GPU machine (saves its ~400 s build)
 gpu-prebuild: setup fetch
 	bash scripts/gpu_prebuild.sh
 

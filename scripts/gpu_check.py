@@ -66,7 +66,6 @@ DRY_RUN = False
 # a pre-RoPE file's CUDA-held layers stay post-RoPE unless asked (their pre-RoPE reads are wrong across batches,
 # 2026-11-27); the prerope step asks, through the tools' environment fallback of --kv-domain
 DOMAIN_ENV = {"pre": {"PYKVQ_K_DOMAIN": "pre"}, "post": {"PYKVQ_K_DOMAIN": "post"}}
-POST_ON_GPU = DOMAIN_ENV["post"]   # a pre-RoPE file's post-RoPE cache, for the ratios
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -200,17 +199,16 @@ def step_graphs(a) -> dict:
     """Decode's per-token cost with and without CUDA graphs: a cache type whose decode gains nothing from them
     (or whose graph keeps resetting) is launched kernel by kernel on every token."""
     bench, comp = Path(a.build) / "bin" / "llama-bench", Path(a.build) / "bin" / "llama-completion"
-    model = a.model
     out: dict = {}
     for s in GRAPH_SETTINGS:
         k, v = kv(s)
         row = {}
         for tag, env_set in (("graphs", None), ("no_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"})):
-            r = run([bench, "-m", model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "0", "-n", "32",
+            r = run([bench, "-m", a.model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "0", "-n", "32",
                      "-r", "2", "-o", "json"], env_set=env_set, timeout=600)
             t = json.loads(r.stdout or "[]") if r.returncode == 0 and not DRY_RUN else []
             row[tag] = t[0]["avg_ts"] if t else None
-        r = run([comp, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "512", "-n", "16",
+        r = run([comp, "-m", a.model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "512", "-n", "16",
                  "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
         text = r.stdout + r.stderr
         row["log"] = {key: len(re.findall(pat, text)) for key, pat in
@@ -289,25 +287,24 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False)
     if r.returncode != 0:
         a.failures.append(f"kld {tag}: base run failed: " + r.stderr[-2000:])
         return {}
+    # (name, -ngl, extra arguments, environment); every GPU run but the post-RoPE one must match the CPU's
+    pre = DOMAIN_ENV["pre"] if prerope else None
+    runs = [("cpu", "0", [], pre), ("gpu", "99", [], pre)]
+    if prerope:
+        runs += [("gpu_ub32", "99", ["-b", "512", "-ub", "32"], pre), ("gpu_post", "99", [], DOMAIN_ENV["post"])]
+    checked = [dev for dev, *_ in runs if dev not in ("cpu", "gpu_post")]
     out = {}
     for s in settings:
         k, v = kv(s)
         row = {}
-        for dev, ngl, extra in (("cpu", "0", []), ("gpu", "99", []), ("gpu_ub32", "99", ["-b", "512", "-ub", "32"])):
-            if dev == "gpu_ub32" and not prerope:
-                continue
+        for dev, ngl, extra, env_set in runs:
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, *extra, "--kl-divergence-base", base,
-                     "--kl-divergence"], env_set=DOMAIN_ENV["pre"] if prerope else None, timeout=1800)
+                     "--kl-divergence"], env_set=env_set, timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
-        if prerope:
-            r = run([exe, *common, "-ngl", "99", "-ctk", k, "-ctv", v, "--kl-divergence-base", base,
-                     "--kl-divergence"], env_set=POST_ON_GPU, timeout=1800)
-            row["gpu_post"] = _kld(r.stdout + r.stderr)
         out[s] = row
-        log(f"{tag} {s}: KLD cpu {row['cpu']} gpu {row['gpu']}" +
-            (f" gpu -ub 32 {row['gpu_ub32']} (post-RoPE gpu {row['gpu_post']})" if prerope else ""))
+        log(f"{tag} {s}: KLD " + " ".join(f"{dev} {x}" for dev, x in row.items()))
         c = row["cpu"]
-        for dev in ("gpu", "gpu_ub32") if prerope else ("gpu",):
+        for dev in checked:
             g = row[dev]
             if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
                 a.failures.append(f"kld {tag} {s}: cpu {c} vs {dev} {g}")
