@@ -242,7 +242,8 @@ def llama_cpp_lib_path() -> str:
 
 
 # the per-context settings a caller may leave to the environment (the tools' --kv-* flags read the same variables)
-SETTING_ENV = {"k_domain": "PYKVQ_K_DOMAIN", "encoder": "PYKVQ_ENCODER", "k_centre_residual": "PYKVQ_K_CENTRE_RESIDUAL"}
+SETTING_ENV = {"k_domain": "PYKVQ_K_DOMAIN", "encoder": "PYKVQ_ENCODER", "k_centre_residual": "PYKVQ_K_CENTRE_RESIDUAL",
+               "kv_window": "PYKVQ_KV_WINDOW", "kv_sinks": "PYKVQ_KV_SINKS"}
 
 
 def setting_from_env(name: str) -> str | None:

@@ -72,6 +72,7 @@ class Model(Generation, Evaluation):
     attn_rot_k / attn_rot_v: upstream's online Hadamard rotation of the cache,
     per context: "auto" (upstream's rule: on for a quantized cache whose head
     size is a multiple of 64), "on" or "off".
+    n_batch / n_ubatch: tokens per llama_decode call (default min(n_ctx, 2048)) and per graph (default 512).
     n_seq_max: number of sequences the cache holds (seq_cp needs 2 or more).
     kv_unified: one cache buffer shared by all sequences (llama.cpp's kv_unified); False gives each
     sequence a stream of its own, n_ctx / n_seq_max cells.
@@ -82,7 +83,10 @@ class Model(Generation, Evaluation):
     scales for a pykvq-converted file and ggml's stock encoder for any other, "stock" or "lsq" to force one.
     The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").
     k_centre_residual: the centred cache's residual mean energy (x the head's variance; default 0.5).
-    None for any of these three: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL,
+    kv_window / kv_sinks: a pre-RoPE key cache keeps the last kv_window cells written per stream and the first
+    kv_sinks positions unquantized (f16) beside the quantized cache (default 0: none; docs/prerope.md).
+    None for any of these: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL /
+    PYKVQ_KV_WINDOW / PYKVQ_KV_SINKS,
     else the process default (pykvq.use_with_llama_cpp), else auto. self.k_domain / self.encoder say what the context really runs.
 
     Besides what is defined here: generate / chat (pykvq/generation.py) and perplexity /
@@ -95,7 +99,9 @@ class Model(Generation, Evaluation):
                  n_threads: int | None = None, verbose: bool | None = None,
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
-                 encoder: str | None = None, k_centre_residual: float | None = None, _calibration=None):
+                 encoder: str | None = None, k_centre_residual: float | None = None,
+                 kv_window: int | None = None, kv_sinks: int | None = None, n_ubatch: int | None = None,
+                 _calibration=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
         if encoder not in ENCODERS:
@@ -167,7 +173,7 @@ class Model(Generation, Evaluation):
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch or min(n_ctx, 2048)
-        cp.n_ubatch = min(cp.n_batch, 512)
+        cp.n_ubatch = min(cp.n_batch, n_ubatch or 512)
         cp.n_seq_max = n_seq_max
         cp.kv_unified = kv_unified
         threads = n_threads or os.cpu_count() or 1
@@ -183,7 +189,7 @@ class Model(Generation, Evaluation):
             L.llama_kvq_calib_attach(_calibration, ffi.addressof(cp))
         log.clear()
         settings = dict(attn_rot_k=_ROT_NAMES[rot_k], attn_rot_v=_ROT_NAMES[rot_v], k_domain=k_domain,
-                        encoder=encoder, k_centre_residual=k_centre_residual)
+                        encoder=encoder, k_centre_residual=k_centre_residual, kv_window=kv_window, kv_sinks=kv_sinks)
         try:
             with _kvq_params(L, settings) as kvq:
                 self._ctx = L.llama_kvq_init_from_model_params(self._model, cp, kvq)

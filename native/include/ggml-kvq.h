@@ -326,6 +326,13 @@ GGML_API void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tenso
 GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dims, int * mode, float * mscale, int * n_rot_h);
 // true when fa reads a centred post-RoPE K cache
 GGML_API bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
+// Exact window (sinks and the most recent cells, kept unquantized): src[9] F16 [DK*n_head_kv + DV*n_head_kv, n_rows]
+// holds per row one cell's K exactly as the cache stores it (pre-RoPE: centred, scaled, turned) followed by its V, both
+// before quantization; src[5] then has ne[2] = 2 and its plane 1 gives each cell's row of src[9] (-1: the cell is read
+// from the quantized cache). A pre-RoPE node only (positions do not move a row); pykvq's CPU kernel only.
+GGML_API void ggml_kvq_fa_set_window(struct ggml_tensor * fa, struct ggml_tensor * rows);
+// src[9] when fa reads an exact window, else NULL
+GGML_API const struct ggml_tensor * ggml_kvq_fa_get_window(const struct ggml_tensor * fa);
 // The node's Hadamard leaves out the butterfly at `stride` (a power of two < n_rot_h; 0: none): per block of n_rot_h
 // channels it is the orthonormal Walsh-Hadamard over the other index bits, H_{n/2s} (x) I_2 (x) H_s: entry (i, j) is 0
 // where i and j differ in the stride's bit, else (-1)^popcount(i & j & ~stride) / sqrt(n_rot_h/2). q53_64 keys on a 128 head: the two blocks' 5-bit halves turn

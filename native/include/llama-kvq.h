@@ -143,7 +143,14 @@ struct llama_kvq_ctx_opts {
     int    k_domain        = LLAMA_KVQ_K_DOMAIN_AUTO;
     int    encoder         = -1;     // -1 auto, else GGML_KVQ_ENCODER_STOCK / _LSQ
     double centre_residual = LLAMA_KVQ_CENTRE_RESIDUAL;
+    int    kv_window       = -1;     // exact window: the last cells written kept in f16 (-1: the file's, else 0)
+    int    kv_sinks        = -1;     // and the first positions (attention sinks)
 };
+
+// the exact window of a pre-RoPE key cache (native/llama/llama-kvq-window.cpp)
+struct llama_kvq_window;
+// the row of cell j of stream strm in the layers' window tensors, -1 when the cell reads its quantized row
+int32_t llama_kvq_window_row(const llama_kvq_window & w, uint32_t strm, uint32_t j);
 
 // the settings for the llama_init_from_model call being made on this thread
 llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call();

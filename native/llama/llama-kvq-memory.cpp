@@ -450,7 +450,8 @@ ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_k
     if (n_prerope == 0 && n_centred == 0) {
         return nullptr;
     }
-    ggml_tensor * pos = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1);
+    // with an exact window, plane 1 gives each cell's window row (ggml_kvq_fa_set_window)
+    ggml_tensor * pos = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1, kvq_win ? 2 : 1);
     ggml_set_name(pos, "kvq_k_pos");
     ggml_set_input(pos);
     return pos;
@@ -468,12 +469,22 @@ void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo)
             data[s*n_kv + j] = j < (int64_t) cells.size() && !cells.is_empty(j) ? cells.pos_get(j) : 0;
         }
     }
+    for (int64_t s = 0; s < (dst->ne[2] > 1 ? dst->ne[1] : 0); ++s) {
+        const auto & cells = v_cells[sinfo.s0 + s];
+        int32_t * row = data.data() + (dst->ne[1] + s)*n_kv;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            row[j] = j < (int64_t) cells.size() && !cells.is_empty(j) ? llama_kvq_window_row(*kvq_win, sinfo.s0 + s, j) : -1;
+        }
+    }
     ggml_backend_tensor_set(dst, data.data(), 0, ggml_nbytes(dst));
 }
 
 uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem) {
     if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
-        return kv->kvq_set_k_domain();
+        const uint32_t n = kv->kvq_set_k_domain();
+        const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
+        kv->kvq_set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0));
+        return n;
     }
     // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and
     // build_attn's iSWA overload reads both (patch 0012). Hybrid memories build attention elsewhere: not yet.

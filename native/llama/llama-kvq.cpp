@@ -33,6 +33,13 @@ bool kvq_parse_rot(llama_attn_rot_type & r, const char * v) {
     return false;
 }
 
+bool kvq_parse_count(int & n, const char * v) {
+    char * end = nullptr;
+    const long x = strtol(v, &end, 10);
+    n = (int) x;
+    return end != v && *end == '\0' && x >= 0 && x <= (1 << 20);
+}
+
 int kvq_index_of(const char * v, std::initializer_list<const char *> names) {
     int i = 0;
     for (const char * n : names) {
@@ -68,6 +75,10 @@ const kvq_setting k_settings[] = {
           o.centre_residual = x;
           return end != v && *end == '\0' && x >= 0.0 && x < 1e30;
       } },
+    { "kv_window", "a number of cells >= 0",
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_window, v); } },
+    { "kv_sinks", "a number of positions >= 0",
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_sinks, v); } },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
 

@@ -46,6 +46,7 @@ TRANSFORMS = {
     # calibration by transformers' backward pass (the Fisher) instead of the runtime's forward pass (issue 36)
     "prerope-backprop": ["--prerope-k", "--sensitivity", "backprop"],
 }
+WINDOW_UBATCH = 32
 _KVBITS = re.compile(r"^(prerope\+)?kvbits-(\d+(?:\.\d+)?)$")
 
 
@@ -57,6 +58,8 @@ class Setting:
     rotation: str = "auto"       # upstream's online Hadamard rotation: auto | on | off
     k_domain: str = "auto"       # auto | centred (a @prerope file's keys post-RoPE minus the rotated mean)
     encoder: str = "auto"        # auto | stock | lsq: q4_0 / q5_0 block scales (auto: lsq for a converted file)
+    sinks: int = 0               # a pre-RoPE cache's first positions kept unquantized (exact window, :sinks-S)
+    window: int = 0              # and its last cells written (:win-W); evaluated in ubatches of WINDOW_UBATCH
 
     @property
     def label(self) -> str:
@@ -69,6 +72,10 @@ class Setting:
             s += f":{self.k_domain}"
         if self.encoder != "auto":
             s += f":{self.encoder}-scales"
+        if self.sinks:
+            s += f":sinks-{self.sinks}"
+        if self.window:
+            s += f":win-{self.window}"
         return s
 
     @property
@@ -104,12 +111,23 @@ class Setting:
             kw["k_domain"] = self.k_domain
         if self.encoder != "auto":
             kw["encoder"] = self.encoder
+        if self.sinks or self.window:
+            kw.update(kv_sinks=self.sinks, kv_window=self.window)
+        if self.window:
+            # the window is the cells written last: within a ubatch of U tokens a query sees W-U+1..W of its own
+            # recent tokens exactly (decode: W), so evaluations run in small ubatches
+            kw["n_ubatch"] = WINDOW_UBATCH
         return kw
 
 
 def parse_setting(spec: str) -> Setting:
     """Parse K[/V][@TRANSFORM][:rot-on|:rot-off][:centred][:stock-scales|:lsq-scales] (see the module doc)."""
     s, rotation, k_domain, encoder = spec.strip(), "auto", "auto", "auto"
+    exact = {"sinks": 0, "win": 0}
+    for key in ("win", "sinks"):
+        m = re.search(rf":{key}-(\d+)$", s)
+        if m:
+            exact[key], s = int(m.group(1)), s[:m.start()]
     m = re.search(r":(stock|lsq)-scales$", s)
     if m:
         encoder, s = m.group(1), s[:m.start()]
@@ -139,7 +157,9 @@ def parse_setting(spec: str) -> Setting:
         raise PykvqError(f"setting {spec!r}: ':centred' needs a file with pre-RoPE statistics (@prerope...)")
     if encoder != "auto" and not {k, v} & {"q4_0", "q5_0", "auto"}:
         raise PykvqError(f"setting {spec!r}: ':{encoder}-scales' applies to q4_0 / q5_0 caches only")
-    return Setting(k, v, transform, rotation, k_domain, encoder)
+    if (exact["sinks"] or exact["win"]) and (not transform.startswith("prerope") or k_domain == "centred"):
+        raise PykvqError(f"setting {spec!r}: ':sinks-S' / ':win-W' keep pre-RoPE keys exact: a @prerope file's")
+    return Setting(k, v, transform, rotation, k_domain, encoder, exact["sinks"], exact["win"])
 
 
 def parse_settings(specs: str | list[str]) -> list[Setting]:

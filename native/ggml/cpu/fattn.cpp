@@ -315,6 +315,11 @@ struct fa_prerope {
     const int32_t * pos = nullptr;   // src[5]
     int64_t pos_stride = 0;          // per stream
     const float * mean = nullptr, * scale = nullptr, * freqs = nullptr;
+    // exact window (ggml_kvq_fa_set_window): each cell's row of src[9] (-1: the quantized cell), per stream as pos
+    const int32_t * win = nullptr;
+    const char * win_rows = nullptr;
+    size_t  win_nb1 = 0;
+    int64_t win_v0  = 0;             // where V starts in a row (elements)
 };
 
 fa_prerope fa_prerope_of(const ggml_tensor * dst) {
@@ -332,6 +337,12 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
     pr.mean  = (const float *) dst->src[6]->data;
     pr.scale = (const float *) dst->src[7]->data;
     pr.freqs = (const float *) dst->src[8]->data;
+    if (const ggml_tensor * rows = ggml_kvq_fa_get_window(dst)) {
+        pr.win      = pr.pos + dst->src[5]->nb[2] / sizeof(int32_t);
+        pr.win_rows = (const char *) rows->data;
+        pr.win_nb1  = rows->nb[1];
+        pr.win_v0   = dst->src[1]->ne[0]*dst->src[1]->ne[2];
+    }
     return pr;
 }
 
@@ -1165,6 +1176,15 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         for (int64_t t = 0; t < n; ++t) {
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
         }
+        // cells of the exact window: their unquantized row instead (the same domain, so the same transform follows)
+        const int32_t * wrow = pr.win ? pr.win + ik3*pr.pos_stride + ic : nullptr;
+        if (wrow) {
+            for (int64_t t = 0; t < n; ++t) {
+                if (wrow[t] >= 0) {
+                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + w.ik2*DK, s.Kf + t*DK, DK);
+                }
+            }
+        }
         const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
         if (pr.on && !pr.centred) {
             const int32_t * tp = kpos + ic;
@@ -1238,6 +1258,14 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         // V tile -> f32, O += P·V
         for (int64_t t = 0; t < n; ++t) {
             v_to_float((const char *) v->data + (ic + t)*v->nb[1] + w.ik2*v->nb[2] + iv3*v->nb[3], s.Vf + t*DV, DV);
+        }
+        if (wrow) {
+            for (int64_t t = 0; t < n; ++t) {
+                if (wrow[t] >= 0) {
+                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + pr.win_v0 + w.ik2*DV,
+                                          s.Vf + t*DV, DV);
+                }
+            }
         }
         simd_gemm(s.O, s.S, s.Vf, (int) R, (int) n, (int) DV);
     }

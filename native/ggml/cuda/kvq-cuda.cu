@@ -452,7 +452,8 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
         case GGML_OP_FLASH_ATTN_EXT: {
             const ggml_tensor * K = op->src[1];
             const ggml_tensor * V = op->src[2];
-            if (!K || !V || src0->type != GGML_TYPE_F32 || !kvq_fa_prerope_supported(op)) {
+            // an exact window (src[9]) is read by the CPU kernel only
+            if (!K || !V || src0->type != GGML_TYPE_F32 || !kvq_fa_prerope_supported(op) || ggml_kvq_fa_get_window(op)) {
                 return GGML_KVQ_CUDA_NO;
             }
             for (const ggml_tensor * t : { K, V }) {

@@ -1,0 +1,194 @@
+// pykvq: the exact window of a pre-RoPE key cache. Per layer and stream, n_sink + n_win rows hold unquantized (f16)
+// copies of what the cache stores for its first positions (attention sinks: position < n_sink) and for the cells
+// written last (a ring of n_win rows). Every cell is quantized into the cache as usual when written; flash attention
+// reads a cell's exact row instead while the row is still its own (ggml_kvq_fa_set_window), so a cell "enters" the
+// quantized cache when the ring moves past it. Pre-RoPE rows do not depend on positions: a K-shift moves nothing.
+//
+// The window is the cells written last in the stream: in decode exactly the last n_win tokens; within a batch of
+// more tokens than that, the batch's last n_win (earlier ones are read quantized by the batch's own queries too).
+// What holds a row is host bookkeeping, updated when a batch's inputs are set; a state restore or a stream copy
+// forgets it (those cells read their quantized rows: never a stale row).
+#include "llama-kvq.h"
+
+#include "llama-batch.h"
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+
+#include "ggml-cpp.h"
+
+#include <algorithm>
+#include <cstring>
+
+struct llama_kvq_window {
+    uint32_t n_win  = 0;
+    uint32_t n_sink = 0;
+    uint32_t n_slot = 0;                 // n_sink + n_win + 1: the last takes the tokens a batch writes past the ring
+    std::vector<ggml_tensor *> rows;     // per cache layer: F16 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream]
+    std::vector<ggml_context_ptr> ctxs;
+    std::vector<ggml_backend_buffer_ptr> bufs;
+    // per stream: the cell whose row each slot holds, the slot of each cell (-1: none), the ring's next slot
+    mutable std::vector<std::vector<int32_t>> slot_cell;
+    mutable std::vector<std::vector<int32_t>> cell_slot;
+    mutable std::vector<uint32_t> next;
+
+    uint32_t trash() const { return n_sink + n_win; }
+};
+
+uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
+    kvq_win.reset();
+    if (n_win == 0 && n_sink == 0) {
+        return 0;
+    }
+    if (n_prerope == 0) {
+        LLAMA_LOG_WARN("%s: exact window off: it keeps pre-RoPE keys, and no layer's K cache is pre-RoPE (a --prerope-k file, "
+                       "a quantized K type)\n", __func__);
+        return 0;
+    }
+    if (v_trans) {
+        LLAMA_LOG_WARN("%s: exact window off: it needs flash attention\n", __func__);
+        return 0;
+    }
+    auto w = std::make_shared<llama_kvq_window>();
+    w->n_win  = n_win;
+    w->n_sink = n_sink;
+    w->n_slot = n_sink + n_win + 1;
+    w->rows.assign(layers.size(), nullptr);
+    const uint32_t n_stream = (uint32_t) v_cells.size();
+    uint32_t n_layers = 0;
+    size_t bytes = 0;
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const auto & layer = layers[ikv];
+        // the window is read by the CPU kernel only: a K cache in a device buffer keeps none
+        if (layer.k_mean == nullptr || layer.k->buffer == nullptr || !ggml_backend_buffer_is_host(layer.k->buffer)) {
+            continue;
+        }
+        ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+        ggml_context_ptr ctx(ggml_init(ip));
+        ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0], (int64_t) w->n_slot*n_stream);
+        ggml_format_name(t, "kvq_window_l%u", layer.il);
+        ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), ggml_backend_buffer_get_type(layer.k->buffer)));
+        if (!buf) {
+            throw std::runtime_error(format("pykvq: cannot allocate the exact window of layer %u", layer.il));
+        }
+        ggml_backend_buffer_clear(buf.get(), 0);
+        bytes += ggml_nbytes(t);
+        w->rows[ikv] = t;
+        w->ctxs.push_back(std::move(ctx));
+        w->bufs.push_back(std::move(buf));
+        ++n_layers;
+    }
+    w->slot_cell.assign(n_stream, std::vector<int32_t>(w->n_slot, -1));
+    w->cell_slot.assign(n_stream, std::vector<int32_t>(get_size(), -1));
+    w->next.assign(n_stream, 0);
+    if (n_layers == 0) {
+        LLAMA_LOG_WARN("%s: exact window off: no pre-RoPE K layer is in host memory (the window is read by the CPU kernel)\n", __func__);
+        return 0;
+    }
+    kvq_win = w;
+    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u cells written per stream "
+                   "kept in f16 beside the quantized cache (%.2f MiB)\n", __func__, n_layers, layers.size(), n_sink, n_win,
+                   bytes / (1024.0*1024.0));
+    return n_layers;
+}
+
+void llama_kv_cache::kvq_win_reset(uint32_t strm) const {
+    if (!kvq_win || strm >= kvq_win->next.size()) {
+        return;
+    }
+    std::fill(kvq_win->slot_cell[strm].begin(), kvq_win->slot_cell[strm].end(), -1);
+    std::fill(kvq_win->cell_slot[strm].begin(), kvq_win->cell_slot[strm].end(), -1);
+    kvq_win->next[strm] = 0;
+}
+
+ggml_tensor * llama_kv_cache::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
+    if (!kvq_win) {
+        return nullptr;
+    }
+    ggml_tensor * idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, ubatch.n_tokens);
+    ggml_set_input(idxs);
+    ggml_set_name(idxs, "kvq_win_idxs");
+    return idxs;
+}
+
+void llama_kv_cache::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
+    auto & w = *kvq_win;
+    const uint32_t n = sinfo.size();
+    GGML_ASSERT(ubatch->n_tokens == n*sinfo.n_stream());
+    std::vector<int64_t> data(ubatch->n_tokens);
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const uint32_t strm = sinfo.strm[s];
+        auto & slot_cell = w.slot_cell[strm];
+        auto & cell_slot = w.cell_slot[strm];
+        // of a batch longer than the ring, its last n_win tokens take the ring
+        const uint32_t skip = n > w.n_win ? n - w.n_win : 0;
+        for (uint32_t i = 0; i < n; ++i) {
+            const int32_t cell = (int32_t) sinfo.idxs[s][i];
+            const llama_pos p  = ubatch->pos[s*n + i];
+            uint32_t slot = w.trash();
+            if (p >= 0 && (uint32_t) p < w.n_sink) {
+                slot = (uint32_t) p;
+            } else if (i >= skip && w.n_win > 0) {
+                slot = w.n_sink + w.next[strm];
+                w.next[strm] = (w.next[strm] + 1) % w.n_win;
+            }
+            if (slot != w.trash()) {
+                slot_cell[slot] = cell;
+                cell_slot[cell] = (int32_t) slot;
+            } else {
+                cell_slot[cell] = -1;
+            }
+            data[s*n + i] = (int64_t) strm*w.n_slot + slot;
+        }
+    }
+    ggml_backend_tensor_set(dst, data.data(), 0, data.size()*sizeof(int64_t));
+}
+
+// the row of cell j of stream strm in the window tensor, -1 when the cell reads its quantized row
+int32_t llama_kvq_window_row(const llama_kvq_window & w, uint32_t strm, uint32_t j) {
+    const int32_t slot = w.cell_slot[strm][j];
+    return slot >= 0 && w.slot_cell[strm][slot] == (int32_t) j ? (int32_t) (strm*w.n_slot + slot) : -1;
+}
+
+void llama_kv_cache::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
+                                   ggml_tensor * idxs, int32_t il) const {
+    ggml_tensor * rows = kvq_win->rows[map_layer_ids.at(il)];
+    if (rows == nullptr) {
+        return;
+    }
+    const int64_t n_tokens = k_cur->ne[2];
+    const int64_t n_k = k_cur->ne[0]*k_cur->ne[1], n_v = v_cur->ne[0]*v_cur->ne[1];
+    GGML_ASSERT(n_k + n_v == rows->ne[0]);
+    GGML_ASSERT(ggml_row_size(k_cur->type, k_cur->ne[0]) == k_cur->nb[1] && ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
+    ggml_tensor * k2 = ggml_view_2d(ctx, k_cur, n_k, n_tokens, k_cur->nb[2], 0);
+    ggml_tensor * v2 = ggml_view_2d(ctx, v_cur, n_v, n_tokens, v_cur->nb[2], 0);
+    ggml_tensor * rk = ggml_view_2d(ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
+    ggml_tensor * rv = ggml_view_2d(ctx, rows, n_v, rows->ne[1], rows->nb[1], n_k*ggml_element_size(rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, rk, k2, idxs));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, rv, v2, idxs));
+}
+
+void llama_kv_cache::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
+    if (!kvq_win) {
+        return;
+    }
+    if (ggml_tensor * rows = kvq_win->rows[map_layer_ids.at(il)]) {
+        ggml_kvq_fa_set_window(fa, rows);
+    }
+}
+
+ggml_tensor * llama_kv_cache_context::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
+    return kv->build_input_win_idxs(ctx, ubatch);
+}
+
+void llama_kv_cache_context::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * ubatch) const {
+    kv->set_input_win_idxs(dst, ubatch, sinfos[i_cur]);
+}
+
+void llama_kv_cache_context::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
+                                           ggml_tensor * idxs, int32_t il) const {
+    kv->kvq_win_write(ctx, gf, k_cur, v_cur, idxs, il);
+}
+
+void llama_kv_cache_context::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
+    kv->kvq_win_attach(fa, il);
+}
