@@ -106,6 +106,7 @@ void ggml_kvq_fa_set_prerope(struct ggml_tensor * fa, struct ggml_tensor * pos, 
 void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tensor * pos, struct ggml_tensor * mean,
                              struct ggml_tensor * freqs, int n_dims, int mode, float mscale, int n_rot_h);
 bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
+void ggml_kvq_fa_set_window(struct ggml_tensor * fa, struct ggml_tensor * rows);
 void ggml_kvq_fa_set_hadamard_skip(struct ggml_tensor * fa, int stride);
 int ggml_kvq_fa_get_hadamard_skip(const struct ggml_tensor * fa);
 void ggml_kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q);

@@ -11,7 +11,62 @@ from pykvq import log as kvq_log
 from pykvq.errors import SettingError
 
 from conftest import run_tool
-from test_prerope import _kld
+from ggml_graph import Graph
+from pykvq.ref import prerope
+from test_fattn import attention_ref, cache_like, fa_node, quantize, rel_err
+from test_prerope import _kld, rope_inputs
+
+
+def run_window_fa(kt, vt, *, N, rot, mode=prerope.NEOX, D=64, n_kv=300, H=6, Hkv=2, S=2, seed=0):
+    """A pre-RoPE FLASH_ATTN_EXT node whose cells partly read window rows: per stream a random third of the cells
+    maps to rows of one shared f16 tensor (in any order), the rest reads the quantized cache. The reference decodes
+    those cells from the f16-rounded rows, the others from the dequantized cache."""
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
+    mean = (rng.standard_normal((Hkv, D)) * 20).astype(np.float32)
+    scale = np.exp(rng.standard_normal((Hkv, D)) * 0.5).astype(np.float32)
+    C, Vx = cache_like(rng, S, Hkv, n_kv, D), cache_like(rng, S, Hkv, n_kv, D)   # [S, Hkv, n_kv, D]
+    kb, Cd = quantize(kt, C, None)
+    vb, Vd = quantize(vt, Vx, None)
+    pos, w, mask = rope_inputs(rng, n_kv, S, N, Hkv, D, False, None)
+    n_rows = S * n_kv // 3 + 5
+    row = np.full((S, n_kv), -1, np.int32)
+    rows = np.zeros((n_rows, 2 * Hkv * D), np.float16)
+    picks = rng.permutation(n_rows)
+    k = 0
+    for s in range(S):
+        for j in rng.choice(n_kv, n_kv // 3, replace=False):
+            row[s, j] = picks[k]
+            rows[picks[k], :Hkv * D] = C[s, :, j].reshape(-1)
+            rows[picks[k], Hkv * D:] = Vx[s, :, j].reshape(-1)
+            Cd[s, :, j] = C[s, :, j].astype(np.float16)
+            Vd[s, :, j] = Vx[s, :, j].astype(np.float16)
+            k += 1
+    g = Graph(256 << 20)
+    try:
+        fa = fa_node(g, Q, kt, kb, vt, vb, Hkv, mask, 1.0 / np.sqrt(D))
+        g.L.ggml_kvq_fa_set_prerope(fa, g.tensor("i32", n_kv, S, 2, data=np.stack([pos, row])),
+                                    g.tensor("f32", D, Hkv, data=mean), g.tensor("f32", D, Hkv, data=scale),
+                                    g.tensor("f32", D // 2, Hkv, data=w), D, mode, 1.0, rot)
+        g.L.ggml_kvq_fa_set_window(fa, g.tensor("f16", 2 * Hkv * D, n_rows, data=rows))
+        g.compute(fa, n_threads=2)
+        out = g.f32(fa).reshape(S, N, H, D)
+    finally:
+        g.close()
+    Kpost = np.stack([prerope.decode(Cd[s].transpose(1, 0, 2), mean, scale, pos[s], w.astype(np.float64), mode,
+                                     D, 1.0, rot, 0).transpose(1, 0, 2) for s in range(S)])
+    ref = attention_ref(Q.transpose(0, 2, 1, 3), Kpost, Vd, mask, 1.0 / np.sqrt(D))
+    return out, ref
+
+
+@pytest.mark.parametrize("kt,vt", [("q4_0", "q4_0"), ("nuq4", "q8_0")])
+@pytest.mark.parametrize("N,rot", [(1, 64), (3, 0), (40, 64)])
+def test_kernel_reads_window_rows(kt, vt, N, rot):
+    """The CPU kernel against the numpy reference, two streams, window rows shared and out of order: decode (one and
+    three queries) and the gemm path (40). A cell read from the quantized cache instead of its row, or the wrong row,
+    moves the output far beyond the bound (q4_0's error is ~1e-1 of the values)."""
+    out, ref = run_window_fa(kt, vt, N=N, rot=rot)
+    assert rel_err(out, ref) < 1e-4
 
 
 @pytest.fixture(scope="module")
