@@ -96,6 +96,21 @@ def test_window_over_every_cell_is_an_f16_cache(smol_pre, passage, n_ubatch):
     assert _kld(f16, q4) > 1e-3
 
 
+def test_unified_cache_keeps_a_window_per_sequence(smol_pre, passage, wikitext):
+    """Two sequences in one unified stream, 150 tokens each: each keeps its own sinks and ring, so a 160-cell window
+    holds all of both and attends as an f16 pre-RoPE cache, bit for bit (one ring shared by both would hold 160 of
+    the 300 cells written)."""
+    out = {}
+    for name, kt, kw in (("f16", "f16", dict(k_domain="pre")), ("win", "q4_0", dict(kv_window=160, kv_sinks=4))):
+        with Model(smol_pre, n_ctx=512, cache_type_k=kt, cache_type_v=kt, flash_attn=True, attn_rot_k="on",
+                   attn_rot_v="on", n_seq_max=2, kv_unified=True, n_ubatch=32, **kw) as m:
+            a, b = m.tokenize(passage)[:150], m.tokenize(wikitext[20000:24000])[:150]
+            m.decode(a[:-1], 0, seq=0)
+            m.decode(b[:-1], 0, seq=1)
+            out[name] = (m.decode(a[-1:], 149, seq=0), m.decode(b[-1:], 149, seq=1))
+    assert np.array_equal(out["win"][0], out["f16"][0]) and np.array_equal(out["win"][1], out["f16"][1])
+
+
 def test_state_restore_forgets_the_window(smol_pre, passage, wikitext):
     """A state holds the quantized rows only: after a restore the restored cells read them, and only cells written
     since are exact. The same state restored into a fresh 64-cell-window context, into one whose window holds rows of
@@ -135,7 +150,7 @@ def test_window_is_logged_and_off_where_keys_are_post_rope(smollm2, smol_pre):
     kvq_log.clear()
     with Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_window=32, kv_sinks=4):
         text = "".join(kvq_log.recent())
-    assert "exact window in 30 of 30 layers: the first 4 positions and the last 32 cells" in text, text[-2000:]
+    assert "exact window in 30 of 30 layers: the first 4 positions and the last 32 cells written per sequence" in text, text[-2000:]
     kvq_log.clear()
     with Model(smollm2, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_window=32):
         text = "".join(kvq_log.recent())
@@ -152,4 +167,4 @@ def test_tools_take_the_window_flags(smol_pre):
     res = run_tool("llama-completion", "-m", smol_pre, "-p", "The capital of France is", "-n", "4", "--temp", "0",
                    "-no-cnv", "-fa", "on", "-ctk", "q4_0", "-ctv", "q4_0", "--kv-window", "16", "--kv-sinks", "2", "-lv", "4", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "exact window in 30 of 30 layers: the first 2 positions and the last 16 cells" in res.stderr
+    assert "exact window in 30 of 30 layers: the first 2 positions and the last 16 cells written per sequence" in res.stderr

@@ -4,8 +4,9 @@
 // reads a cell's exact row instead while the row is still its own (ggml_kvq_fa_set_window), so a cell "enters" the
 // quantized cache when the ring moves past it. Pre-RoPE rows do not depend on positions: a K-shift moves nothing.
 //
-// The window is the cells written last in the stream: in decode exactly the last n_win tokens; within a batch of
-// more tokens than that, the batch's last n_win (earlier ones are read quantized by the batch's own queries too).
+// The window is the cells written last: in decode exactly the last n_win tokens; within a batch of more tokens than
+// that, the batch's last n_win (earlier ones are read quantized by the batch's own queries too). A stream shared by
+// several sequences (kv_unified) has sinks and a ring per sequence (a token shared by several: its first sequence).
 // What holds a row is host bookkeeping, updated when a batch's inputs are set; a state restore or a stream copy
 // forgets it (those cells read their quantized rows: never a stale row).
 #include "llama-kvq.h"
@@ -22,16 +23,19 @@
 struct llama_kvq_window {
     uint32_t n_win  = 0;
     uint32_t n_sink = 0;
-    uint32_t n_slot = 0;                 // n_sink + n_win + 1: the last takes the tokens a batch writes past the ring
+    uint32_t n_seq  = 1;                 // sequences per stream (n_seq_max of a unified cache, else 1)
+    uint32_t n_slot = 0;                 // (n_sink + n_win) per sequence + 1: the last takes what a batch writes past a ring
     std::vector<ggml_tensor *> rows;     // per cache layer: F16 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream]
     std::vector<ggml_context_ptr> ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
-    // per stream: the cell whose row each slot holds, the slot of each cell (-1: none), the ring's next slot
+    // per stream: the cell whose row each slot holds, the slot of each cell (-1: none), each sequence's ring's next slot
     mutable std::vector<std::vector<int32_t>> slot_cell;
     mutable std::vector<std::vector<int32_t>> cell_slot;
-    mutable std::vector<uint32_t> next;
+    mutable std::vector<std::vector<uint32_t>> next;
 
-    uint32_t trash() const { return n_sink + n_win; }
+    uint32_t trash() const { return n_slot - 1; }
+    // slots of sequence q of a stream: its sinks [q*(n_sink + n_win), + n_sink), then its ring of n_win
+    uint32_t base(uint32_t q) const { return q*(n_sink + n_win); }
 };
 
 uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
@@ -49,15 +53,19 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
         return 0;
     }
     auto w = std::make_shared<llama_kvq_window>();
+    const uint32_t n_stream = (uint32_t) v_cells.size();
     w->n_win  = n_win;
     w->n_sink = n_sink;
-    w->n_slot = n_sink + n_win + 1;
+    w->n_seq  = n_stream == 1 ? n_seq_max : 1;
+    w->n_slot = (n_sink + n_win)*w->n_seq + 1;
     w->rows.assign(layers.size(), nullptr);
-    const uint32_t n_stream = (uint32_t) v_cells.size();
     uint32_t n_layers = 0;
-    size_t bytes = 0;
+    size_t bytes = 0, cache_bytes = 0;
+    double values = 0.0;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const auto & layer = layers[ikv];
+        cache_bytes += ggml_nbytes(layer.k) + ggml_nbytes(layer.v);
+        values += (double) (layer.k->ne[0] + layer.v->ne[0]) * layer.k->ne[1] * layer.k->ne[2];
         // the window is read by the CPU kernel only: a K cache in a device buffer keeps none
         if (layer.k_mean == nullptr || layer.k->buffer == nullptr || !ggml_backend_buffer_is_host(layer.k->buffer)) {
             continue;
@@ -79,15 +87,16 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
     }
     w->slot_cell.assign(n_stream, std::vector<int32_t>(w->n_slot, -1));
     w->cell_slot.assign(n_stream, std::vector<int32_t>(get_size(), -1));
-    w->next.assign(n_stream, 0);
+    w->next.assign(n_stream, std::vector<uint32_t>(w->n_seq, 0));
     if (n_layers == 0) {
         LLAMA_LOG_WARN("%s: exact window off: no pre-RoPE K layer is in host memory (the window is read by the CPU kernel)\n", __func__);
         return 0;
     }
     kvq_win = w;
-    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u cells written per stream "
-                   "kept in f16 beside the quantized cache (%.2f MiB)\n", __func__, n_layers, layers.size(), n_sink, n_win,
-                   bytes / (1024.0*1024.0));
+    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u cells written per sequence "
+                   "kept in f16 beside the quantized cache (%.2f MiB; K+V %.3f bits/value at %u cells with it, %.3f without)\n",
+                   __func__, n_layers, layers.size(), n_sink, n_win, bytes / (1024.0*1024.0), 8.0*(cache_bytes + bytes) / values,
+                   get_size(), 8.0*cache_bytes / values);
     return n_layers;
 }
 
@@ -97,7 +106,7 @@ void llama_kv_cache::kvq_win_reset(uint32_t strm) const {
     }
     std::fill(kvq_win->slot_cell[strm].begin(), kvq_win->slot_cell[strm].end(), -1);
     std::fill(kvq_win->cell_slot[strm].begin(), kvq_win->cell_slot[strm].end(), -1);
-    kvq_win->next[strm] = 0;
+    std::fill(kvq_win->next[strm].begin(), kvq_win->next[strm].end(), 0);
 }
 
 ggml_tensor * llama_kv_cache::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
@@ -110,6 +119,11 @@ ggml_tensor * llama_kv_cache::build_input_win_idxs(ggml_context * ctx, const lla
     return idxs;
 }
 
+// the index of a sequence among its stream's: its id in a unified cache, else 0
+static uint32_t kvq_win_seq(const llama_kvq_window & w, llama_seq_id seq) {
+    return w.n_seq > 1 && seq >= 0 && (uint32_t) seq < w.n_seq ? (uint32_t) seq : 0;
+}
+
 void llama_kv_cache::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
     auto & w = *kvq_win;
     const uint32_t n = sinfo.size();
@@ -119,18 +133,23 @@ void llama_kv_cache::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * 
         const uint32_t strm = sinfo.strm[s];
         auto & slot_cell = w.slot_cell[strm];
         auto & cell_slot = w.cell_slot[strm];
-        // of a batch longer than the ring, its last n_win tokens take the ring
-        const uint32_t skip = n > w.n_win ? n - w.n_win : 0;
+        // of a sequence's tokens in this batch, the last n_win take its ring
+        std::vector<uint32_t> left(w.n_seq, 0);
+        for (uint32_t i = 0; i < n; ++i) {
+            left[kvq_win_seq(w, ubatch->seq_id[s*n + i][0])]++;
+        }
         for (uint32_t i = 0; i < n; ++i) {
             const int32_t cell = (int32_t) sinfo.idxs[s][i];
             const llama_pos p  = ubatch->pos[s*n + i];
+            const uint32_t q   = kvq_win_seq(w, ubatch->seq_id[s*n + i][0]);
             uint32_t slot = w.trash();
             if (p >= 0 && (uint32_t) p < w.n_sink) {
-                slot = (uint32_t) p;
-            } else if (i >= skip && w.n_win > 0) {
-                slot = w.n_sink + w.next[strm];
-                w.next[strm] = (w.next[strm] + 1) % w.n_win;
+                slot = w.base(q) + (uint32_t) p;
+            } else if (left[q] <= w.n_win && w.n_win > 0) {
+                slot = w.base(q) + w.n_sink + w.next[strm][q];
+                w.next[strm][q] = (w.next[strm][q] + 1) % w.n_win;
             }
+            left[q]--;
             if (slot != w.trash()) {
                 slot_cell[slot] = cell;
                 cell_slot[cell] = (int32_t) slot;
