@@ -168,3 +168,20 @@ def test_tools_take_the_window_flags(smol_pre):
                    "-no-cnv", "-fa", "on", "-ctk", "q4_0", "-ctv", "q4_0", "--kv-window", "16", "--kv-sinks", "2", "-lv", "4", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "exact window in 30 of 30 layers: the first 2 positions and the last 16 cells written per sequence" in res.stderr
+
+
+def test_suite_settings_name_the_window():
+    """The suite's :sinks-S / :win-W suffixes: parsed, labelled back, passed to Model (a quality evaluation in
+    ubatches of 32), the window's f16 rows counted in bits/value at the context used; refused without a pre-RoPE file."""
+    from pykvq.errors import PykvqError
+    from pykvq.suite.settings import WINDOW_UBATCH, parse_setting
+    s = parse_setting("q4_0@prerope:sinks-4:win-64")
+    assert (s.sinks, s.window) == (4, 64) and parse_setting(s.label) == s
+    assert s.model_kwargs() == dict(cache_type_k="q4_0", cache_type_v="q4_0", attn_rot_k="auto", attn_rot_v="auto",
+                                    kv_sinks=4, kv_window=64)
+    assert s.model_kwargs(evaluation=True)["n_ubatch"] == WINDOW_UBATCH
+    assert s.window_bits(4096) == pytest.approx(16 * 69 / 4096)
+    assert parse_setting("q4_0@prerope:sinks-4").window_bits(4096) == pytest.approx(16 * 5 / 4096)
+    assert parse_setting("q4_0@prerope").window_bits(4096) == 0.0
+    with pytest.raises(PykvqError, match="keep pre-RoPE keys exact"):
+        parse_setting("q4_0:win-64")

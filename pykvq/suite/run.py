@@ -17,7 +17,8 @@ from .settings import matrix, parse_settings
 
 # the README's settings at the context lengths caches are compressed for: (n_ctx, chunks); SmolLM2 was trained
 # to 8192 tokens, Qwen2.5-Coder-1.5B to 32768
-LONG_SETTINGS = "q8_0,q8_0/q4_0,q4_0,nuq4,q4_0@prerope,q53_64/q4_0@prerope,nuq4@prerope,auto@prerope+kvbits-3.6"
+LONG_SETTINGS = ("q8_0,q8_0/q4_0,q4_0,nuq4,q4_0@prerope,q53_64/q4_0@prerope,nuq4@prerope,auto@prerope+kvbits-3.6,"
+                 "q4_0@prerope:sinks-4,q4_0@prerope:sinks-4:win-64,auto@prerope+kvbits-3.6:sinks-4:win-64")
 PRESETS = {
     "full": dict(settings="full", n_ctx=512, chunks=16,
                  bench_types="f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,nuq2o,q4_0@prerope,q4_0@prerope:centred,nuq4@prerope,"

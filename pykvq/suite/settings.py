@@ -102,8 +102,9 @@ class Setting:
             return (["--prerope-k"] if m.group(1) else []) + ["--kv-bits", m.group(2)]
         return TRANSFORMS[self.transform] + ["--cache-type-k", self.k, "--cache-type-v", self.v]
 
-    def model_kwargs(self) -> dict:
-        """Model(...) keyword arguments: cache types (None = the file's) and rotation."""
+    def model_kwargs(self, evaluation: bool = False) -> dict:
+        """Model(...) keyword arguments: cache types (None = the file's), rotation, domain, encoder, window; for a
+        quality evaluation (evaluation=True) also the ubatch a window is judged in."""
         kw = dict(cache_type_k=None if self.k == "auto" else self.k,
                   cache_type_v=None if self.v == "auto" else self.v,
                   attn_rot_k=self.rotation, attn_rot_v=self.rotation)
@@ -113,11 +114,15 @@ class Setting:
             kw["encoder"] = self.encoder
         if self.sinks or self.window:
             kw.update(kv_sinks=self.sinks, kv_window=self.window)
-        if self.window:
+        if self.window and evaluation:
             # the window is the cells written last: within a ubatch of U tokens a query sees W-U+1..W of its own
             # recent tokens exactly (decode: W), so evaluations run in small ubatches
             kw["n_ubatch"] = WINDOW_UBATCH
         return kw
+
+    def window_bits(self, n_ctx: int) -> float:
+        """Bits per value the exact window adds at n_ctx cells: S + W + 1 f16 rows per layer beside the cache."""
+        return 16.0 * (self.sinks + self.window + 1) / n_ctx if self.sinks or self.window else 0.0
 
 
 def parse_setting(spec: str) -> Setting:
