@@ -197,3 +197,22 @@ def test_streaming_context_shift_and_slot_save_with_every_type(smollm2, smollm2_
         again = srv.post("/completion", {**body, "cache_prompt": True})
     assert again["content"] == first["content"]
     assert again["timings"]["prompt_n"] <= 1, again["timings"]      # the prompt came from the restored cache
+
+
+def test_window_in_parallel_slots_and_context_shift(smollm2_prerope, tmp_path):
+    """The exact window (--kv-sinks 4 --kv-window 32) in llama-server: two clients at once on two slots of one unified
+    cache (a ring per sequence), each answer >= 75% the in-process Model's greedy choice with the same window (a slot
+    reading another's rows scores near 0); then a slot that outgrows its context K-shifts and keeps generating."""
+    win = ["--kv-sinks", "4", "--kv-window", "32", "-lv", "4", "--context-shift"]
+    with Server(smollm2_prerope, cache_type_k="q4_0", cache_type_v="q4_0", n_parallel=2, n_ctx=512, threads=2,
+                log_path=tmp_path / "srv.log", extra=win) as srv:
+        with cf.ThreadPoolExecutor(2) as ex:
+            together = list(ex.map(lambda p: complete(srv, p), RAW_PROMPTS[:2]))
+        long = srv.post("/completion", {"prompt": RAW_PROMPTS[3], "n_predict": 300, "temperature": 0.0,
+                                        "ignore_eos": True, "id_slot": 0})
+        log = srv.log_tail(10**7)
+    assert "exact window in 30 of 30 layers" in log, [ln for ln in log.splitlines() if "window" in ln]
+    assert long["tokens_predicted"] == 300 and "context shift" in log.lower(), long
+    rates = own_choice_rates(smollm2_prerope, [(p, t) for p, (_, t) in zip(RAW_PROMPTS[:2], together)],
+                             cache_type_k="q4_0", cache_type_v="q4_0", kv_sinks=4, kv_window=32)
+    assert min(rates) >= 0.75, rates
