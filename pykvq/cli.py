@@ -38,6 +38,13 @@ def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None
                     help="online Hadamard rotation of the K cache (auto: on for quantized K, head size %% 64 == 0)")
     ap.add_argument("-rotv", "--attn-rot-v", choices=["auto", "on", "off"], default="auto",
                     help="online Hadamard rotation of the V cache (auto: as for K)")
+    ap.add_argument("--kv-sinks", type=int, default=None, metavar="N",
+                    help="a pre-RoPE file: keep the first N positions in f16 beside the quantized cache (default 0)")
+    ap.add_argument("--kv-window", type=int, default=None, metavar="N",
+                    help="a pre-RoPE file: keep the last N cells of each sequence in f16 (default 0; e.g. --kv-sinks 4 "
+                         "--kv-window 64). In decode the window is exact; within a batch of U tokens a query sees N-U+1..N "
+                         "of its recent tokens exactly, so evaluate with a small -ub")
+    ap.add_argument("-ub", "--ubatch-size", type=int, default=None, help="tokens per graph (default 512)")
     ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -69,7 +76,9 @@ def _open(args, n_ctx_default: int = 4096, cache_k=None, cache_v=None, rotation:
                  flash_attn=flash, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                  verbose=args.verbose or None,
                  attn_rot_k=args.attn_rot_k if rotation else "auto",
-                 attn_rot_v=args.attn_rot_v if rotation else "auto")
+                 attn_rot_v=args.attn_rot_v if rotation else "auto",
+                 kv_sinks=args.kv_sinks if rotation else 0, kv_window=args.kv_window if rotation else 0,
+                 n_ubatch=args.ubatch_size)
 
 
 def _read_text(path):
