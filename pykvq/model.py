@@ -285,7 +285,8 @@ class Model(Generation, Evaluation):
 
     def setting(self, name: str) -> str | None:
         """What this context runs for a pykvq setting (llama_kvq_get): k_domain "pre" / "centred" / "post",
-        encoder "lsq" / "stock", attn_rot_k / attn_rot_v "on" / "off"; None without an attention KV cache."""
+        encoder "lsq" / "stock", attn_rot_k / attn_rot_v "on" / "off", kv_sinks / kv_window the exact window's sizes
+        ("0": none); None without an attention KV cache."""
         buf = ffi.new("char[64]")
         n = self._lib.llama_kvq_get(self._ctx, name.encode(), buf, len(buf))
         return ffi.string(buf).decode() if n >= 0 else None

@@ -148,12 +148,14 @@ def test_window_and_sinks_lower_the_error(smol_pre, f16_model, wikitext):
 
 def test_window_is_logged_and_off_where_keys_are_post_rope(smollm2, smol_pre):
     kvq_log.clear()
-    with Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_window=32, kv_sinks=4):
+    with Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_window=32, kv_sinks=4) as m:
         text = "".join(kvq_log.recent())
+        assert (m.setting("kv_sinks"), m.setting("kv_window")) == ("4", "32")
     assert "exact window in 30 of 30 layers: the first 4 positions and the last 32 cells written per sequence" in text, text[-2000:]
     kvq_log.clear()
-    with Model(smollm2, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_window=32):
+    with Model(smollm2, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_window=32) as m:
         text = "".join(kvq_log.recent())
+        assert m.setting("kv_window") == "0"
     assert "exact window off: it keeps pre-RoPE keys" in text, text[-2000:]
 
 

@@ -51,7 +51,8 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model_params(
         struct llama_model * model, struct llama_context_params params, const struct llama_kvq_params * kvq);
 
 // what context ctx really runs for a setting, as text in buf: k_domain "pre" / "centred" / "post" (any layer
-// pre-RoPE or centred, else post), encoder "lsq" / "stock", attn_rot_k / _v "on" / "off". Returns the length
+// pre-RoPE or centred, else post), encoder "lsq" / "stock", attn_rot_k / _v "on" / "off", kv_sinks / kv_window the
+// exact window's sizes ("0": none, e.g. post-RoPE keys or a cache on a GPU). Returns the length
 // (snprintf's), -1 for a name it cannot answer or a context without an attention KV cache
 LLAMA_API int32_t llama_kvq_get(const struct llama_context * ctx, const char * name, char * buf, size_t size);
 

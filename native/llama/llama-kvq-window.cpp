@@ -100,6 +100,10 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
     return n_layers;
 }
 
+std::pair<uint32_t, uint32_t> llama_kv_cache::kvq_window_size() const {
+    return kvq_win ? std::pair<uint32_t, uint32_t>{ kvq_win->n_sink, kvq_win->n_win } : std::pair<uint32_t, uint32_t>{ 0, 0 };
+}
+
 void llama_kv_cache::kvq_win_reset(uint32_t strm) const {
     if (!kvq_win || strm >= kvq_win->next.size()) {
         return;

@@ -8,6 +8,7 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -277,6 +278,15 @@ int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, 
         return -1;
     }
     const char * v = nullptr;
+    if (strcmp(name, "kv_sinks") == 0 || strcmp(name, "kv_window") == 0) {
+        // the largest any of the memory's caches keeps (0: none, e.g. post-RoPE keys or a device-held cache)
+        uint32_t n = 0;
+        llama_kvq_for_each_kv_cache(ctx->get_memory(), [&](llama_kv_cache & kv) {
+            const auto [s, w] = kv.kvq_window_size();
+            n = std::max(n, name[3] == 's' ? s : w);
+        });
+        return snprintf(buf, buf ? size : 0, "%u", n);
+    }
     if (strcmp(name, "k_domain") == 0) {
         v = n_pre > 0 ? "pre" : n_centred > 0 ? "centred" : "post";
     } else if (strcmp(name, "encoder") == 0) {
