@@ -143,8 +143,8 @@ struct llama_kvq_ctx_opts {
     int    k_domain        = LLAMA_KVQ_K_DOMAIN_AUTO;
     int    encoder         = -1;     // -1 auto, else GGML_KVQ_ENCODER_STOCK / _LSQ
     double centre_residual = LLAMA_KVQ_CENTRE_RESIDUAL;
-    int    kv_window       = -1;     // exact window: the last cells written kept in f16 (-1: the file's, else 0)
-    int    kv_sinks        = -1;     // and the first positions (attention sinks)
+    int    kv_window       = -1;     // exact window: the last cells written kept in f16 (-1: not set, 0)
+    int    kv_sinks        = -1;     // and the first positions (attention sinks) (-1: not set, 0)
 };
 
 // the exact window of a pre-RoPE key cache (native/llama/llama-kvq-window.cpp)

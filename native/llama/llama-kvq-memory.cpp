@@ -466,14 +466,11 @@ void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo)
     for (int64_t s = 0; s < dst->ne[1]; ++s) {
         const auto & cells = v_cells[sinfo.s0 + s];
         for (int64_t j = 0; j < n_kv; ++j) {
-            data[s*n_kv + j] = j < (int64_t) cells.size() && !cells.is_empty(j) ? cells.pos_get(j) : 0;
-        }
-    }
-    for (int64_t s = 0; s < (dst->ne[2] > 1 ? dst->ne[1] : 0); ++s) {
-        const auto & cells = v_cells[sinfo.s0 + s];
-        int32_t * row = data.data() + (dst->ne[1] + s)*n_kv;
-        for (int64_t j = 0; j < n_kv; ++j) {
-            row[j] = j < (int64_t) cells.size() && !cells.is_empty(j) ? llama_kvq_window_row(*kvq_win, sinfo.s0 + s, j) : -1;
+            const bool used = j < (int64_t) cells.size() && !cells.is_empty(j);
+            data[s*n_kv + j] = used ? cells.pos_get(j) : 0;
+            if (dst->ne[2] > 1) {   // plane 1: each cell's exact window row
+                data[(dst->ne[1] + s)*n_kv + j] = used ? llama_kvq_window_row(*kvq_win, sinfo.s0 + s, j) : -1;
+            }
         }
     }
     ggml_backend_tensor_set(dst, data.data(), 0, ggml_nbytes(dst));

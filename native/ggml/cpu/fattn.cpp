@@ -346,6 +346,16 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
     return pr;
 }
 
+// the window's rows (wrow: each cell's row, -1: none; nullptr: no window) over a decoded tile of n rows of D:
+// the D values at element offset off of each cell's row
+inline void fa_window_rows(const fa_prerope & pr, const int32_t * wrow, int64_t n, int64_t off, int64_t D, float * tile) {
+    for (int64_t t = 0; wrow && t < n; ++t) {
+        if (wrow[t] >= 0) {
+            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + off, tile + t*D, D);
+        }
+    }
+}
+
 // the two channels of rotary pair i: NORM (2i, 2i+1), NEOX (i, i + n_dims/2)
 inline void fa_rope_pair(const fa_prerope & pr, int i, int * a, int * b) {
     *a = pr.neox ? i : 2*i;
@@ -1178,13 +1188,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         }
         // cells of the exact window: their unquantized row instead (the same domain, so the same transform follows)
         const int32_t * wrow = pr.win ? pr.win + ik3*pr.pos_stride + ic : nullptr;
-        if (wrow) {
-            for (int64_t t = 0; t < n; ++t) {
-                if (wrow[t] >= 0) {
-                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + w.ik2*DK, s.Kf + t*DK, DK);
-                }
-            }
-        }
+        fa_window_rows(pr, wrow, n, w.ik2*DK, DK, s.Kf);
         const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
         if (pr.on && !pr.centred) {
             const int32_t * tp = kpos + ic;
@@ -1259,14 +1263,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         for (int64_t t = 0; t < n; ++t) {
             v_to_float((const char *) v->data + (ic + t)*v->nb[1] + w.ik2*v->nb[2] + iv3*v->nb[3], s.Vf + t*DV, DV);
         }
-        if (wrow) {
-            for (int64_t t = 0; t < n; ++t) {
-                if (wrow[t] >= 0) {
-                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + pr.win_v0 + w.ik2*DV,
-                                          s.Vf + t*DV, DV);
-                }
-            }
-        }
+        fa_window_rows(pr, wrow, n, pr.win_v0 + w.ik2*DV, DV, s.Vf);
         simd_gemm(s.O, s.S, s.Vf, (int) R, (int) n, (int) DV);
     }
 }
