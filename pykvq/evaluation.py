@@ -5,19 +5,40 @@ The chunking and scoring follow llama-perplexity (pykvq/metrics.py holds the pur
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from .errors import ContextOverflowError, PykvqError
-from .metrics import KLDAccumulator, KLDResult, PerplexityResult, log_softmax, nll, scored_positions
+from .metrics import KLDAccumulator, KLDResult, LogDist, PerplexityResult, scored_positions
 from .logits_file import LogitsFile, LogitsWriter
 from .progress import progress_bar
+
+
+# A Model used as a KLD baseline keeps the distributions of the chunks it evaluated, least recently used dropped
+# first past this many bytes (float32 logits: ~50 MB a 512-token chunk of a 50k vocabulary), so that comparing
+# several models one kl_divergence call at a time evaluates the baseline once per chunk, not once per call.
+BASELINE_MEMO_BYTES = int(os.environ.get("PYKVQ_BASELINE_MEMO_MB", "512")) << 20
 
 
 class Evaluation:
     """Model's perplexity / save_logits / kl_divergence (a mixin: Model supplies tokenize, eval_logits,
     n_ctx, n_vocab, add_bos, bos and the cache type names)."""
+
+    def _baseline_chunk(self, chunk: np.ndarray) -> LogDist:
+        """This model's distributions over a chunk's scored positions, as a baseline (memoized: evaluation from an
+        empty cache is deterministic for a given model, settings and tokens)."""
+        memo = self.__dict__.setdefault("_baseline_memo", OrderedDict())
+        key = np.asarray(chunk, dtype=np.int32).tobytes()
+        if key in memo:
+            memo.move_to_end(key)
+            return memo[key]
+        d = LogDist.of_logits(self._chunk_logits(chunk))
+        memo[key] = d
+        while len(memo) > 1 and sum(v.x.nbytes for v in memo.values()) > BASELINE_MEMO_BYTES:
+            memo.popitem(last=False)
+        return d
 
     def _check_eval_ctx(self, n_ctx: int) -> None:
         if n_ctx > self.n_ctx:
@@ -55,7 +76,7 @@ class Evaluation:
         for i in progress_bar(range(n), desc=f"perplexity {self.cache_type_k}/{self.cache_type_v}",
                               enable=progress):
             chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-            nlls.append(nll(log_softmax(self._chunk_logits(chunk)), chunk[first + 1:last + 1]))
+            nlls.append(LogDist.of_logits(self._chunk_logits(chunk)).nll(chunk[first + 1:last + 1]))
         v = np.concatenate(nlls)
         return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
 
@@ -72,7 +93,7 @@ class Evaluation:
                 chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
                 logits = self._chunk_logits(chunk)
                 if nll_out is not None:
-                    nll_out.append(nll(log_softmax(logits), chunk[first + 1:last + 1]))
+                    nll_out.append(LogDist.of_logits(logits).nll(chunk[first + 1:last + 1]))
                 w.add_chunk(logits)
         except BaseException:
             w.abort()
@@ -85,8 +106,8 @@ class Evaluation:
                       progress: bool | None = None) -> KLDResult:
         """KL divergence of this model's next-token distributions from a baseline's.
 
-        baseline: a Model (evaluated chunk by chunk on the same tokens, exact)
-        or the path of a base-logits file written by save_logits() or
+        baseline: a Model (evaluated chunk by chunk on the same tokens, exact; it keeps what it evaluated,
+        PYKVQ_BASELINE_MEMO_MB, so the next model compared with it reuses it) or the path of a base-logits file written by save_logits() or
         `llama-perplexity --kl-divergence-base` (tokens come from the file;
         probabilities below e^-16 are dropped as llama-perplexity does).
         """
@@ -110,7 +131,7 @@ class Evaluation:
         for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}", enable=progress):
             chunk = f.chunk_tokens(i)
             base, valid = f.chunk_logprobs(i)
-            acc.add(base, self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
+            acc.add(LogDist.of_logprobs(base), self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
         return acc.result()
 
 
@@ -130,7 +151,8 @@ def kld_sweep(baseline: Evaluation, candidates: dict[str, Evaluation], text: str
     for i in progress_bar(range(n), desc=desc or f"KLD sweep ({len(candidates)} settings)", enable=progress):
         chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
         targets = chunk[first + 1:last + 1]
-        base = log_softmax(baseline._chunk_logits(chunk))
+        base = baseline._baseline_chunk(chunk)
+        p = base.probs()
         for name, m in candidates.items():
-            accs[name].add(base, m._chunk_logits(chunk), targets)
+            accs[name].add(base, m._chunk_logits(chunk), targets, base_probs=p)
     return {name: a.result() for name, a in accs.items()}

@@ -222,6 +222,7 @@ class Model(Generation, Evaluation):
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
+        self.__dict__.pop("_baseline_memo", None)
         L = getattr(self, "_lib", None)
         if L is None:
             return
