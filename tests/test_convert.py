@@ -322,6 +322,38 @@ def test_corrupt_and_missing_inputs(smollm2, tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))        # nothing half-written
 
 
+def test_fast_reader_equals_gguf_py(smollm2, smollm2_prerope, tmp_path):
+    """read_gguf's own header reader against gguf-py's GGUFReader on the model and a converted file: the same
+    fields (values, value and element types, order) and tensors (names, types, shapes, bytes); on a file it does not
+    read (a truncated one, big-endian) it gives way, so gguf-py words the error as before."""
+    import gguf
+    from convert import gguf_io
+    for path in (smollm2, smollm2_prerope):
+        fields, tensors = gguf_io._read_fast(Path(path))
+        r = gguf.GGUFReader(path, "r")
+        ref = {f.name: f for f in r.fields.values() if not f.name.startswith("GGUF.")}
+        assert list(fields) == list(ref)
+        for k, f in ref.items():
+            vt = f.types[0]
+            assert (fields[k].vtype, fields[k].sub_type) == (vt, f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+            assert type(fields[k].value) is type(f.contents()) and fields[k].value == f.contents(), k
+        assert list(tensors) == [t.name for t in r.tensors]
+        for t in r.tensors:
+            got = tensors[t.name]
+            assert got.qtype == t.tensor_type and got.data.shape == t.data.shape and got.data.dtype == t.data.dtype
+            assert np.array_equal(got.data, t.data)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2.read_bytes()[:5_000_000])
+    assert gguf_io._read_fast(cut) is None
+    be = tmp_path / "be.gguf"
+    b = bytearray(smollm2.read_bytes()[:4096])
+    b[4:8] = (3).to_bytes(4, "big")
+    be.write_bytes(bytes(b))
+    assert gguf_io._read_fast(be) is None
+    with pytest.raises(ConvertError, match="not a readable GGUF"):
+        read_gguf(cut)
+
+
 def test_bad_cache_type_and_already_converted(smollm2, smollm2_converted, tmp_path):
     out = tmp_path / "out.gguf"
     res = run_convert(smollm2, "-o", out, "--ksort", "--cache-type-k", "q3_x", check=False)
