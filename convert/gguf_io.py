@@ -184,14 +184,14 @@ def _read_fast(path: Path) -> tuple[dict[str, Field], dict[str, Tensor]] | None:
             n_elems = 1
             for d in dims:
                 n_elems *= d
-            block, type_size = gguf.GGML_QUANT_SIZES[qt]
+            block, type_size = gguf.GGML_QUANT_SIZES[qt]     # float and integer types: (1, itemsize)
+            n_bytes = n_elems * type_size // block
             shape = tuple(reversed(dims))
             dtype = _TENSOR_DTYPES.get(qt)
             if dtype is None:
                 if not shape or shape[-1] % block:
                     return None
                 dtype, shape = np.uint8, (*shape[:-1], shape[-1] // block * type_size)
-            n_bytes = n_elems * np.dtype(dtype).itemsize if qt in _TENSOR_DTYPES else n_elems * type_size // block
             begin = start + offset
             if name in tensors or begin + n_bytes > len(data):
                 return None

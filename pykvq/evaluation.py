@@ -107,8 +107,8 @@ class Evaluation:
         """KL divergence of this model's next-token distributions from a baseline's.
 
         baseline: a Model (evaluated chunk by chunk on the same tokens, exact; it keeps what it evaluated,
-        PYKVQ_BASELINE_MEMO_MB, so the next model compared with it reuses it) or the path of a base-logits file written by save_logits() or
-        `llama-perplexity --kl-divergence-base` (tokens come from the file;
+        up to PYKVQ_BASELINE_MEMO_MB, for the next model compared with it) or the path of a base-logits file
+        written by save_logits() or `llama-perplexity --kl-divergence-base` (tokens come from the file;
         probabilities below e^-16 are dropped as llama-perplexity does).
         """
         if baseline is None:

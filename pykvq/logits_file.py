@@ -47,11 +47,11 @@ def encode_rows(logits: np.ndarray) -> np.ndarray:
 
 
 def decode_rows(rows: np.ndarray, n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(log-probabilities float64, mask of entries llama-perplexity counts: > -16)."""
+    """(log-probabilities float32, as llama-perplexity computes them; mask of entries it counts: > -16)."""
     rows = np.ascontiguousarray(rows)
     head = rows[:, :4].copy().view(np.float32)
     scale, min_log_prob = head[:, 0:1], head[:, 1:2]
-    lp = (scale * rows[:, 4:4 + n_vocab].astype(np.float32) + min_log_prob).astype(np.float64)
+    lp = scale * rows[:, 4:4 + n_vocab].astype(np.float32) + min_log_prob
     return lp, lp > -16.0
 
 

@@ -85,11 +85,6 @@ def kl_rows(base: LogDist, p: np.ndarray, other: LogDist, valid: np.ndarray | No
     return out
 
 
-def nll(logprobs: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Negative log-likelihood of each target token."""
-    return -logprobs[np.arange(len(targets)), targets]
-
-
 def percentile(values: np.ndarray, fraction: float) -> float:
     """Linear-interpolated percentile of llama-perplexity (fraction in [0, 1])."""
     v = np.sort(np.asarray(values, dtype=np.float64))
