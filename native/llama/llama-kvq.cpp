@@ -278,12 +278,13 @@ int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, 
         return -1;
     }
     const char * v = nullptr;
-    if (strcmp(name, "kv_sinks") == 0 || strcmp(name, "kv_window") == 0) {
+    const bool sinks = strcmp(name, "kv_sinks") == 0;
+    if (sinks || strcmp(name, "kv_window") == 0) {
         // the largest any of the memory's caches keeps (0: none, e.g. post-RoPE keys or a device-held cache)
         uint32_t n = 0;
         llama_kvq_for_each_kv_cache(ctx->get_memory(), [&](llama_kv_cache & kv) {
             const auto [s, w] = kv.kvq_window_size();
-            n = std::max(n, name[3] == 's' ? s : w);
+            n = std::max(n, sinks ? s : w);
         });
         return snprintf(buf, buf ? size : 0, "%u", n);
     }
