@@ -631,6 +631,15 @@ def driver_exe(build: str = "build") -> Path:
     return p
 
 
+def sanitized_exe() -> Path:
+    """The ASan + UBSan driver (make build-asan) when it is built, else the normal one; .ci/run requires it."""
+    exe = REPO / "build-asan" / "bin" / DRIVER
+    if exe.exists():
+        return exe
+    assert not os.environ.get("PYKVQ_REQUIRE_ASAN"), f"PYKVQ_REQUIRE_ASAN is set (.ci/run) but {exe} is not built"
+    return driver_exe()
+
+
 @pytest.fixture(scope="module")
 def seeds(smollm2):
     return make_seeds(smollm2)
@@ -735,8 +744,7 @@ def test_corpus_replays(seeds, tmp_path):
     """Every recipe that once found a bug, on the ASan + UBSan build when it is there."""
     recipes = corpus_recipes()
     assert len(recipes) >= 10, f"recipes missing from {CORPUS}"
-    exe = REPO / "build-asan" / "bin" / DRIVER
-    bad, _, _ = run_recipes([r for _, r in recipes], seeds, exe if exe.exists() else driver_exe(), tmp_path)
+    bad, _, _ = run_recipes([r for _, r in recipes], seeds, sanitized_exe(), tmp_path)
     assert not bad, _report(bad)
 
 
@@ -785,7 +793,7 @@ def test_replays_last_failing_campaign(seeds, tmp_path):
     if not path.exists():
         pytest.skip("no failing campaign on record")
     saved = json.loads(path.read_text())
-    bad, _, _ = run_recipes(saved["recipes"], seeds, driver_exe(), tmp_path)
+    bad, _, _ = run_recipes(saved["recipes"], seeds, sanitized_exe(), tmp_path)  # where the campaign ran
     assert not bad, f"salt {saved['salt']} still fails:\n" + _report(bad)
     path.unlink()
 
@@ -793,10 +801,7 @@ def test_replays_last_failing_campaign(seeds, tmp_path):
 def test_random_hostile_files(seeds, tmp_path):
     """A bounded random campaign with a fresh salt each run (printed; PYKVQ_FUZZ_SALT=N replays one), on the
     ASan + UBSan build (make build-asan) when it is there, else the normal build."""
-    exe = REPO / "build-asan" / "bin" / DRIVER
-    if not exe.exists():
-        assert not os.environ.get("PYKVQ_REQUIRE_ASAN"), f"PYKVQ_REQUIRE_ASAN is set (.ci/run) but {exe} is not built"
-        exe = driver_exe()
+    exe = sanitized_exe()
     salt = fuzz_salt()
     print(f"hostile-file campaign: PYKVQ_FUZZ_SALT={salt}")
     bad = campaign(seeds, exe, tmp_path, SUITE_CASES // 2, salt=salt)
