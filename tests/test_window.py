@@ -111,28 +111,59 @@ def test_unified_cache_keeps_a_window_per_sequence(smol_pre, passage, wikitext):
     assert np.array_equal(out["win"][0], out["f16"][0]) and np.array_equal(out["win"][1], out["f16"][1])
 
 
-def test_state_restore_forgets_the_window(smol_pre, passage, wikitext):
-    """A state holds the quantized rows only: after a restore the restored cells read them, and only cells written
-    since are exact. The same state restored into a fresh 64-cell-window context, into one whose window holds rows of
-    another text at the same cells (stale rows, were they read), and into a 1-cell-window context decodes the next
-    token bit for bit alike (each holds just that token); a context without the window differs (the token's own row
-    is quantized)."""
+def test_state_carries_the_window(smol_pre, passage, wikitext):
+    """A state carries the exact rows of its cells: restored into a fresh context with the same window, or into one
+    whose window holds another text's rows at the same cells (stale rows, were they read), the next token decodes bit
+    for bit as in the context that saved it. A reader without a window skips the rows (a state it saves has none); a
+    state without rows restores quantized cells (only the new token is exact), which differs."""
     kw = dict(n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, n_ubatch=32)
+    win = dict(kv_window=64, kv_sinks=4)
+    out = {}
     with Model(smol_pre, **kw) as m:
         toks = m.tokenize(passage)[:200]
         other = m.tokenize(wikitext[20000:24000])[:199]
         m.decode(toks[:-1], 0)
+        plain = m.get_state()
+        out["none"] = m.decode(toks[-1:], len(toks) - 1)
+    with Model(smol_pre, **kw, **win) as m:
+        m.decode(toks[:-1], 0)
         state = m.get_state()
-        none = m.decode(toks[-1:], len(toks) - 1)
-    out = {}
-    for name, w, first in (("fresh", 64, None), ("used", 64, other), ("one", 1, None)):
-        with Model(smol_pre, kv_window=w, **kw) as m:
+        out["saver"] = m.decode(toks[-1:], len(toks) - 1)
+    assert len(state) > len(plain)
+    resaved = {}
+    for name, extra, first, data in (("fresh", win, None, state), ("used", win, other, state),
+                                     ("no window", {}, None, state), ("old state", win, None, plain)):
+        with Model(smol_pre, **kw, **extra) as m:
             if first:
                 m.decode(first, 0)
-            m.set_state(state)
+            m.set_state(data)
+            resaved[name] = m.get_state()
             out[name] = m.decode(toks[-1:], len(toks) - 1)
-    assert np.array_equal(out["used"], out["fresh"]) and np.array_equal(out["one"], out["fresh"])
-    assert _kld(none[None], out["fresh"][None]) > 1e-6
+    assert np.array_equal(out["fresh"], out["saver"]) and np.array_equal(out["used"], out["saver"])
+    assert resaved["fresh"] == state
+    # the reader without a window skips the rows (its own state has none); its cells hold what the window context
+    # wrote, so it is not the plain run either (the window changed the hidden states the later layers stored)
+    assert len(resaved["no window"]) == len(plain) and np.isfinite(out["no window"]).all()
+    assert _kld(out["saver"][None], out["old state"][None]) > 1e-6
+
+
+def test_sequence_state_keeps_the_other_sequences_window(smol_pre, passage, wikitext):
+    """Two sequences in one unified stream: saving sequence 1, clearing it and restoring it leaves both decoding bit
+    for bit as without (sequence 0's rows untouched, sequence 1's back from the state)."""
+    kw = dict(n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, n_ubatch=32, n_seq_max=2,
+              kv_unified=True, kv_window=48, kv_sinks=4)
+    out = {}
+    for name in ("kept", "restored"):
+        with Model(smol_pre, **kw) as m:
+            a, b = m.tokenize(passage)[:150], m.tokenize(wikitext[20000:24000])[:150]
+            m.decode(a[:-1], 0, seq=0)
+            m.decode(b[:-1], 0, seq=1)
+            if name == "restored":
+                s1 = m.get_seq_state(1)
+                m.seq_rm(-1, -1, seq=1)
+                m.set_seq_state(s1, seq=1)
+            out[name] = m.decode(a[-1:], 149, seq=0), m.decode(b[-1:], 149, seq=1)
+    assert all(np.array_equal(x, y) for x, y in zip(out["kept"], out["restored"]))
 
 
 def test_window_and_sinks_lower_the_error(smol_pre, f16_model, wikitext):

@@ -122,6 +122,8 @@ void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const ll
 #define LLAMA_KVQ_STATE_ROT      0x20000
 #define LLAMA_KVQ_STATE_CENTRED  0x40000
 #define LLAMA_KVQ_STATE_CB_SHIFT 20
+// a stream's v_trans word: its exact-window rows follow its V rows (llama-kvq-window.cpp)
+#define LLAMA_KVQ_STATE_WINDOW   0x10000
 
 // the type word a state records for a layer's cache tensor (native/llama/llama-kvq-memory.cpp)
 int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain /* 0 post, 1 pre, 2 centred */, bool rot);

@@ -7,12 +7,13 @@
 // The window is the cells written last: in decode exactly the last n_win tokens; within a batch of more tokens than
 // that, the batch's last n_win (earlier ones are read quantized by the batch's own queries too). A stream shared by
 // several sequences (kv_unified) has sinks and a ring per sequence (a token shared by several: its first sequence).
-// What holds a row is host bookkeeping, updated when a batch's inputs are set; a state restore or a stream copy
-// forgets it (those cells read their quantized rows: never a stale row).
+// What holds a row is host bookkeeping, updated when a batch's inputs are set. A state carries its cells' rows (see
+// "states" below); a stream copy forgets them (those cells read their quantized rows: never a stale row).
 #include "llama-kvq.h"
 
 #include "llama-batch.h"
 #include "llama-impl.h"
+#include "llama-io.h"
 #include "llama-kv-cache.h"
 
 #include "ggml-cpp.h"
@@ -214,4 +215,184 @@ void llama_kv_cache_context::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf,
 
 void llama_kv_cache_context::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
     kv->kvq_win_attach(fa, il);
+}
+
+// ---- states ---------------------------------------------------------------------------------------------------
+// After a stream's V rows a state carries the exact rows of its saved cells (flagged in the v_trans word, so a
+// reader without a window skips them): a restored sequence reads what it read before. Rows go sinks first, then
+// each ring oldest to newest; the reader puts a row whose position is below its n_sink in that sink, and the newest
+// n_win of the others in its ring, so a reader with another window keeps what fits.
+//   uint32 n_rows; n_rows × uint32 (the cell's index among the saved ones)
+//   uint32 n_layer; per layer: uint32 row bytes (0: none), n_rows rows
+
+uint32_t llama_kv_cache::kvq_win_state_flag() const {
+    return kvq_win ? LLAMA_KVQ_STATE_WINDOW : 0;
+}
+
+void llama_kv_cache::kvq_win_state_write(llama_io_write_i & io, const cell_ranges_t & cr) const {
+    if (!kvq_win) {
+        return;
+    }
+    const auto & w = *kvq_win;
+    std::vector<int32_t> ord(v_cells[cr.strm].size(), -1);
+    uint32_t n_saved = 0;
+    for (const auto & range : cr.data) {
+        for (uint32_t i = range.first; i < range.second; ++i) {
+            ord[i] = (int32_t) n_saved++;
+        }
+    }
+    std::vector<uint32_t> slots, ords;
+    auto take = [&](uint32_t slot) {
+        const int32_t cell = w.slot_cell[cr.strm][slot];
+        if (cell >= 0 && w.cell_slot[cr.strm][cell] == (int32_t) slot && ord[cell] >= 0) {
+            slots.push_back(slot);
+            ords.push_back((uint32_t) ord[cell]);
+        }
+    };
+    for (uint32_t q = 0; q < w.n_seq; ++q) {
+        for (uint32_t i = 0; i < w.n_sink; ++i) {
+            take(w.base(q) + i);
+        }
+        for (uint32_t i = 0; i < w.n_win; ++i) {
+            take(w.base(q) + w.n_sink + (w.next[cr.strm][q] + i) % w.n_win);
+        }
+    }
+    const uint32_t n_rows = (uint32_t) slots.size(), n_layer = (uint32_t) layers.size();
+    io.write(&n_rows, sizeof(n_rows));
+    io.write(ords.data(), ords.size()*sizeof(uint32_t));
+    io.write(&n_layer, sizeof(n_layer));
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        ggml_tensor * rows = w.rows[ikv];
+        const uint32_t row_bytes = rows ? (uint32_t) rows->nb[1] : 0;
+        io.write(&row_bytes, sizeof(row_bytes));
+        for (uint32_t r = 0; rows && r < n_rows; ++r) {
+            io.write_tensor(rows, ((size_t) cr.strm*w.n_slot + slots[r])*row_bytes, row_bytes);
+        }
+    }
+}
+
+// the restored cells' exact rows are no longer theirs, and a restored sequence's slots start empty
+void llama_kv_cache::kvq_win_forget(uint32_t strm, const slot_info & sinfo) const {
+    if (!kvq_win || strm >= kvq_win->next.size() || sinfo.empty()) {
+        return;
+    }
+    auto & w = *kvq_win;
+    const auto & cells = v_cells[strm];
+    std::vector<bool> seqs(w.n_seq, false);
+    for (uint32_t idx : sinfo.idxs[0]) {
+        const int32_t slot = w.cell_slot[strm][idx];
+        if (slot >= 0 && w.slot_cell[strm][slot] == (int32_t) idx) {
+            w.slot_cell[strm][slot] = -1;
+        }
+        w.cell_slot[strm][idx] = -1;
+        for (uint32_t q = 0; q < w.n_seq; ++q) {
+            seqs[q] = seqs[q] || cells.seq_has(idx, (llama_seq_id) q);
+        }
+    }
+    for (uint32_t q = 0; q < w.n_seq; ++q) {
+        if (!seqs[q] && w.n_seq > 1) {
+            continue;
+        }
+        for (uint32_t slot = w.base(q); slot < w.base(q) + w.n_sink + w.n_win; ++slot) {
+            const int32_t cell = w.slot_cell[strm][slot];
+            if (cell >= 0 && w.cell_slot[strm][cell] == (int32_t) slot) {
+                w.cell_slot[strm][cell] = -1;
+            }
+            w.slot_cell[strm][slot] = -1;
+        }
+        w.next[strm][q] = 0;
+    }
+}
+
+bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
+    uint32_t n_rows = 0, n_layer = 0;
+    io.read(&n_rows, sizeof(n_rows));
+    if (n_rows > cell_count) {
+        LLAMA_LOG_ERROR("%s: the state's exact window holds %u rows for %u cells\n", __func__, n_rows, cell_count);
+        return false;
+    }
+    std::vector<uint32_t> ords(n_rows);
+    io.read(ords.data(), ords.size()*sizeof(uint32_t));
+    for (uint32_t o : ords) {
+        if (o >= cell_count) {
+            LLAMA_LOG_ERROR("%s: the state's exact window names cell %u of %u\n", __func__, o, cell_count);
+            return false;
+        }
+    }
+    io.read(&n_layer, sizeof(n_layer));
+    if (n_layer != layers.size()) {
+        LLAMA_LOG_ERROR("%s: the state's exact window has %u layers, the cache %zu\n", __func__, n_layer, layers.size());
+        return false;
+    }
+    // where each row goes: a sink by its position, the newest n_win others of its sequence into the ring
+    std::vector<int32_t> dest(n_rows, -1);
+    if (kvq_win) {
+        const auto & w = *kvq_win;
+        const auto & cells = v_cells[strm];
+        std::vector<std::vector<uint32_t>> ring(w.n_seq);
+        for (uint32_t r = 0; r < n_rows; ++r) {
+            const uint32_t cell = sinfo.idxs[0][ords[r]];
+            const llama_pos p = cells.pos_get(cell);
+            uint32_t q = 0;
+            while (q + 1 < w.n_seq && !cells.seq_has(cell, (llama_seq_id) q)) {
+                ++q;
+            }
+            if (p >= 0 && (uint32_t) p < w.n_sink) {
+                dest[r] = (int32_t) (w.base(q) + (uint32_t) p);
+            } else {
+                ring[q].push_back(r);
+            }
+        }
+        for (uint32_t q = 0; q < w.n_seq; ++q) {
+            const size_t k0 = ring[q].size() > w.n_win ? ring[q].size() - w.n_win : 0;
+            for (size_t k = k0; k < ring[q].size(); ++k) {
+                dest[ring[q][k]] = (int32_t) (w.base(q) + w.n_sink + (k - k0));
+            }
+        }
+    }
+    std::vector<uint8_t> skip;
+    bool complete = true; // every layer with a window got its rows (else no cell claims one: a row would be stale)
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        uint32_t row_bytes = 0;
+        io.read(&row_bytes, sizeof(row_bytes));
+        ggml_tensor * rows = kvq_win ? kvq_win->rows[ikv] : nullptr;
+        if (rows && row_bytes != 0 && row_bytes != rows->nb[1]) {
+            LLAMA_LOG_ERROR("%s: layer %u: the state's exact rows are %u bytes, the cache's %zu\n", __func__,
+                            layers[ikv].il, row_bytes, (size_t) rows->nb[1]);
+            return false;
+        }
+        complete = complete && (rows == nullptr || row_bytes != 0);
+        for (uint32_t r = 0; r < n_rows && row_bytes != 0; ++r) {
+            if (rows) { // a row that finds no slot goes to the trash slot (a device state's reader takes tensor reads only)
+                const uint32_t slot = dest[r] >= 0 ? (uint32_t) dest[r] : kvq_win->trash();
+                io.read_tensor(rows, ((size_t) strm*kvq_win->n_slot + slot)*row_bytes, row_bytes);
+            } else {
+                skip.resize(row_bytes);
+                io.read(skip.data(), row_bytes);
+            }
+        }
+    }
+    if (!kvq_win || !complete) {
+        return true;
+    }
+    auto & w = *kvq_win;
+    std::vector<uint32_t> filled(w.n_seq, 0);
+    for (uint32_t r = 0; r < n_rows; ++r) {
+        if (dest[r] < 0) {
+            continue;
+        }
+        const uint32_t cell = sinfo.idxs[0][ords[r]];
+        w.slot_cell[strm][dest[r]] = (int32_t) cell;
+        w.cell_slot[strm][cell] = dest[r];
+        const uint32_t q = (uint32_t) dest[r] / (w.n_sink + w.n_win);
+        if ((uint32_t) dest[r] - w.base(q) >= w.n_sink) {
+            filled[q]++;
+        }
+    }
+    for (uint32_t q = 0; q < w.n_seq; ++q) {
+        if (filled[q] > 0) { // the other sequences' rings go on where they were
+            w.next[strm][q] = filled[q] % w.n_win;
+        }
+    }
+    return true;
 }
