@@ -159,32 +159,53 @@ def test_prerope_cache_is_refused_on_worker_without_kernels(smollm2_prerope, wor
     assert "-nkvo" in res.stderr
 
 
+def test_window_is_off_on_a_worker_that_does_not_read_it(smollm2_prerope, workers):
+    """A pykvq worker whose HELLO has the pre-RoPE and centred bits but not the window's (0xb2: an older pykvq
+    worker, or a backend without the kernel) runs the pre-RoPE cache without the window, and the log says so: its
+    greedy answer is the local one without a window."""
+    proxy = _CapsProxy(workers.split(",")[0], 0x82 | 0x10 | 0x20)
+    try:
+        remote, log = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", "--kv-window", "64", "--kv-sinks", "4",
+                               rpc=proxy.endpoint)
+    finally:
+        proxy.close()
+    assert "exact window off: no pre-RoPE K layer is in host memory or on an RPC worker's CPU" in log, log[-3000:]
+    local, _ = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0")
+    assert remote == local
+
+
 def test_hello_mark_of_this_build_says_cpu_runs_both_domains(workers):
-    """The real worker's HELLO byte: pykvq, layout 2, pre-RoPE and centred kernels (its backend is the CPU)."""
+    """The real worker's HELLO byte: pykvq, layout 2, pre-RoPE and centred kernels and the window (its backend is the
+    CPU)."""
     host, port = workers.split(",")[0].rsplit(":", 1)
     with socket.create_connection((host, int(port))) as conn:
         req = bytes(24)
         conn.sendall(bytes([14]) + struct.pack("<Q", len(req)) + req)
         size = struct.unpack("<Q", _CapsProxy._recv(conn, 8))[0]
         rsp = _CapsProxy._recv(conn, size)
-    assert rsp[3] == 0x82 | 0x10 | 0x20, hex(rsp[3])
+    assert rsp[3] == 0x82 | 0x10 | 0x20 | 0x40, hex(rsp[3])
 
 
-@pytest.mark.parametrize("case", ["nuq4", "prerope-q4_0"])
+@pytest.mark.parametrize("case", ["nuq4", "prerope-q4_0", "prerope-q4_0-window"])
 def test_rpc_perplexity_kld_is_zero(smollm2, smollm2_prerope, passage, workers, tmp_path, case):
-    """KLD of the RPC run against the local run: ~0 (the same kernels run on the workers' CPU)."""
+    """KLD of the RPC run against the local run: ~0 (the same kernels run on the workers' CPU), with the exact window
+    too (the workers said in HELLO that they read it)."""
     text = tmp_path / "passage.txt"
     text.write_text(passage)
     base = tmp_path / "local.kld"
     model, ct = (smollm2, "nuq4") if case == "nuq4" else (smollm2_prerope, "q4_0")
+    # ubatches of 32 (the window pays when a batch is short): results then depend on the thread count (upstream's
+    # CPU kernels too, ~6e-5 KLD for an f16 cache), so the local run takes the workers' one thread
+    win = ["--kv-sinks", "4", "--kv-window", "64", "-ub", "32"] if case.endswith("window") else []
     common = ["-m", model, "-f", text, "-c", "512", "--chunks", "2", "-b", "512", "-ctk", ct, "-ctv", ct,
-              "-fa", "on", "-t", "2", "-lv", "4"]
+              "-fa", "on", "-t", "1" if win else "2", "-lv", "4", *win]
     res = run_tool("llama-perplexity", *common, "-ngl", "0", "--kl-divergence-base", base, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     res = run_tool("llama-perplexity", *common, "--rpc", workers, "-ngl", "99", "--kl-divergence-base", base,
                    "--kl-divergence", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert case == "nuq4" or "pre-RoPE key cache in 30 of 30 layers" in res.stderr, res.stderr[-3000:]
+    assert not win or "exact window in 30 of 30 layers" in res.stderr, res.stderr[-3000:]
     kld = float(re.search(r"Mean\s+KLD:\s+(-?[0-9.]+)", res.stdout + res.stderr).group(1))
     assert abs(kld) < 1e-4, kld
 

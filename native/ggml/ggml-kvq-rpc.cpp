@@ -37,10 +37,10 @@ uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
     const char * name = reg ? ggml_backend_reg_name(reg) : "";
     if (strcmp(name, "CPU") == 0) {
-        return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED;
+        return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED | GGML_KVQ_RPC_WINDOW;
     }
     if (strcmp(name, "CUDA") == 0) {
-        return GGML_KVQ_RPC_PREROPE;   // the centred domain has CPU kernels only
+        return GGML_KVQ_RPC_PREROPE;   // the centred domain and the window have CPU kernels only
     }
     if (strcmp(name, "RPC") == 0) {   // an RPC device's description is its worker's endpoint
         const int caps = ggml_kvq_rpc_worker_caps(ggml_backend_dev_description(dev));

@@ -7,7 +7,9 @@
 //
 // The mark: bit 7 pykvq; bits 0-3 the layout of pykvq's node parameters (bump it when that layout changes);
 // bits 4-6 what every backend of the worker runs beyond the plain cache types, so that the client can accept
-// a pre-RoPE or centred key cache on a worker that has the kernels and refuse it, by name, on one that has not.
+// a pre-RoPE or centred key cache on a worker that has the kernels and refuse it, by name, on one that has not,
+// and keep an exact window only on layers whose device reads it (a new capability needs no layout bump: an older
+// worker leaves its bit clear).
 #include "ggml-backend.h"
 
 #include <stdbool.h>
@@ -18,6 +20,7 @@
 #define GGML_KVQ_RPC_CAPS     0x70
 #define GGML_KVQ_RPC_PREROPE  0x10   // pre-RoPE keys in flash attention (CPU, CUDA)
 #define GGML_KVQ_RPC_CENTRED  0x20   // centred post-RoPE keys (CPU)
+#define GGML_KVQ_RPC_WINDOW   0x40   // exact-window rows in pre-RoPE flash attention (CPU): without it a layer keeps none
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,7 +28,7 @@ extern "C" {
 
 // worker side: the HELLO padding byte for a worker computing on these backends
 GGML_API uint8_t ggml_kvq_rpc_hello_mark(const ggml_backend_t * backends, size_t n_backends);
-// the key domains a device runs (GGML_KVQ_RPC_* bits): CPU pre-RoPE and centred, CUDA pre-RoPE, an RPC device
+// what a device runs (GGML_KVQ_RPC_* bits): CPU pre-RoPE, centred and the window, CUDA pre-RoPE, an RPC device
 // what its worker's HELLO said (0 before it), any other none. The worker's mark and the client's check both use it.
 GGML_API uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev);
 

@@ -17,6 +17,7 @@
 #include "llama-kv-cache.h"
 
 #include "ggml-cpp.h"
+#include "ggml-kvq-rpc.h"
 
 #include <algorithm>
 #include <cstring>
@@ -60,22 +61,27 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
     w->n_seq  = n_stream == 1 ? n_seq_max : 1;
     w->n_slot = (n_sink + n_win)*w->n_seq + 1;
     w->rows.assign(layers.size(), nullptr);
-    uint32_t n_layers = 0;
+    uint32_t n_layers = 0, n_device = 0;
     size_t bytes = 0, cache_bytes = 0;
     double values = 0.0;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const auto & layer = layers[ikv];
         cache_bytes += ggml_nbytes(layer.k) + ggml_nbytes(layer.v);
         values += (double) (layer.k->ne[0] + layer.v->ne[0]) * layer.k->ne[1] * layer.k->ne[2];
-        // the window is read by the CPU kernel only: a K cache in a device buffer keeps none
-        if (layer.k_mean == nullptr || layer.k->buffer == nullptr || !ggml_backend_buffer_is_host(layer.k->buffer)) {
+        // the window is read by the CPU kernel only: host memory, or an RPC worker that runs it (its HELLO says so)
+        if (layer.k_mean == nullptr || layer.k->buffer == nullptr) {
+            continue;
+        }
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(layer.k->buffer);
+        if (!ggml_backend_buffer_is_host(layer.k->buffer) && !(ggml_kvq_dev_caps(ggml_backend_buft_get_device(buft)) & GGML_KVQ_RPC_WINDOW)) {
+            ++n_device;
             continue;
         }
         ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
         ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0], (int64_t) w->n_slot*n_stream);
         ggml_format_name(t, "kvq_window_l%u", layer.il);
-        ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), ggml_backend_buffer_get_type(layer.k->buffer)));
+        ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
         if (!buf) {
             throw std::runtime_error(format("pykvq: cannot allocate the exact window of layer %u", layer.il));
         }
@@ -90,8 +96,13 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
     w->cell_slot.assign(n_stream, std::vector<int32_t>(get_size(), -1));
     w->next.assign(n_stream, std::vector<uint32_t>(w->n_seq, 0));
     if (n_layers == 0) {
-        LLAMA_LOG_WARN("%s: exact window off: no pre-RoPE K layer is in host memory (the window is read by the CPU kernel)\n", __func__);
+        LLAMA_LOG_WARN("%s: exact window off: no pre-RoPE K layer is in host memory or on an RPC worker's CPU (the window "
+                       "is read by the CPU kernel)\n", __func__);
         return 0;
+    }
+    if (n_device > 0) {
+        LLAMA_LOG_WARN("%s: exact window off in %u pre-RoPE layers: their K cache is on a device without a kernel for it "
+                       "(the CPU's reads it)\n", __func__, n_device);
     }
     kvq_win = w;
     LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u cells written per sequence "
