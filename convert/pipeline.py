@@ -54,6 +54,8 @@ class Options:
     ladder: tuple = layer_types.DEFAULT_LADDER
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
+    kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
+    kv_window: int = 64                  # (pykvq.cache.kv_sinks / kv_window; 0: off)
 
     def codebook_method(self) -> str:
         if self.codebooks != "auto":
@@ -355,7 +357,10 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     if opts.prerope_k:
         m.set(Keys.Cache.K_DOMAIN, Values.K_DOMAIN_PREROPE, VT.STRING)
         m.set(Keys.Cache.K_SCALE_METHOD, opts.prerope_scale, VT.STRING)
+        m.set(Keys.Cache.KV_SINKS, int(opts.kv_sinks), VT.UINT32)
+        m.set(Keys.Cache.KV_WINDOW, int(opts.kv_window), VT.UINT32)
         rep.prerope["scale"] = opts.prerope_scale
+        rep.prerope["kv_sinks"], rep.prerope["kv_window"] = int(opts.kv_sinks), int(opts.kv_window)
     m.set(Keys.Cache.TYPE_K, type_k, VT.STRING)
     m.set(Keys.Cache.TYPE_V, type_v, VT.STRING)
     return rep

@@ -39,10 +39,11 @@ def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None
     ap.add_argument("-rotv", "--attn-rot-v", choices=["auto", "on", "off"], default="auto",
                     help="online Hadamard rotation of the V cache (auto: as for K)")
     ap.add_argument("--kv-sinks", type=int, default=None, metavar="N",
-                    help="a pre-RoPE file: keep the first N positions in f16 beside the quantized cache (default 0)")
+                    help="a pre-RoPE file: keep the first N positions in f16 beside the quantized cache (default: the "
+                         "file's pykvq.cache.kv_sinks, 4 for a --prerope-k file; 0 turns it off)")
     ap.add_argument("--kv-window", type=int, default=None, metavar="N",
-                    help="a pre-RoPE file: keep the last N cells of each sequence in f16 (default 0; e.g. --kv-sinks 4 "
-                         "--kv-window 64). In decode the window is exact; within a batch of U tokens a query sees N-U+1..N "
+                    help="a pre-RoPE file: keep the last N cells of each sequence in f16 (default: the file's "
+                         "pykvq.cache.kv_window, 64 for a --prerope-k file; 0 turns it off). In decode the window is exact; within a batch of U tokens a query sees N-U+1..N "
                          "of its recent tokens exactly, so evaluate with a small -ub")
     ap.add_argument("-ub", "--ubatch-size", type=int, default=None, help="tokens per graph (default 512)")
     ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")

@@ -30,6 +30,8 @@ class Keys:
         CODEBOOK_ROT_V = "pykvq.cache.codebook_rot_v"
         K_DOMAIN = "pykvq.cache.k_domain"                    # Values.K_DOMAIN_*
         K_SCALE_METHOD = "pykvq.cache.k_scale_method"        # informative: how the pre-RoPE scale was chosen
+        KV_SINKS = "pykvq.cache.kv_sinks"                    # uint32: default exact sinks (pre-RoPE keys)
+        KV_WINDOW = "pykvq.cache.kv_window"                  # uint32: default exact window, cells per sequence
 
         TYPE = {"k": TYPE_K, "v": TYPE_V}
         LAYER_TYPES = {"k": LAYER_TYPES_K, "v": LAYER_TYPES_V}

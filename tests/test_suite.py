@@ -42,7 +42,7 @@ def test_setting_syntax_round_trips(spec, label, variant, flags):
 
 def test_setting_model_kwargs_and_stock_flag():
     assert parse_setting("q4_0:rot-off").model_kwargs() == dict(
-        cache_type_k="q4_0", cache_type_v="q4_0", attn_rot_k="off", attn_rot_v="off")
+        cache_type_k="q4_0", cache_type_v="q4_0", attn_rot_k="off", attn_rot_v="off", kv_sinks=0, kv_window=0)
     assert parse_setting("auto@kvbits-2.75").model_kwargs()["cache_type_k"] is None
     assert parse_setting("q8_0/q4_0").stock and not parse_setting("nuq4").stock
     assert not parse_setting("q4_0@smooth+vrot").stock

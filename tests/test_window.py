@@ -92,7 +92,7 @@ def test_window_over_every_cell_is_an_f16_cache(smol_pre, passage, n_ubatch):
     win = _logits(smol_pre, toks, "q4_0", "q4_0", kv_window=512, n_ubatch=n_ubatch)
     assert np.array_equal(win, f16)
     # sinks only: the first positions exact, the rest quantized (the control: what the window replaces)
-    q4 = _logits(smol_pre, toks, "q4_0", "q4_0", kv_sinks=4, n_ubatch=n_ubatch)
+    q4 = _logits(smol_pre, toks, "q4_0", "q4_0", kv_sinks=4, kv_window=0, n_ubatch=n_ubatch)
     assert _kld(f16, q4) > 1e-3
 
 
@@ -117,9 +117,9 @@ def test_state_carries_the_window(smol_pre, passage, wikitext):
     for bit as in the context that saved it. A reader without a window skips the rows (a state it saves has none); a
     state without rows restores quantized cells (only the new token is exact), which differs."""
     kw = dict(n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, n_ubatch=32)
-    win = dict(kv_window=64, kv_sinks=4)
+    win, off = dict(kv_window=64, kv_sinks=4), dict(kv_window=0, kv_sinks=0)
     out = {}
-    with Model(smol_pre, **kw) as m:
+    with Model(smol_pre, **kw, **off) as m:
         toks = m.tokenize(passage)[:200]
         other = m.tokenize(wikitext[20000:24000])[:199]
         m.decode(toks[:-1], 0)
@@ -132,7 +132,7 @@ def test_state_carries_the_window(smol_pre, passage, wikitext):
     assert len(state) > len(plain)
     resaved = {}
     for name, extra, first, data in (("fresh", win, None, state), ("used", win, other, state),
-                                     ("no window", {}, None, state), ("old state", win, None, plain)):
+                                     ("no window", off, None, state), ("old state", win, None, plain)):
         with Model(smol_pre, **kw, **extra) as m:
             if first:
                 m.decode(first, 0)
@@ -171,7 +171,7 @@ def test_window_and_sinks_lower_the_error(smol_pre, f16_model, wikitext):
     query sees 33-64 of its recent tokens exactly). Measured (4 x 512 tokens): no window 0.025, 4 sinks and 64
     cells 0.007. The control is the same file without the window in the same run."""
     kld = {}
-    for name, kw in (("none", {}), ("win", dict(kv_sinks=4, kv_window=64))):
+    for name, kw in (("none", dict(kv_sinks=0, kv_window=0)), ("win", dict(kv_sinks=4, kv_window=64))):
         with Model(smol_pre, n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, n_ubatch=32, **kw) as m:
             kld[name] = m.kl_divergence(wikitext, baseline=f16_model, n_chunks=4, progress=False).mean_kld
     assert kld["win"] < 0.5 * kld["none"], kld
@@ -218,3 +218,19 @@ def test_suite_settings_name_the_window():
     assert parse_setting("q4_0@prerope").window_bits(4096) == 0.0
     with pytest.raises(PykvqError, match="keep pre-RoPE keys exact"):
         parse_setting("q4_0:win-64")
+
+
+def test_a_converted_file_turns_the_window_on(smol_pre):
+    """--prerope-k writes pykvq.cache.kv_sinks = 4 / kv_window = 64 (the converter's defaults), so a context that sets
+    nothing keeps them, logged with where they came from; 0 turns them off; a window past the cache keeps every cell."""
+    from pykvq.keys import Keys
+    kvq_log.clear()
+    with Model(smol_pre, n_ctx=512, flash_attn=True) as m:
+        text = "".join(kvq_log.recent())
+        assert (m.meta(Keys.Cache.KV_SINKS), m.meta(Keys.Cache.KV_WINDOW)) == ("4", "64")
+        assert (m.setting("kv_sinks"), m.setting("kv_window")) == ("4", "64")
+    assert "exact window = 64 (from the GGUF's pykvq.cache.kv_window; --kv-window 0 turns it off)" in text, text[-2000:]
+    with Model(smol_pre, n_ctx=512, flash_attn=True, kv_window=0) as m:
+        assert (m.setting("kv_sinks"), m.setting("kv_window")) == ("4", "0")
+    with Model(smol_pre, n_ctx=256, flash_attn=True, kv_window=100000) as m:
+        assert m.setting("kv_window") == "256"

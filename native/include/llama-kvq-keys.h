@@ -19,6 +19,8 @@
 #define LLAMA_KVQ_KEY_CACHE_CODEBOOK_ROT_V     "pykvq.cache.codebook_rot_v"
 #define LLAMA_KVQ_KEY_CACHE_K_DOMAIN           "pykvq.cache.k_domain"
 #define LLAMA_KVQ_KEY_CACHE_K_SCALE_METHOD     "pykvq.cache.k_scale_method"
+#define LLAMA_KVQ_KEY_CACHE_KV_SINKS           "pykvq.cache.kv_sinks"
+#define LLAMA_KVQ_KEY_CACHE_KV_WINDOW          "pykvq.cache.kv_window"
 
 // Keys.Baked: transforms baked into the weights
 #define LLAMA_KVQ_KEY_BAKED_KSORT              "pykvq.baked.ksort"

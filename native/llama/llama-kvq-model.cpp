@@ -12,6 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // the types a KV cache can hold (upstream's -ctk/-ctv list and pykvq's); anything else in a file is an error,
@@ -55,6 +56,8 @@ static void kvq_check_keys(const gguf_context * ctx) {
         { LLAMA_KVQ_KEY_CACHE_CODEBOOK_ROT_V,    GGUF_TYPE_BOOL,   {} },
         { LLAMA_KVQ_KEY_CACHE_K_DOMAIN,          GGUF_TYPE_STRING, { LLAMA_KVQ_VALUE_K_DOMAIN_PREROPE, LLAMA_KVQ_VALUE_K_DOMAIN_POSTROPE } },
         { LLAMA_KVQ_KEY_CACHE_K_SCALE_METHOD,    GGUF_TYPE_STRING, {} },
+        { LLAMA_KVQ_KEY_CACHE_KV_SINKS,          GGUF_TYPE_UINT32, {} },
+        { LLAMA_KVQ_KEY_CACHE_KV_WINDOW,         GGUF_TYPE_UINT32, {} },
         { LLAMA_KVQ_KEY_BAKED_KSORT,             GGUF_TYPE_BOOL,   {} },
         { LLAMA_KVQ_KEY_BAKED_KSORT_KEY,         GGUF_TYPE_STRING, {} },
         { LLAMA_KVQ_KEY_BAKED_SMOOTH_QK,         GGUF_TYPE_BOOL,   {} },
@@ -362,6 +365,19 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
     };
     pick(params.type_k, LLAMA_KVQ_KEY_CACHE_TYPE_K, "K");
     pick(params.type_v, LLAMA_KVQ_KEY_CACHE_TYPE_V, "V");
+
+    // the exact window the converter chose (a pre-RoPE file), unless the caller set one (0 turns it off)
+    for (auto [n, name, what] : { std::tuple<int *, const char *, const char *>{ &kvq.kv_sinks, LLAMA_KVQ_KEY_CACHE_KV_SINKS, "sinks" },
+                                  std::tuple<int *, const char *, const char *>{ &kvq.kv_window, LLAMA_KVQ_KEY_CACHE_KV_WINDOW, "window" } }) {
+        const std::string v = key(name);
+        if (*n >= 0 || v.empty()) {
+            continue;
+        }
+        // a uint32 (kvq_check_keys); the cache clamps a window past its size
+        *n = (int) std::min<unsigned long long>(std::stoull(v), INT32_MAX);
+        LLAMA_LOG_INFO("%s: exact %s = %d (from the GGUF's %s; --kv-%s 0 turns it off)\n", "llama_kvq_apply_model_defaults",
+                       what, *n, name, what);
+    }
 
     // (a q53_64 file's pairs are laid out by importance, "importance": its halves keep their own 32-wide Hadamards)
     if (kvq.attn_rot_k == LLAMA_ATTN_ROT_TYPE_AUTO && key(LLAMA_KVQ_KEY_BAKED_KSORT) == "true" &&

@@ -8,7 +8,7 @@
 // that, the batch's last n_win (earlier ones are read quantized by the batch's own queries too). A stream shared by
 // several sequences (kv_unified) has sinks and a ring per sequence (a token shared by several: its first sequence).
 // What holds a row is host bookkeeping, updated when a batch's inputs are set. A state carries its cells' rows (see
-// "states" below); a stream copy forgets them (those cells read their quantized rows: never a stale row).
+// "states" below); a stream copy copies them with the cells.
 #include "llama-kvq.h"
 
 #include "llama-batch.h"
@@ -54,6 +54,9 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
         LLAMA_LOG_WARN("%s: exact window off: it needs flash attention\n", __func__);
         return 0;
     }
+    // a window or sinks past the cache's size keep every cell (a file's key or a setting may ask for more)
+    n_win  = std::min(n_win, get_size());
+    n_sink = std::min(n_sink, get_size());
     auto w = std::make_shared<llama_kvq_window>();
     const uint32_t n_stream = (uint32_t) v_cells.size();
     w->n_win  = n_win;
@@ -116,13 +119,25 @@ std::pair<uint32_t, uint32_t> llama_kv_cache::kvq_window_size() const {
     return kvq_win ? std::pair<uint32_t, uint32_t>{ kvq_win->n_sink, kvq_win->n_win } : std::pair<uint32_t, uint32_t>{ 0, 0 };
 }
 
-void llama_kv_cache::kvq_win_reset(uint32_t strm) const {
-    if (!kvq_win || strm >= kvq_win->next.size()) {
+// a stream copy (seq_cp across streams) copies the cells: their rows and what holds them go along
+void llama_kv_cache::kvq_win_copy_stream(uint32_t ssrc, uint32_t sdst) const {
+    if (!kvq_win || ssrc >= kvq_win->next.size() || sdst >= kvq_win->next.size()) {
         return;
     }
-    std::fill(kvq_win->slot_cell[strm].begin(), kvq_win->slot_cell[strm].end(), -1);
-    std::fill(kvq_win->cell_slot[strm].begin(), kvq_win->cell_slot[strm].end(), -1);
-    std::fill(kvq_win->next[strm].begin(), kvq_win->next[strm].end(), 0);
+    auto & w = *kvq_win;
+    w.slot_cell[sdst] = w.slot_cell[ssrc];
+    w.cell_slot[sdst] = w.cell_slot[ssrc];
+    w.next[sdst]      = w.next[ssrc];
+    std::vector<uint8_t> buf;
+    for (ggml_tensor * rows : w.rows) {
+        if (rows == nullptr) {
+            continue;
+        }
+        const size_t n = (size_t) w.n_slot*rows->nb[1];
+        buf.resize(n);
+        ggml_backend_tensor_get(rows, buf.data(), (size_t) ssrc*n, n);
+        ggml_backend_tensor_set(rows, buf.data(), (size_t) sdst*n, n);
+    }
 }
 
 ggml_tensor * llama_kv_cache::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {

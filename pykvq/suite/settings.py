@@ -112,8 +112,9 @@ class Setting:
             kw["k_domain"] = self.k_domain
         if self.encoder != "auto":
             kw["encoder"] = self.encoder
-        if self.sinks or self.window:
-            kw.update(kv_sinks=self.sinks, kv_window=self.window)
+        # always named: a --prerope-k file's own default window (pykvq.cache.kv_window) would otherwise apply to
+        # a setting whose label names none
+        kw.update(kv_sinks=self.sinks, kv_window=self.window)
         if self.window and evaluation:
             # the window is the cells written last: within a ubatch of U tokens a query sees W-U+1..W of its own
             # recent tokens exactly (decode: W), so evaluations run in small ubatches
