@@ -8,7 +8,7 @@ import pytest
 
 from pykvq import Model
 from pykvq import log as kvq_log
-from pykvq.errors import SettingError
+from pykvq.errors import DecodeError, SettingError
 
 from conftest import run_tool
 from ggml_graph import Graph
@@ -234,3 +234,34 @@ def test_a_converted_file_turns_the_window_on(smol_pre):
         assert (m.setting("kv_sinks"), m.setting("kv_window")) == ("4", "0")
     with Model(smol_pre, n_ctx=256, flash_attn=True, kv_window=100000) as m:
         assert m.setting("kv_window") == "256"
+
+
+def test_damaged_window_section_is_refused(smol_pre, passage):
+    """The state's window section (the last bytes of a one-stream state: n_rows, their cells, n_layer, per layer the
+    row bytes and the rows) damaged: a row size other than one cell's f16 K + V (also for a reader without a window,
+    which would skip the rows), or a cut inside it, is an error and leaves nothing half-restored: the context decodes
+    on as an empty one."""
+    kw = dict(n_ctx=512, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, n_ubatch=32, kv_sinks=4,
+              kv_window=64)
+    with Model(smol_pre, **kw) as m:
+        toks = m.tokenize(passage)[:200]
+        m.decode(toks[:-1], 0)
+        state = bytearray(m.get_state())
+        fresh = None
+        n, rb = 4 + 64, 2 * (192 + 192)                 # rows (sinks + window), bytes of one row (SmolLM2: 3 x 64)
+        at = len(state) - n * rb - 4                    # the last layer's row-size word
+        assert int.from_bytes(state[at:at + 4], "little") == rb
+        bad = bytearray(state)
+        bad[at:at + 4] = (0xFFFFFFF0).to_bytes(4, "little")
+        for damaged in (bytes(bad), bytes(state[:-100])):
+            with pytest.raises(DecodeError):
+                m.set_state(damaged)
+            assert m.used_cells() == 0
+            fresh = m.decode(toks[:1], 0)
+            m.seq_rm()
+    with Model(smol_pre, **kw) as m2:
+        assert np.array_equal(m2.decode(toks[:1], 0), fresh)
+    with Model(smol_pre, **{**kw, "kv_window": 0, "kv_sinks": 0}) as m3:   # a reader that would skip the rows
+        m3.set_state(bytes(state))
+        with pytest.raises(DecodeError):
+            m3.set_state(bytes(bad))

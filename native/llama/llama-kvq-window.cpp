@@ -382,9 +382,11 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
         uint32_t row_bytes = 0;
         io.read(&row_bytes, sizeof(row_bytes));
         ggml_tensor * rows = kvq_win ? kvq_win->rows[ikv] : nullptr;
-        if (rows && row_bytes != 0 && row_bytes != rows->nb[1]) {
-            LLAMA_LOG_ERROR("%s: layer %u: the state's exact rows are %u bytes, the cache's %zu\n", __func__,
-                            layers[ikv].il, row_bytes, (size_t) rows->nb[1]);
+        // f16 K and V of one cell, whether or not this cache keeps a window (a damaged state asks for no more)
+        const uint32_t il = layers[ikv].il;
+        const size_t want = sizeof(ggml_fp16_t)*(hparams.n_embd_k_gqa(il) + hparams.n_embd_v_gqa(il));
+        if (row_bytes != 0 && row_bytes != want) {
+            LLAMA_LOG_ERROR("%s: layer %u: the state's exact rows are %u bytes, the cache's %zu\n", __func__, il, row_bytes, want);
             return false;
         }
         complete = complete && (rows == nullptr || row_bytes != 0);
