@@ -309,8 +309,10 @@ class Model(Generation, Evaluation):
         """The transforms active on the KV cache, in words (for logs)."""
         rot = [w for w, on in self.attn_rotation.items() if on]
         baked = self.baked_transforms()
+        sinks, win = self.setting("kv_sinks"), self.setting("kv_window")
+        exact = f" (f16: first {sinks} positions, last {win} cells)" if {sinks, win} - {None, "0"} else ""
         return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
-                + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}"
+                + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}{exact}"
                 + f"; q4_0/q5_0 scales {self.encoder}")
 
     def _type_name(self, type_id: int) -> str:

@@ -229,6 +229,7 @@ def test_a_converted_file_turns_the_window_on(smol_pre):
         text = "".join(kvq_log.recent())
         assert (m.meta(Keys.Cache.KV_SINKS), m.meta(Keys.Cache.KV_WINDOW)) == ("4", "64")
         assert (m.setting("kv_sinks"), m.setting("kv_window")) == ("4", "64")
+        assert "keys cached pre-RoPE (f16: first 4 positions, last 64 cells)" in m.transforms()
     assert "exact window = 64 (from the GGUF's pykvq.cache.kv_window; --kv-window 0 turns it off)" in text, text[-2000:]
     with Model(smol_pre, n_ctx=512, flash_attn=True, kv_window=0) as m:
         assert (m.setting("kv_sinks"), m.setting("kv_window")) == ("4", "0")
