@@ -350,8 +350,10 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
         LLAMA_LOG_ERROR("%s: the state's exact window has %u layers, the cache %zu\n", __func__, n_layer, layers.size());
         return false;
     }
-    // where each row goes: a sink by its position, the newest n_win others of its sequence into the ring
+    // where each row goes: a sink by its position, the newest n_win others of its sequence into the ring (filled:
+    // how many ring slots of each sequence that takes)
     std::vector<int32_t> dest(n_rows, -1);
+    std::vector<uint32_t> filled(kvq_win ? kvq_win->n_seq : 0, 0);
     if (kvq_win) {
         const auto & w = *kvq_win;
         const auto & cells = v_cells[strm];
@@ -374,6 +376,7 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
             for (size_t k = k0; k < ring[q].size(); ++k) {
                 dest[ring[q][k]] = (int32_t) (w.base(q) + w.n_sink + (k - k0));
             }
+            filled[q] = (uint32_t) (ring[q].size() - k0);
         }
     }
     std::vector<uint8_t> skip;
@@ -404,17 +407,11 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
         return true;
     }
     auto & w = *kvq_win;
-    std::vector<uint32_t> filled(w.n_seq, 0);
     for (uint32_t r = 0; r < n_rows; ++r) {
-        if (dest[r] < 0) {
-            continue;
-        }
-        const uint32_t cell = sinfo.idxs[0][ords[r]];
-        w.slot_cell[strm][dest[r]] = (int32_t) cell;
-        w.cell_slot[strm][cell] = dest[r];
-        const uint32_t q = (uint32_t) dest[r] / (w.n_sink + w.n_win);
-        if ((uint32_t) dest[r] - w.base(q) >= w.n_sink) {
-            filled[q]++;
+        if (dest[r] >= 0) {
+            const uint32_t cell = sinfo.idxs[0][ords[r]];
+            w.slot_cell[strm][dest[r]] = (int32_t) cell;
+            w.cell_slot[strm][cell] = dest[r];
         }
     }
     for (uint32_t q = 0; q < w.n_seq; ++q) {
