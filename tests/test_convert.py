@@ -360,6 +360,8 @@ def test_bad_cache_type_and_already_converted(smollm2, smollm2_converted, tmp_pa
     assert res.returncode == 2 and "unknown KV-cache type 'q3_x'" in res.stderr
     res = run_convert(smollm2_converted, "-o", out, "--ksort", check=False)
     assert res.returncode == 2 and "already converted" in res.stderr
+    res = run_convert(smollm2, "-o", out, "--prerope-k", "--kv-window", "-1", check=False)
+    assert res.returncode == 2 and "--kv-sinks and --kv-window must be >= 0, got 4 and -1" in res.stderr
     assert not out.exists()
 
 

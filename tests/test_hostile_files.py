@@ -321,14 +321,16 @@ def random_recipe(seed: str, rng: random.Random) -> dict:
 def _keys(seed: str) -> list[str]:
     common = [Keys.Cache.TYPE_K, Keys.Cache.TYPE_V, Keys.Cache.CODEBOOK_ROT_K, Keys.Cache.K_DOMAIN,
               Keys.Baked.KSORT, Keys.Baked.ROTATE_V, Keys.Rope.LAYOUT]
-    return common + ([Keys.Cache.LAYER_TYPES_K, Keys.Cache.LAYER_TYPES_V] if seed == "ksort" else [])
+    return common + ([Keys.Cache.LAYER_TYPES_K, Keys.Cache.LAYER_TYPES_V] if seed == "ksort" else
+                     [Keys.Cache.KV_SINKS, Keys.Cache.KV_WINDOW])
 
 
 RIGHT_TYPE = {"cb_k": "I8", "cb_v": "I8", "rope": "F32", "mean": "F32", "scale": "F32", "std": "F32"}
 RIGHT_SHAPE = {"cb_k": [16], "cb_v": [16], "rope": [32, 3], "mean": [64, 3], "scale": [64, 3], "std": [64, 3]}
 KEY_KIND = {Keys.Cache.TYPE_K: "str", Keys.Cache.TYPE_V: "str", Keys.Cache.CODEBOOK_ROT_K: "bool",
             Keys.Cache.K_DOMAIN: "str", Keys.Baked.KSORT: "bool", Keys.Baked.ROTATE_V: "str",
-            Keys.Rope.LAYOUT: "str", Keys.Cache.LAYER_TYPES_K: "str_array", Keys.Cache.LAYER_TYPES_V: "str_array"}
+            Keys.Rope.LAYOUT: "str", Keys.Cache.LAYER_TYPES_K: "str_array", Keys.Cache.LAYER_TYPES_V: "str_array",
+            Keys.Cache.KV_SINKS: "int", Keys.Cache.KV_WINDOW: "int"}
 CACHE_TYPE_KEYS = (Keys.Cache.TYPE_K, Keys.Cache.TYPE_V, Keys.Cache.LAYER_TYPES_K, Keys.Cache.LAYER_TYPES_V)
 
 
@@ -381,6 +383,8 @@ def expect(r: dict) -> tuple[str, list[str]]:
             return ("error", [key])
         if key in (Keys.Cache.TYPE_K, Keys.Cache.TYPE_V) or key == Keys.Cache.CODEBOOK_ROT_K:
             return ("ok", [])                    # "nuq4" / true: valid values of the right type
+        if key in (Keys.Cache.KV_SINKS, Keys.Cache.KV_WINDOW):
+            return ("ok", [])                    # 46: a window like any other
         if key == Keys.Baked.KSORT:              # true: a K-sorted file needs its factors
             return ("ok", []) if r["seed"] == "ksort" else ("error", [key])
         return ("error", [key])                  # "nuq4" is no k_domain / rotate_v / rope layout
@@ -678,6 +682,9 @@ FIXED = [  # the table in the issue note: one per kind of damage, each with the 
     {"seed": "prerope", "op": "key_type", "key": Keys.Cache.K_DOMAIN, "as_": "bool"},
     {"seed": "prerope", "op": "key_value", "key": Keys.Rope.LAYOUT, "value": "x"},
     {"seed": "prerope", "op": "key_value", "key": Keys.Baked.ROTATE_V, "value": "hadamrd"},
+    {"seed": "prerope", "op": "key_value", "key": Keys.Cache.KV_WINDOW, "value": "64"},
+    {"seed": "prerope", "op": "key_type", "key": Keys.Cache.KV_SINKS, "as_": "float"},
+    {"seed": "prerope", "op": "key_type", "key": Keys.Cache.KV_WINDOW, "as_": "int"},
 ]
 
 
