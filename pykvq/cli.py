@@ -42,9 +42,8 @@ def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None
                     help="a pre-RoPE file: keep the first N positions in f16 beside the quantized cache (default: the "
                          "file's pykvq.cache.kv_sinks, 4 for a --prerope-k file; 0 turns it off)")
     ap.add_argument("--kv-window", type=int, default=None, metavar="N",
-                    help="a pre-RoPE file: keep the last N cells of each sequence in f16 (default: the file's "
-                         "pykvq.cache.kv_window, 64 for a --prerope-k file; 0 turns it off). In decode the window is exact; within a batch of U tokens a query sees N-U+1..N "
-                         "of its recent tokens exactly, so evaluate with a small -ub")
+                    help="a pre-RoPE file: each query reads the last N positions up to it in f16 (default: the file's "
+                         "pykvq.cache.kv_window, 64 for a --prerope-k file; 0 turns it off), in decode and prefill alike")
     ap.add_argument("-ub", "--ubatch-size", type=int, default=None, help="tokens per graph (default 512)")
     ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")

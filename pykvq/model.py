@@ -83,7 +83,7 @@ class Model(Generation, Evaluation):
     scales for a pykvq-converted file and ggml's stock encoder for any other, "stock" or "lsq" to force one.
     The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").
     k_centre_residual: the centred cache's residual mean energy (x the head's variance; default 0.5).
-    kv_window / kv_sinks: a pre-RoPE key cache keeps the last kv_window cells written per sequence and the first
+    kv_window / kv_sinks: a pre-RoPE key cache keeps the last kv_window positions up to each query and the first
     kv_sinks positions unquantized (f16) beside the quantized cache (default: the file's pykvq.cache.kv_window /
     kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md).
     None for any of these: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL /

@@ -62,7 +62,7 @@ void ggml_kvq_fa_set_window(struct ggml_tensor * fa, struct ggml_tensor * rows) 
     const struct ggml_tensor * k = fa->src[1], * v = fa->src[2], * pos = fa->src[5];
     GGML_ASSERT(rows->type == GGML_TYPE_F16 && rows->ne[0] == k->ne[0]*k->ne[2] + v->ne[0]*v->ne[2]);
     GGML_ASSERT(rows->nb[0] == sizeof(ggml_fp16_t) && ggml_nrows(rows) == rows->ne[1]);
-    GGML_ASSERT(pos->ne[2] == 2 && pos->ne[3] == 1);
+    GGML_ASSERT((pos->ne[2] == 2 || pos->ne[2] == 4) && pos->ne[3] == 1);
     fa->src[9] = rows;
 }
 

@@ -328,8 +328,11 @@ GGML_API bool ggml_kvq_fa_get_prerope(const struct ggml_tensor * fa, int * n_dim
 GGML_API bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
 // Exact window (sinks and the most recent cells, kept unquantized): src[9] F16 [DK*n_head_kv + DV*n_head_kv, n_rows]
 // holds per row one cell's K exactly as the cache stores it (pre-RoPE: centred, scaled, turned) followed by its V, both
-// before quantization; src[5] then has ne[2] = 2 and its plane 1 gives each cell's row of src[9] (-1: the cell is read
-// from the quantized cache). A pre-RoPE node only (positions do not move a row); pykvq's CPU kernel only.
+// before quantization; src[5] then has ne[2] = 2 and its plane 1 gives each cell's row of src[9] (-1, or a row past
+// src[9]'s: the cell is read from the quantized cache). With ne[2] = 4 the rows are read per query: plane 2 gives the
+// last query position that reads each cell's row (a window of W positions: the cell's position + W - 1; a sink:
+// INT32_MAX), plane 3 each query's position (entry j: query j of the stream), so every query of a prefill batch sees
+// the window a decode at its position would. A pre-RoPE node only (positions do not move a row); pykvq's CPU kernel only.
 GGML_API void ggml_kvq_fa_set_window(struct ggml_tensor * fa, struct ggml_tensor * rows);
 // src[9] when fa reads an exact window, else NULL
 GGML_API const struct ggml_tensor * ggml_kvq_fa_get_window(const struct ggml_tensor * fa);

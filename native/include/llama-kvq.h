@@ -151,8 +151,9 @@ struct llama_kvq_ctx_opts {
 
 // the exact window of a pre-RoPE key cache (native/llama/llama-kvq-window.cpp)
 struct llama_kvq_window;
-// the row of cell j of stream strm in the layers' window tensors, -1 when the cell reads its quantized row
-int32_t llama_kvq_window_row(const llama_kvq_window & w, uint32_t strm, uint32_t j);
+// planes 1-3 of the positions input at cell j of stream strm, as this batch's attention reads them: the cell's row in
+// the layers' window tensors (-1: its quantized row), the last query position reading that row, query j's position
+void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t j, int32_t * row, int32_t * last, int32_t * qpos);
 
 // the settings for the llama_init_from_model call being made on this thread
 llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call();
@@ -200,7 +201,7 @@ std::vector<llama_kvq_layer_desc> llama_memory_kvq_layers(const llama_memory_i *
 
 // key domain of the memory's attention caches: pre-RoPE for the layers the file's pykvq.cache.k_domain,
 // statistics and the cache type allow (PYKVQ_K_DOMAIN=post keeps every layer post-RoPE). Returns the layer count.
-uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem);
+uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, uint32_t n_ubatch);
 
 // calls f on every attention KV cache a memory holds (plain, iSWA base and SWA, hybrid); returns how many
 int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(llama_kv_cache &)> & f);
@@ -243,7 +244,7 @@ void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
 // the llama_context constructor's hooks (patches: one call each). After the memory is made: this context's
 // rotation, encoder and key domain (llama_kvq_ctx_opts_current), then the device checks and the cache log; throws
 // when a device cannot run what the cache holds. mem may be null (no KV cache)
-void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv);
+void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv, uint32_t n_ubatch);
 // without flash attention: a quantized V layer, or a pykvq K type on a GPU (K·Q would be a CPU MUL_MAT), throws
 void llama_kvq_check_without_flash_attn(const llama_model & model, const llama_memory_i * mem, bool offload_kqv);
 

@@ -450,8 +450,9 @@ ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_k
     if (n_prerope == 0 && n_centred == 0) {
         return nullptr;
     }
-    // with an exact window, plane 1 gives each cell's window row (ggml_kvq_fa_set_window)
-    ggml_tensor * pos = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1, kvq_win ? 2 : 1);
+    // with an exact window, planes 1-3 give each cell's window row, its last reader and the queries' positions
+    // (ggml_kvq_fa_set_window; a batch's tokens are cells of the view, so n_kv >= the queries of a stream)
+    ggml_tensor * pos = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1, kvq_win ? 4 : 1);
     ggml_set_name(pos, "kvq_k_pos");
     ggml_set_input(pos);
     return pos;
@@ -468,19 +469,25 @@ void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo)
         for (int64_t j = 0; j < n_kv; ++j) {
             const bool used = j < (int64_t) cells.size() && !cells.is_empty(j);
             data[s*n_kv + j] = used ? cells.pos_get(j) : 0;
-            if (dst->ne[2] > 1) {   // plane 1: each cell's exact window row
-                data[(dst->ne[1] + s)*n_kv + j] = used ? llama_kvq_window_row(*kvq_win, sinfo.s0 + s, j) : -1;
+            if (dst->ne[2] > 1) {   // planes 1-3: the exact window
+                int32_t row, last, qpos;
+                llama_kvq_window_planes(*kvq_win, sinfo.s0 + s, j, &row, &last, &qpos);
+                data[(1*dst->ne[1] + s)*n_kv + j] = used ? row : -1;
+                if (dst->ne[2] > 3) {
+                    data[(2*dst->ne[1] + s)*n_kv + j] = last;
+                    data[(3*dst->ne[1] + s)*n_kv + j] = qpos;
+                }
             }
         }
     }
     ggml_backend_tensor_set(dst, data.data(), 0, ggml_nbytes(dst));
 }
 
-uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem) {
+uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, uint32_t n_ubatch) {
     if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
         const uint32_t n = kv->kvq_set_k_domain();
         const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
-        kv->kvq_set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0));
+        kv->kvq_set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0), n_ubatch);
         return n;
     }
     // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and
@@ -555,7 +562,7 @@ std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which) {
 // the llama_context constructor's hooks
 //
 
-void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv) {
+void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv, uint32_t n_ubatch) {
     if (mem == nullptr) {
         return;
     }
@@ -564,7 +571,7 @@ void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool
         llama_memory_set_attn_rot(mem, opts.attn_rot_k, opts.attn_rot_v);
     }
     // the cache writes' encoder, and a pre-RoPE key cache where the file asks for one and this memory can hold it
-    const uint32_t n_pre = llama_memory_kvq_set_k_domain(mem);
+    const uint32_t n_pre = llama_memory_kvq_set_k_domain(mem, n_ubatch);
     if (n_pre == 0 && model.kvq.k_prerope && !dynamic_cast<llama_kv_cache *>(mem)) {
         LLAMA_LOG_WARN("%s: the file asks for a pre-RoPE key cache, which pykvq supports in plain and sliding-window KV caches only "
                        "(not hybrid memory): keys are cached after RoPE\n", __func__);

@@ -4,11 +4,13 @@
 // reads a cell's exact row instead while the row is still its own (ggml_kvq_fa_set_window), so a cell "enters" the
 // quantized cache when the ring moves past it. Pre-RoPE rows do not depend on positions: a K-shift moves nothing.
 //
-// The window is the cells written last: in decode exactly the last n_win tokens; within a batch of more tokens than
-// that, the batch's last n_win (earlier ones are read quantized by the batch's own queries too). A stream shared by
-// several sequences (kv_unified) has sinks and a ring per sequence (a token shared by several: its first sequence).
-// What holds a row is host bookkeeping, updated when a batch's inputs are set. A state carries its cells' rows (see
-// "states" below); a stream copy copies them with the cells.
+// The window is per query: a query at position p reads exact rows for the cells at positions p - n_win + 1 .. p (and
+// the sinks), in decode and in a prefill batch alike, so a prompt's tokens see what decoding them one by one would.
+// A batch first writes all its rows to stage rows after the slots (one per token of a ubatch), attention reads them
+// with the ring as it was, and then the batch's last n_win per sequence move into the ring (ordered after the
+// layer's attention in the graph). A stream shared by several sequences (kv_unified) has sinks and a ring per
+// sequence (a token shared by several: its first sequence). What holds a row is host bookkeeping, updated when a
+// batch's inputs are set. A state carries its cells' rows (see "states" below); a stream copy copies them.
 #include "llama-kvq.h"
 
 #include "llama-batch.h"
@@ -27,20 +29,28 @@ struct llama_kvq_window {
     uint32_t n_sink = 0;
     uint32_t n_seq  = 1;                 // sequences per stream (n_seq_max of a unified cache, else 1)
     uint32_t n_slot = 0;                 // (n_sink + n_win) per sequence + 1: the last takes what a batch writes past a ring
-    std::vector<ggml_tensor *> rows;     // per cache layer: F16 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream]
+    uint32_t n_stage = 0;                // rows after every stream's slots: one per token of a ubatch (n_ubatch)
+    std::vector<ggml_tensor *> rows;     // per cache layer: F16 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream + n_stage]
     std::vector<ggml_context_ptr> ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
     // per stream: the cell whose row each slot holds, the slot of each cell (-1: none), each sequence's ring's next slot
     mutable std::vector<std::vector<int32_t>> slot_cell;
     mutable std::vector<std::vector<int32_t>> cell_slot;
     mutable std::vector<std::vector<uint32_t>> next;
+    // this batch's planes 1-3 of the positions input, per stream: each cell's row and the last query position reading
+    // it (as attention sees them: the ring before the batch moves it, the batch's cells in stage rows), the queries'
+    // positions
+    mutable std::vector<std::vector<int32_t>> plane_row, plane_last, plane_qpos;
+    // per layer, between kvq_win_write and kvq_win_attach of one graph: what moves into the ring after attention
+    struct keep_write { ggml_context * ctx; ggml_cgraph * gf; ggml_tensor * k2, * v2, * idxs; };
+    mutable std::vector<keep_write> keep;
 
     uint32_t trash() const { return n_slot - 1; }
     // slots of sequence q of a stream: its sinks [q*(n_sink + n_win), + n_sink), then its ring of n_win
     uint32_t base(uint32_t q) const { return q*(n_sink + n_win); }
 };
 
-uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
+uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch) {
     kvq_win.reset();
     if (n_win == 0 && n_sink == 0) {
         return 0;
@@ -63,16 +73,19 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
     w->n_sink = n_sink;
     w->n_seq  = n_stream == 1 ? n_seq_max : 1;
     w->n_slot = (n_sink + n_win)*w->n_seq + 1;
+    w->n_stage = std::max(n_ubatch, 1u);
     w->rows.assign(layers.size(), nullptr);
+    w->keep.assign(layers.size(), {});
     uint32_t n_layers = 0, n_device = 0;
-    size_t bytes = 0, cache_bytes = 0;
+    size_t bytes = 0, stage_bytes = 0, cache_bytes = 0;
     double values = 0.0;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const auto & layer = layers[ikv];
         cache_bytes += ggml_nbytes(layer.k) + ggml_nbytes(layer.v);
         values += (double) (layer.k->ne[0] + layer.v->ne[0]) * layer.k->ne[1] * layer.k->ne[2];
         // the window is read by the CPU kernel only: host memory, or an RPC worker that runs it (its HELLO says so)
-        if (layer.k_mean == nullptr || layer.k->buffer == nullptr) {
+        // (an unquantized cache has nothing to gain from one)
+        if (layer.k_mean == nullptr || layer.k->buffer == nullptr || !(ggml_is_quantized(layer.k->type) || ggml_is_quantized(layer.v->type))) {
             continue;
         }
         ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(layer.k->buffer);
@@ -82,14 +95,16 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
         }
         ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
-        ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0], (int64_t) w->n_slot*n_stream);
+        ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0],
+                                             (int64_t) w->n_slot*n_stream + w->n_stage);
         ggml_format_name(t, "kvq_window_l%u", layer.il);
         ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
         if (!buf) {
             throw std::runtime_error(format("pykvq: cannot allocate the exact window of layer %u", layer.il));
         }
         ggml_backend_buffer_clear(buf.get(), 0);
-        bytes += ggml_nbytes(t);
+        stage_bytes += (size_t) w->n_stage*t->nb[1];
+        bytes += ggml_nbytes(t) - (size_t) w->n_stage*t->nb[1];
         w->rows[ikv] = t;
         w->ctxs.push_back(std::move(ctx));
         w->bufs.push_back(std::move(buf));
@@ -98,9 +113,12 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
     w->slot_cell.assign(n_stream, std::vector<int32_t>(w->n_slot, -1));
     w->cell_slot.assign(n_stream, std::vector<int32_t>(get_size(), -1));
     w->next.assign(n_stream, std::vector<uint32_t>(w->n_seq, 0));
+    w->plane_row.assign(n_stream, {});
+    w->plane_last.assign(n_stream, {});
+    w->plane_qpos.assign(n_stream, {});
     if (n_layers == 0) {
-        LLAMA_LOG_WARN("%s: exact window off: no pre-RoPE K layer is in host memory or on an RPC worker's CPU (the window "
-                       "is read by the CPU kernel)\n", __func__);
+        LLAMA_LOG_WARN("%s: exact window off: no quantized pre-RoPE layer is in host memory or on an RPC worker's CPU (the "
+                       "window is read by the CPU kernel)\n", __func__);
         return 0;
     }
     if (n_device > 0) {
@@ -108,10 +126,11 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink) {
                        "(the CPU's reads it)\n", __func__, n_device);
     }
     kvq_win = w;
-    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u cells written per sequence "
-                   "kept in f16 beside the quantized cache (%.2f MiB; K+V %.3f bits/value at %u cells with it, %.3f without)\n",
+    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query kept in f16 "
+                   "beside the quantized cache (%.2f MiB; K+V %.3f bits/value at %u cells with it, %.3f without; plus %.2f MiB "
+                   "of stage rows for a ubatch's %u tokens)\n",
                    __func__, n_layers, layers.size(), n_sink, n_win, bytes / (1024.0*1024.0), 8.0*(cache_bytes + bytes) / values,
-                   get_size(), 8.0*cache_bytes / values);
+                   get_size(), 8.0*cache_bytes / values, stage_bytes / (1024.0*1024.0), w->n_stage);
     return n_layers;
 }
 
@@ -144,7 +163,8 @@ ggml_tensor * llama_kv_cache::build_input_win_idxs(ggml_context * ctx, const lla
     if (!kvq_win) {
         return nullptr;
     }
-    ggml_tensor * idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, ubatch.n_tokens);
+    // row 0: each token's stage row, row 1: its ring or sink slot (the trash slot if it keeps none)
+    ggml_tensor * idxs = ggml_new_tensor_2d(ctx, GGML_TYPE_I64, ubatch.n_tokens, 2);
     ggml_set_input(idxs);
     ggml_set_name(idxs, "kvq_win_idxs");
     return idxs;
@@ -155,16 +175,55 @@ static uint32_t kvq_win_seq(const llama_kvq_window & w, llama_seq_id seq) {
     return w.n_seq > 1 && seq >= 0 && (uint32_t) seq < w.n_seq ? (uint32_t) seq : 0;
 }
 
+// the last query position that reads the row of a cell at position p (a sink: every query)
+static int32_t kvq_win_last(const llama_kvq_window & w, llama_pos p, bool sink) {
+    if (sink) {
+        return INT32_MAX;
+    }
+    return (int32_t) std::min<int64_t>((int64_t) p + w.n_win - 1, INT32_MAX - 1);
+}
+
 void llama_kv_cache::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
     auto & w = *kvq_win;
     const uint32_t n = sinfo.size();
-    GGML_ASSERT(ubatch->n_tokens == n*sinfo.n_stream());
-    std::vector<int64_t> data(ubatch->n_tokens);
+    const int64_t n_tok = ubatch->n_tokens;
+    GGML_ASSERT(n_tok == (int64_t) n*sinfo.n_stream());
+    const int64_t stage0 = (int64_t) w.n_slot*w.slot_cell.size();
+    std::vector<int64_t> data(2*n_tok);
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const uint32_t strm = sinfo.strm[s];
         auto & slot_cell = w.slot_cell[strm];
         auto & cell_slot = w.cell_slot[strm];
-        // of a sequence's tokens in this batch, the last n_win take its ring
+        const auto & cells = v_cells[strm];
+        // what attention reads: the rows held before this batch, then the batch's own stage rows
+        auto & prow = w.plane_row[strm];
+        auto & plast = w.plane_last[strm];
+        prow.assign(cells.size(), -1);
+        plast.assign(cells.size(), INT32_MIN);
+        for (uint32_t j = 0; j < cells.size(); ++j) {
+            const int32_t slot = cell_slot[j];
+            if (slot >= 0 && slot_cell[slot] == (int32_t) j && !cells.is_empty(j)) {
+                prow[j]  = (int32_t) (strm*w.n_slot + slot);
+                plast[j] = kvq_win_last(w, cells.pos_get(j), (uint32_t) slot % (w.n_sink + w.n_win) < w.n_sink);
+            }
+        }
+        auto & qpos = w.plane_qpos[strm];
+        qpos.resize(n);
+        for (uint32_t i = 0; i < n; ++i) {
+            const uint32_t cell = sinfo.idxs[s][i];
+            const llama_pos p = ubatch->pos[s*n + i];
+            const int64_t t = (int64_t) s*n + i;
+            qpos[i] = p;
+            if (t < w.n_stage) {
+                prow[cell]  = (int32_t) (stage0 + t);
+                plast[cell] = kvq_win_last(w, p, p >= 0 && (uint32_t) p < w.n_sink);
+                data[t] = stage0 + t;
+            } else {
+                prow[cell] = -1;
+                data[t] = (int64_t) strm*w.n_slot + w.trash();
+            }
+        }
+        // then the ring moves: of a sequence's tokens in this batch, the last n_win take it
         std::vector<uint32_t> left(w.n_seq, 0);
         for (uint32_t i = 0; i < n; ++i) {
             left[kvq_win_seq(w, ubatch->seq_id[s*n + i][0])]++;
@@ -187,16 +246,19 @@ void llama_kv_cache::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * 
             } else {
                 cell_slot[cell] = -1;
             }
-            data[s*n + i] = (int64_t) strm*w.n_slot + slot;
+            data[n_tok + s*n + i] = (int64_t) strm*w.n_slot + slot;
         }
     }
     ggml_backend_tensor_set(dst, data.data(), 0, data.size()*sizeof(int64_t));
 }
 
-// the row of cell j of stream strm in the window tensor, -1 when the cell reads its quantized row
-int32_t llama_kvq_window_row(const llama_kvq_window & w, uint32_t strm, uint32_t j) {
-    const int32_t slot = w.cell_slot[strm][j];
-    return slot >= 0 && w.slot_cell[strm][slot] == (int32_t) j ? (int32_t) (strm*w.n_slot + slot) : -1;
+// planes 1-3 of the positions input (ggml_kvq_fa_set_window) at cell j of stream strm: the row attention reads for
+// it, the last query position reading that row, and query j's position (-1 / INT32_MIN / 0 where there is none)
+void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t j, int32_t * row, int32_t * last, int32_t * qpos) {
+    const auto & prow = w.plane_row[strm];
+    *row  = j < prow.size() ? prow[j] : -1;
+    *last = j < prow.size() ? w.plane_last[strm][j] : INT32_MIN;
+    *qpos = j < w.plane_qpos[strm].size() ? w.plane_qpos[strm][j] : 0;
 }
 
 void llama_kv_cache::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
@@ -213,16 +275,34 @@ void llama_kv_cache::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     ggml_tensor * v2 = ggml_view_2d(ctx, v_cur, n_v, n_tokens, v_cur->nb[2], 0);
     ggml_tensor * rk = ggml_view_2d(ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
     ggml_tensor * rv = ggml_view_2d(ctx, rows, n_v, rows->ne[1], rows->nb[1], n_k*ggml_element_size(rows));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, rk, k2, idxs));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, rv, v2, idxs));
+    // the stage rows now; the ring after this layer's attention has read the rows it held (kvq_win_attach)
+    ggml_tensor * stage = ggml_view_1d(ctx, idxs, n_tokens, 0);
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, rk, k2, stage));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, rv, v2, stage));
+    kvq_win->keep[map_layer_ids.at(il)] = { ctx, gf, k2, v2, ggml_view_1d(ctx, idxs, n_tokens, idxs->nb[1]) };
 }
 
 void llama_kv_cache::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
     if (!kvq_win) {
         return;
     }
-    if (ggml_tensor * rows = kvq_win->rows[map_layer_ids.at(il)]) {
-        ggml_kvq_fa_set_window(fa, rows);
+    const size_t ikv = map_layer_ids.at(il);
+    ggml_tensor * rows = kvq_win->rows[ikv];
+    if (rows == nullptr) {
+        return;
+    }
+    ggml_kvq_fa_set_window(fa, rows);
+    // the batch's rows move into the ring once attention has read the ring: nodes run in the order they were added,
+    // so attention is added first (nothing else orders a write after a read of the same tensor)
+    auto & kw = kvq_win->keep[ikv];
+    if (kw.ctx != nullptr) {
+        ggml_build_forward_expand(kw.gf, fa);
+        const int64_t n_k = kw.k2->ne[0], n_v = kw.v2->ne[0];
+        ggml_tensor * rk = ggml_view_2d(kw.ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
+        ggml_tensor * rv = ggml_view_2d(kw.ctx, rows, n_v, rows->ne[1], rows->nb[1], n_k*ggml_element_size(rows));
+        ggml_build_forward_expand(kw.gf, ggml_set_rows(kw.ctx, rk, kw.k2, kw.idxs));
+        ggml_build_forward_expand(kw.gf, ggml_set_rows(kw.ctx, rv, kw.v2, kw.idxs));
+        kw = {};
     }
 }
 

@@ -46,7 +46,6 @@ TRANSFORMS = {
     # calibration by transformers' backward pass (the Fisher) instead of the runtime's forward pass (issue 36)
     "prerope-backprop": ["--prerope-k", "--sensitivity", "backprop"],
 }
-WINDOW_UBATCH = 32
 _KVBITS = re.compile(r"^(prerope\+)?kvbits-(\d+(?:\.\d+)?)$")
 
 
@@ -59,7 +58,7 @@ class Setting:
     k_domain: str = "auto"       # auto | centred (a @prerope file's keys post-RoPE minus the rotated mean)
     encoder: str = "auto"        # auto | stock | lsq: q4_0 / q5_0 block scales (auto: lsq for a converted file)
     sinks: int = 0               # a pre-RoPE cache's first positions kept unquantized (exact window, :sinks-S)
-    window: int = 0              # and its last cells written (:win-W); evaluated in ubatches of WINDOW_UBATCH
+    window: int = 0              # and the last positions up to each query (:win-W)
 
     @property
     def label(self) -> str:
@@ -115,10 +114,6 @@ class Setting:
         # always named: a --prerope-k file's own default window (pykvq.cache.kv_window) would otherwise apply to
         # a setting whose label names none
         kw.update(kv_sinks=self.sinks, kv_window=self.window)
-        if self.window and evaluation:
-            # the window is the cells written last: within a ubatch of U tokens a query sees W-U+1..W of its own
-            # recent tokens exactly (decode: W), so evaluations run in small ubatches
-            kw["n_ubatch"] = WINDOW_UBATCH
         return kw
 
     def window_bits(self, n_ctx: int) -> float:

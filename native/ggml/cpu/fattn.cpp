@@ -319,7 +319,12 @@ struct fa_prerope {
     const int32_t * win = nullptr;
     const char * win_rows = nullptr;
     size_t  win_nb1 = 0;
+    int64_t win_n   = 0;             // rows of src[9]
     int64_t win_v0  = 0;             // where V starts in a row (elements)
+    // per query (planes 2 and 3; nullptr: every query reads every row): the last query position that reads each
+    // cell's row, and each query's position
+    const int32_t * win_last = nullptr;
+    const int32_t * win_qpos = nullptr;
 };
 
 fa_prerope fa_prerope_of(const ggml_tensor * dst) {
@@ -341,7 +346,12 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
         pr.win      = pr.pos + dst->src[5]->nb[2] / sizeof(int32_t);
         pr.win_rows = (const char *) rows->data;
         pr.win_nb1  = rows->nb[1];
+        pr.win_n    = rows->ne[1];
         pr.win_v0   = dst->src[1]->ne[0]*dst->src[1]->ne[2];
+        if (dst->src[5]->ne[2] >= 4) {
+            pr.win_last = pr.pos + 2*(dst->src[5]->nb[2] / sizeof(int32_t));
+            pr.win_qpos = pr.pos + 3*(dst->src[5]->nb[2] / sizeof(int32_t));
+        }
     }
     return pr;
 }
@@ -354,6 +364,27 @@ inline void fa_window_rows(const fa_prerope & pr, const int32_t * wrow, int64_t 
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + off, tile + t*D, D);
         }
     }
+}
+
+// Which window rows a tile of n cells reads (wrow: plane 1 at the tile; q_lo / q_hi: the item's query positions).
+// A row every query reads goes to keep (-1 elsewhere); a row read by some of the queries only (a prefill batch: the
+// queries of the batch whose window still holds the cell) is listed in mixed. Returns the number listed.
+inline int fa_window_split(const fa_prerope & pr, const int32_t * wrow, const int32_t * last, int64_t n,
+                           int32_t q_lo, int32_t q_hi, int32_t * keep, int32_t * mixed) {
+    int n_mixed = 0;
+    for (int64_t t = 0; t < n; ++t) {
+        const int32_t r = wrow[t];
+        keep[t] = -1;
+        if (r < 0 || r >= pr.win_n) {
+            continue;
+        }
+        if (last == nullptr || q_hi <= last[t]) {
+            keep[t] = r;
+        } else if (q_lo <= last[t]) {
+            mixed[n_mixed++] = (int32_t) t;
+        }
+    }
+    return n_mixed;
 }
 
 // the two channels of rotary pair i: NORM (2i, 2i+1), NEOX (i, i + n_dims/2)
@@ -1157,6 +1188,16 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     // one mask row per token serves every head of the group unless the mask has a head dimension
     const bool mask_per_head = mask && mask->ne[2] > 1;
 
+    // exact window per query: this item's queries' positions, each cell's last reader (ggml_kvq_fa_set_window)
+    const int32_t * win_last = pr.win_last ? pr.win_last + ik3*pr.pos_stride : nullptr;
+    const int32_t * win_qpos = pr.win_qpos ? pr.win_qpos + ik3*pr.pos_stride : nullptr;
+    int32_t q_lo = INT32_MAX, q_hi = INT32_MIN;
+    for (int64_t jj = 0; win_qpos && jj < w.nt; ++jj) {
+        q_lo = std::min(q_lo, win_qpos[w.j0 + jj]);
+        q_hi = std::max(q_hi, win_qpos[w.j0 + jj]);
+    }
+    thread_local std::vector<float> win_ke, win_vd;
+
     for (int64_t ic = ic0; ic < ic1; ic += FA_TILE_KV) {
         int64_t n = std::min<int64_t>(FA_TILE_KV, ic1 - ic);
 
@@ -1186,9 +1227,28 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         for (int64_t t = 0; t < n; ++t) {
             k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
         }
-        // cells of the exact window: their unquantized row instead (the same domain, so the same transform follows)
-        const int32_t * wrow = pr.win ? pr.win + ik3*pr.pos_stride + ic : nullptr;
+        // cells of the exact window: their unquantized row instead (the same domain, so the same transform follows).
+        // A row only some queries read (mixed): a second tile Ke holds it, its scores and values patched per query.
+        int32_t wkeep[FA_TILE_KV], wmixed[FA_TILE_KV];
+        int n_mixed = 0;
+        const int32_t * wrow = nullptr;
+        if (pr.win) {
+            n_mixed = fa_window_split(pr, pr.win + ik3*pr.pos_stride + ic, win_last ? win_last + ic : nullptr, n,
+                                      q_lo, q_hi, wkeep, wmixed);
+            wrow = wkeep;
+        }
         fa_window_rows(pr, wrow, n, w.ik2*DK, DK, s.Kf);
+        float * Ke = nullptr;
+        if (n_mixed > 0) {
+            win_ke.resize(FA_TILE_KV*DK);
+            Ke = win_ke.data();
+            memcpy(Ke, s.Kf, n*DK*sizeof(float));
+            for (int m = 0; m < n_mixed; ++m) {
+                const int32_t t = wmixed[m];
+                ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + pr.win[ik3*pr.pos_stride + ic + t]*pr.win_nb1) + w.ik2*DK,
+                                      Ke + t*DK, DK);
+            }
+        }
         const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
         if (pr.on && !pr.centred) {
             const int32_t * tp = kpos + ic;
@@ -1196,9 +1256,15 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
                 q_at.at(tp[0], hd, pr.freqs + w.ik2*hd, nullptr, tab->c64.data(), tab->s64.data(), q_c, q_s);
                 fa_rope_q_back(pr, q_c, q_s, s.Q, R, DK, s.Qr);
                 fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
+                if (Ke) {
+                    fa_prerope_tile_rel(pr, w.ik2, DK, n, Ke, rope_sc, *tab);
+                }
                 Qd = s.Qr;
             } else {
                 fa_prerope_tile(pr, w.ik2, DK, tp, n, s.Kf, rope_cs, rope_c1, rope_s1, rope_sc);
+                if (Ke) {
+                    fa_prerope_tile(pr, w.ik2, DK, tp, n, Ke, rope_cs, rope_c1, rope_s1, rope_sc);
+                }
             }
         }
         if (R >= FA_GEMM_ROWS) {
@@ -1211,6 +1277,17 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             simd_gemm(s.S, s.Q, s.Kt, (int) R, (int) DK, (int) n);
         } else {
             fa_dots(Qd, R, DK, s.Kf, n, s.S);
+        }
+        // mixed window cells: the exact score for the queries whose window holds the cell
+        for (int m = 0; m < n_mixed; ++m) {
+            const int32_t t = wmixed[m];
+            for (int64_t r = 0; r < R; ++r) {
+                if (win_qpos[w.j0 + r/G] <= win_last[ic + t]) {
+                    float d = 0.0f;
+                    ggml_vec_dot_f32((int) DK, &d, 0, Qd + r*DK, 0, Ke + t*DK, 0, 1);
+                    s.S[r*n + t] = d;
+                }
+            }
         }
         if (pr.centred) {
             fa_centred_bias(cen, kpos + ic, R, n, s.ccoef, s.cexact, s.S);
@@ -1265,6 +1342,21 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         }
         fa_window_rows(pr, wrow, n, pr.win_v0 + w.ik2*DV, DV, s.Vf);
         simd_gemm(s.O, s.S, s.Vf, (int) R, (int) n, (int) DV);
+        // mixed window cells: the queries whose window holds the cell read its exact V (O += p·(v_exact - v))
+        for (int m = 0; m < n_mixed; ++m) {
+            const int32_t t = wmixed[m];
+            win_vd.resize(DV);
+            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + pr.win[ik3*pr.pos_stride + ic + t]*pr.win_nb1) + pr.win_v0 + w.ik2*DV,
+                                  win_vd.data(), DV);
+            for (int64_t d = 0; d < DV; ++d) {
+                win_vd[d] -= s.Vf[t*DV + d];
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                if (win_qpos[w.j0 + r/G] <= win_last[ic + t] && s.S[r*n + t] != 0.0f) {
+                    ggml_vec_mad_f32((int) DV, s.O + r*DV, win_vd.data(), s.S[r*n + t]);
+                }
+            }
+        }
     }
 }
 
