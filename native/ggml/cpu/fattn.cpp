@@ -1233,9 +1233,16 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         int n_mixed = 0;
         const int32_t * wrow = nullptr;
         if (pr.win) {
-            n_mixed = fa_window_split(pr, pr.win + ik3*pr.pos_stride + ic, win_last ? win_last + ic : nullptr, n,
-                                      q_lo, q_hi, wkeep, wmixed);
-            wrow = wkeep;
+            // most tiles hold no window row: one vectorized pass says so (decode reads every tile of the cache)
+            const int32_t * wp = pr.win + ik3*pr.pos_stride + ic;
+            int32_t any = -1;
+            for (int64_t t = 0; t < n; ++t) {
+                any = std::max(any, wp[t]);
+            }
+            if (any >= 0) {
+                n_mixed = fa_window_split(pr, wp, win_last ? win_last + ic : nullptr, n, q_lo, q_hi, wkeep, wmixed);
+                wrow = wkeep;
+            }
         }
         fa_window_rows(pr, wrow, n, w.ik2*DK, DK, s.Kf);
         float * Ke = nullptr;
