@@ -343,25 +343,30 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
     pr.scale = (const float *) dst->src[7]->data;
     pr.freqs = (const float *) dst->src[8]->data;
     if (const ggml_tensor * rows = ggml_kvq_fa_get_window(dst)) {
-        pr.win      = pr.pos + dst->src[5]->nb[2] / sizeof(int32_t);
+        const size_t plane = dst->src[5]->nb[2] / sizeof(int32_t);
+        pr.win      = pr.pos + plane;
         pr.win_rows = (const char *) rows->data;
         pr.win_nb1  = rows->nb[1];
         pr.win_n    = rows->ne[1];
         pr.win_v0   = dst->src[1]->ne[0]*dst->src[1]->ne[2];
         if (dst->src[5]->ne[2] >= 4) {
-            pr.win_last = pr.pos + 2*(dst->src[5]->nb[2] / sizeof(int32_t));
-            pr.win_qpos = pr.pos + 3*(dst->src[5]->nb[2] / sizeof(int32_t));
+            pr.win_last = pr.pos + 2*plane;
+            pr.win_qpos = pr.pos + 3*plane;
         }
     }
     return pr;
 }
 
-// the window's rows (wrow: each cell's row, -1: none; nullptr: no window) over a decoded tile of n rows of D:
-// the D values at element offset off of each cell's row
+// the D values at element offset off of window row r, as floats
+inline void fa_window_row(const fa_prerope & pr, int32_t r, int64_t off, int64_t D, float * out) {
+    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + r*pr.win_nb1) + off, out, D);
+}
+
+// the window's rows (wrow: each cell's row, -1: none; nullptr: no window) over a decoded tile of n rows of D
 inline void fa_window_rows(const fa_prerope & pr, const int32_t * wrow, int64_t n, int64_t off, int64_t D, float * tile) {
     for (int64_t t = 0; wrow && t < n; ++t) {
         if (wrow[t] >= 0) {
-            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + wrow[t]*pr.win_nb1) + off, tile + t*D, D);
+            fa_window_row(pr, wrow[t], off, D, tile + t*D);
         }
     }
 }
@@ -1232,9 +1237,9 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         int32_t wkeep[FA_TILE_KV], wmixed[FA_TILE_KV];
         int n_mixed = 0;
         const int32_t * wrow = nullptr;
-        if (pr.win) {
+        const int32_t * wp = pr.win ? pr.win + ik3*pr.pos_stride + ic : nullptr;   // plane 1 at the tile
+        if (wp) {
             // most tiles hold no window row: one vectorized pass says so (decode reads every tile of the cache)
-            const int32_t * wp = pr.win + ik3*pr.pos_stride + ic;
             int32_t any = -1;
             for (int64_t t = 0; t < n; ++t) {
                 any = std::max(any, wp[t]);
@@ -1252,8 +1257,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             memcpy(Ke, s.Kf, n*DK*sizeof(float));
             for (int m = 0; m < n_mixed; ++m) {
                 const int32_t t = wmixed[m];
-                ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + pr.win[ik3*pr.pos_stride + ic + t]*pr.win_nb1) + w.ik2*DK,
-                                      Ke + t*DK, DK);
+                fa_window_row(pr, wp[t], w.ik2*DK, DK, Ke + t*DK);
             }
         }
         const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
@@ -1353,8 +1357,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         for (int m = 0; m < n_mixed; ++m) {
             const int32_t t = wmixed[m];
             win_vd.resize(DV);
-            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + pr.win[ik3*pr.pos_stride + ic + t]*pr.win_nb1) + pr.win_v0 + w.ik2*DV,
-                                  win_vd.data(), DV);
+            fa_window_row(pr, wp[t], pr.win_v0 + w.ik2*DV, DV, win_vd.data());
             for (int64_t d = 0; d < DV; ++d) {
                 win_vd[d] -= s.Vf[t*DV + d];
             }
