@@ -15,11 +15,13 @@ enum ggml_kvq_cuda_support {
                                   // (the same node with f16 K/V), which the prefill path runs
 };
 
-// A node with its K/V replaced by contiguous f16 tensors of the same shape.
+// A node with its K/V replaced by contiguous f16 tensors of the same shape (with an exact window: its rows
+// appended, and the mask that chooses between a cell and its row in mask).
 struct ggml_kvq_cuda_standin {
     ggml_tensor node;
     ggml_tensor k;
     ggml_tensor v;
+    ggml_tensor mask;
 };
 
 // The answer for op (standin is filled for GGML_KVQ_CUDA_AS_F16).

@@ -20,7 +20,7 @@
 #define GGML_KVQ_RPC_CAPS     0x70
 #define GGML_KVQ_RPC_PREROPE  0x10   // pre-RoPE keys in flash attention (CPU, CUDA)
 #define GGML_KVQ_RPC_CENTRED  0x20   // centred post-RoPE keys (CPU)
-#define GGML_KVQ_RPC_WINDOW   0x40   // exact-window rows in pre-RoPE flash attention (CPU): without it a layer keeps none
+#define GGML_KVQ_RPC_WINDOW   0x40   // exact-window rows in pre-RoPE flash attention (CPU, CUDA): without it a layer keeps none
 
 #ifdef __cplusplus
 extern "C" {

@@ -83,7 +83,7 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_
         const auto & layer = layers[ikv];
         cache_bytes += ggml_nbytes(layer.k) + ggml_nbytes(layer.v);
         values += (double) (layer.k->ne[0] + layer.v->ne[0]) * layer.k->ne[1] * layer.k->ne[2];
-        // the window is read by the CPU kernel only: host memory, or an RPC worker that runs it (its HELLO says so)
+        // the window is read by the CPU and CUDA kernels: a device whose caps say so (an RPC worker: its HELLO)
         // (an unquantized cache has nothing to gain from one)
         if (layer.k_mean == nullptr || layer.k->buffer == nullptr || !(ggml_is_quantized(layer.k->type) || ggml_is_quantized(layer.v->type))) {
             continue;
@@ -117,13 +117,13 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_
     w->plane_last.assign(n_stream, {});
     w->plane_qpos.assign(n_stream, {});
     if (n_layers == 0) {
-        LLAMA_LOG_WARN("%s: exact window off: no quantized pre-RoPE layer is in host memory or on an RPC worker's CPU (the "
-                       "window is read by the CPU kernel)\n", __func__);
+        LLAMA_LOG_WARN("%s: exact window off: no quantized pre-RoPE layer is on a device whose kernels read it "
+                       "(CPU, CUDA, or an RPC worker of those)\n", __func__);
         return 0;
     }
     if (n_device > 0) {
         LLAMA_LOG_WARN("%s: exact window off in %u pre-RoPE layers: their K cache is on a device without a kernel for it "
-                       "(the CPU's reads it)\n", __func__, n_device);
+                       "(the CPU's and CUDA's read it)\n", __func__, n_device);
     }
     kvq_win = w;
     LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query kept in f16 "

@@ -196,8 +196,75 @@ static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre 
 // PRE: a pre-RoPE K cache (P): the cache holds c ~ N(0, 1); the reference attends to the post-RoPE
 // keys ref_prerope_row makes of the dequantized c, at ggml's float angles (run_rows measures what
 // those cost against exact angles); tol: the allowed max error relative to max(1, max |ref|)
+// an exact window over a pre-RoPE cache: n_rows f16 rows [K | V of every KV head]; cells name rows at random
+// (some past the last row: read quantized); per_query: planes 2 / 3 (the query's position against each cell's
+// last reader), else every named row is read
+struct Win {
+    int  n_rows;
+    bool per_query;
+};
+
+// the window's inputs for n_seq streams of n_kv cells (planes at stride n_kv, like make_pre's positions)
+struct WinData {
+    std::vector<half>    rows;                // [n_rows][2*D*n_head_kv]
+    std::vector<int32_t> row, last, qpos;     // planes 1, 2, 3: [seq][n_kv]
+    kvq_window_args      args;
+};
+
+// unique: no two cells of a stream name the same row (the prefill stand-in shows a row for one cell only)
+static WinData make_win(const Win & W, int D, int n_head_kv, int n_kv, int n_seq, int n_q, bool unique) {
+    WinData w;
+    const int64_t rl = 2*(int64_t) D*n_head_kv;
+    w.rows.resize((size_t) W.n_rows*rl);
+    for (half & h : w.rows) h.bits = ggml_kvq_fp32_to_fp16(gauss());
+    w.row.assign((size_t) n_seq*n_kv, -1);
+    w.last.assign((size_t) n_seq*n_kv, 0);
+    w.qpos.assign((size_t) n_seq*n_kv, 0);
+    for (int s = 0; s < n_seq; ++s) {
+        std::vector<int> free_rows(W.n_rows);
+        for (int r = 0; r < W.n_rows; ++r) free_rows[r] = r;
+        std::shuffle(free_rows.begin(), free_rows.end(), rng);
+        for (int j = 0; j < n_q; ++j) {
+            w.qpos[(size_t) s*n_kv + j] = 500 + 3*j;
+        }
+        for (int k = 0; k < n_kv; ++k) {
+            const uint32_t u = rng() % 20;
+            int32_t r = -1;
+            if (u < 7) {
+                if (!unique) {
+                    r = (int32_t) (rng() % W.n_rows);
+                } else if (!free_rows.empty()) {
+                    r = free_rows.back();
+                    free_rows.pop_back();
+                }
+            } else if (u == 7) {
+                r = W.n_rows + (int32_t) (rng() % 5);   // past the last row: the quantized cell
+            }
+            w.row[(size_t) s*n_kv + k] = r;
+            // last reader: around the queries' positions, sometimes equal to one, sometimes a sink (INT32_MAX)
+            w.last[(size_t) s*n_kv + k] = u % 5 == 0 ? INT32_MAX : 500 + (int32_t) (rng() % (3*n_q + 4)) - 2;
+        }
+    }
+    w.args = {};
+    w.args.rows = (const char *) w.rows.data();
+    w.args.row  = w.row.data();
+    w.args.last = W.per_query ? w.last.data() : nullptr;
+    w.args.qpos = W.per_query ? w.qpos.data() : nullptr;
+    w.args.nb1  = rl*(int64_t) sizeof(half);
+    w.args.v0   = (int64_t) D*n_head_kv;
+    w.args.n    = W.n_rows;
+    return w;
+}
+
+// the row query j of stream s reads for cell k (the kernels' rule, written out), or -1
+static int win_row_ref(const WinData & w, const Win & W, int n_kv, int s, int j, int k) {
+    const int32_t r = w.row[(size_t) s*n_kv + k];
+    if (r < 0 || r >= W.n_rows) return -1;
+    return !W.per_query || w.qpos[(size_t) s*n_kv + j] <= w.last[(size_t) s*n_kv + k] ? r : -1;
+}
+
 template <int D, ggml_type TK, ggml_type TV, bool PRE = false>
-static void run_case(const char * name, const Case & c, const Pre * P = nullptr, double tol = 2e-5) {
+static void run_case(const char * name, const Case & c, const Pre * P = nullptr, double tol = 2e-5, const Win * W = nullptr) {
     const int n_heads = c.n_kv_heads*c.gqa;
     int8_t cbk[16] = {0}, cbv[16] = {0};
     if (ggml_kvq_is_nuq(TK)) random_codebook(cbk, ggml_kvq_nuq_n_codes(TK));
@@ -224,6 +291,30 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
         }
         for (int i = 0; i < D; ++i) x[i] = gauss();
         encode_row(TV, x.data(), D, cbv, &V[r*rbv], &Vd[r*D]);
+    }
+    WinData wd;
+    int n_exact = 0;
+    if (PRE && W) {   // decode: query 0 of each stream; its exact rows replace the cells' values in the reference
+        wd = make_win(*W, D, c.n_kv_heads, c.n_kv, c.n_seq, 1, false);
+        std::vector<float> wx(D);
+        for (int s = 0; s < c.n_seq; ++s) {
+            for (int k = 0; k < c.n_kv; ++k) {
+                const int r = win_row_ref(wd, *W, c.n_kv, s, 0, k);
+                if (r < 0) continue;
+                ++n_exact;
+                for (int kvh = 0; kvh < c.n_kv_heads; ++kvh) {
+                    const size_t rr = ((size_t) s*c.n_kv_heads + kvh)*c.n_kv + k;
+                    const half * wk = &wd.rows[(size_t) r*2*D*c.n_kv_heads + (size_t) kvh*D];
+                    const half * wv = wk + (size_t) D*c.n_kv_heads;
+                    for (int i = 0; i < D; ++i) wx[i] = __half2float(wk[i]);
+                    ref_prerope_row(wx.data(), D, kvh, pd.pos[(size_t) s*c.n_kv + k], *P, pd, kpost.data(), true);
+                    for (int i = 0; i < D; ++i) {
+                        Kd[rr*D + i] = (float) kpost[i];
+                        Vd[rr*D + i] = __half2float(wv[i]);
+                    }
+                }
+            }
+        }
     }
     // mask [n_kv, 1, 1, ne33]: mostly 0, some -inf, some small biases
     std::vector<half> M((size_t) c.n_kv*c.ne33);
@@ -257,6 +348,9 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
     memcpy(a.cb_k, cbk, 16); memcpy(a.cb_v, cbv, 16);
     if (PRE) {
         a.pre = pd.args;
+        if (W) {
+            a.win = wd.args;
+        }
     }
     std::vector<float>  part((size_t) c.n_seq*n_heads*a.n_split*D, NAN);
     std::vector<float2> meta((size_t) c.n_seq*n_heads*a.n_split);
@@ -309,6 +403,10 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
     if (!ok) ++failures;
     if (PRE) {
         printf("pre-RoPE %s n_dims=%d rot=%d pos0=%d ", P->neox ? "NEOX" : "NORM", P->n_dims, P->n_rot_h, P->pos0);
+    }
+    if (W) {
+        printf("window rows=%d per_query=%d exact cells=%d ", W->n_rows, W->per_query, n_exact);
+        if (n_exact == 0) ++failures;   // a window case that reads no row tests nothing
     }
     printf("%s D=%d kv_heads=%d gqa=%d n_kv=%d seq=%d split=%d mask=%d sinks=%d softcap=%g alibi=%g: max err %.2e (max |ref| %.2f) %s\n",
            name, D, c.n_kv_heads, c.gqa, c.n_kv, c.n_seq, a.n_split, c.mask, c.sinks, c.softcap, c.max_bias, max_err, max_ref,
@@ -408,6 +506,158 @@ static void run_rows(const char * name, const Pre & P, int n_head_kv, int n_kv, 
            e32, e16, tol, ef, ok ? "ok" : "FAIL");
 }
 
+// ---- exact window in prefill: the stand-in upstream's f16 kernel reads (kvq-window.cuh) ----------
+
+// n_q queries per stream over n_kv cells with a window of W.n_rows rows: kvq_win_inverse / _positions, the rows'
+// keys by the prefill conversion, kvq_win_assemble and kvq_win_mask build the appended K / V and the mask; attention
+// over them (what upstream's kernel computes, here in double) against attention that reads, query by query, each
+// cell's exact row or its cached value (win_row_ref). The cache's K is post-RoPE f16 already (the prefill path's
+// conversion, tested above); the rows' keys turn at their cells' positions (float angles).
+template <int D>
+static void run_window_prefill(const char * name, const Pre & P, const Win & W, int n_head_kv, int gqa, int n_kv,
+                               int n_seq, int n_q, double tol) {
+    const int n_head = n_head_kv*gqa;
+    const int n_qpad = (n_q + 63)/64*64;
+    PreData pd = make_pre(P, D, n_head_kv, n_kv, n_seq);
+    WinData wd = make_win(W, D, n_head_kv, n_kv, n_seq, n_q, true);
+    // the cache as the prefill path hands it on: post-RoPE f16 [D, n_kv, n_head_kv, n_seq], and f16 V
+    const size_t n_rows = (size_t) n_kv*n_head_kv*n_seq;
+    std::vector<half> K16(n_rows*D), V16(n_rows*D);
+    for (half & h : K16) h.bits = ggml_kvq_fp32_to_fp16(2.0f*gauss());
+    for (half & h : V16) h.bits = ggml_kvq_fp32_to_fp16(gauss());
+    std::vector<half> M((size_t) n_kv*n_qpad*n_seq);
+    for (size_t i = 0; i < M.size(); ++i) {
+        const uint32_t u = rng() % 10;
+        M[i].bits = ggml_kvq_fp32_to_fp16(u == 0 ? -INFINITY : u == 1 ? -0.5f*gauss()*gauss() : 0.0f);
+    }
+    std::vector<float> Q((size_t) D*n_q*n_head*n_seq);   // [D, n_q, n_head, n_seq]
+    for (float & q : Q) q = gauss();
+
+    const int n_w   = W.n_rows;
+    const int n_all = (n_kv + n_w + 255)/256*256;
+    const int64_t rk = (int64_t) D*sizeof(half);
+    std::vector<int32_t> inv((size_t) n_w*n_seq, -1), pos_w((size_t) n_w*n_seq);
+    const unsigned tb = 128;
+    auto blocks = [&](int64_t n) { return (unsigned) ((n + tb - 1)/tb); };
+    emu::launch({ blocks((int64_t) n_kv*n_seq), 1, 1 }, { tb, 1, 1 }, [&] {
+        kvq_win_inverse(wd.args, n_kv, n_kv, n_seq, inv.data());
+    });
+    emu::launch({ blocks((int64_t) n_w*n_seq), 1, 1 }, { tb, 1, 1 }, [&] {
+        kvq_win_positions(inv.data(), pd.pos.data(), n_kv, n_w, n_seq, pos_w.data());
+    });
+    kvq_prerope_args pw = pd.args;
+    pw.pos = pos_w.data();
+    pw.pos_stride = n_w;
+    std::vector<half> kw((size_t) D*n_w*n_head_kv*n_seq);
+    const int64_t n_wrows = (int64_t) n_w*n_head_kv*n_seq;
+    const kvq_cb none = {};
+    emu::launch({ (unsigned) ((n_wrows + 3)/4), 1, 1 }, { WARP_SIZE, 4, 1 }, [&] {
+        kvq_prerope_k_to_f16<D, GGML_TYPE_F16>(wd.args.rows, kw.data(), pw, none, n_w, n_head_kv, n_wrows, wd.args.nb1, rk, 0);
+    });
+    const int64_t n_out = (int64_t) D*n_all*n_head_kv*n_seq;
+    std::vector<half> Ka(n_out), Va(n_out), Ma((size_t) n_all*n_qpad*n_seq);
+    emu::launch({ blocks(n_out), 1, 1 }, { tb, 1, 1 }, [&] {
+        kvq_win_assemble((const char *) K16.data(), rk, rk*n_kv, rk*n_kv*n_head_kv, (const char *) kw.data(), rk, rk*n_w,
+                         rk*n_w*n_head_kv, D, n_kv, n_w, n_all, n_head_kv, n_seq, Ka.data());
+    });
+    emu::launch({ blocks(n_out), 1, 1 }, { tb, 1, 1 }, [&] {
+        kvq_win_assemble((const char *) V16.data(), rk, rk*n_kv, rk*n_kv*n_head_kv, wd.args.rows + wd.args.v0*2,
+                         wd.args.nb1, rk, 0, D, n_kv, n_w, n_all, n_head_kv, n_seq, Va.data());
+    });
+    emu::launch({ blocks((int64_t) Ma.size()), 1, 1 }, { tb, 1, 1 }, [&] {
+        kvq_win_mask((const char *) M.data(), (int64_t) n_kv*2, (int64_t) n_kv*n_qpad*2, (int64_t) n_kv*n_qpad*2, n_seq,
+                     wd.args, n_kv, inv.data(), n_kv, n_all, n_q, n_qpad, 1, n_seq, Ma.data());
+    });
+
+    // attention of query (s, h, j) over n columns: key / value / mask of column c by the callbacks
+    auto attend = [&](int n, auto key, auto val, auto msk, const float * q, double * o) {
+        std::vector<double> sc(n);
+        double mx = -INFINITY;
+        for (int c = 0; c < n; ++c) {
+            const double m = msk(c);
+            if (std::isinf(m)) { sc[c] = -INFINITY; continue; }
+            const half * k = key(c);
+            double dot = 0.0;
+            for (int i = 0; i < D; ++i) dot += (double) q[i]*__half2float(k[i]);
+            sc[c] = dot/sqrt((double) D) + m;
+            mx = std::max(mx, sc[c]);
+        }
+        double den = 0.0;
+        for (int i = 0; i < D; ++i) o[i] = 0.0;
+        for (int c = 0; c < n; ++c) {
+            if (std::isinf(sc[c])) continue;
+            const double p = exp(sc[c] - mx);
+            den += p;
+            const half * v = val(c);
+            for (int i = 0; i < D; ++i) o[i] += p*__half2float(v[i]);
+        }
+        for (int i = 0; i < D; ++i) o[i] = den > 0.0 ? o[i]/den : 0.0;
+    };
+    // the reference's exact keys: each named row turned at its cell's position, rounded to f16 as the cache's
+    std::vector<half> kref((size_t) n_w*n_head_kv*n_seq*D);
+    std::vector<double> kpost(D);
+    std::vector<float> wx(D);
+    for (int s = 0; s < n_seq; ++s) {
+        for (int k = 0; k < n_kv; ++k) {
+            const int32_t r = wd.row[(size_t) s*n_kv + k];
+            if (r < 0 || r >= n_w) continue;
+            for (int kvh = 0; kvh < n_head_kv; ++kvh) {
+                const half * wk = &wd.rows[(size_t) r*2*D*n_head_kv + (size_t) kvh*D];
+                for (int i = 0; i < D; ++i) wx[i] = __half2float(wk[i]);
+                ref_prerope_row(wx.data(), D, kvh, pd.pos[(size_t) s*n_kv + k], P, pd, kpost.data(), true);
+                for (int i = 0; i < D; ++i) kref[(((size_t) s*n_head_kv + kvh)*n_w + r)*D + i].bits = ggml_kvq_fp32_to_fp16((float) kpost[i]);
+            }
+        }
+    }
+    double max_err = 0.0, max_ref = 0.0;
+    int n_exact = 0, n_mixed_cells = 0;
+    std::vector<double> o1(D), o2(D);
+    for (int s = 0; s < n_seq; ++s) {
+        for (int k = 0; k < n_kv; ++k) {   // cells some queries read exactly and others not
+            bool any = false, all = true;
+            for (int j = 0; j < n_q; ++j) {
+                const bool e = win_row_ref(wd, W, n_kv, s, j, k) >= 0;
+                any = any || e;
+                all = all && e;
+            }
+            n_mixed_cells += any && !all;
+        }
+        for (int h = 0; h < n_head; ++h) {
+            const int kvh = h / gqa;
+            for (int j = 0; j < n_q; ++j) {
+                const float * q = &Q[(((size_t) s*n_head + h)*n_q + j)*D];
+                const size_t hb = ((size_t) s*n_head_kv + kvh);
+                attend(n_all,
+                       [&](int c) { return &Ka[(hb*n_all + c)*D]; },
+                       [&](int c) { return &Va[(hb*n_all + c)*D]; },
+                       [&](int c) { return (double) __half2float(Ma[((size_t) s*n_qpad + j)*n_all + c]); }, q, o1.data());
+                attend(n_kv,
+                       [&](int c) {
+                           const int r = win_row_ref(wd, W, n_kv, s, j, c);
+                           return r >= 0 ? &kref[(hb*n_w + r)*D] : &K16[(hb*n_kv + c)*D];
+                       },
+                       [&](int c) {
+                           const int r = win_row_ref(wd, W, n_kv, s, j, c);
+                           return r >= 0 ? &wd.rows[(size_t) r*2*D*n_head_kv + (size_t) (n_head_kv + kvh)*D] : &V16[(hb*n_kv + c)*D];
+                       },
+                       [&](int c) { return (double) __half2float(M[((size_t) s*n_qpad + j)*n_kv + c]); }, q, o2.data());
+                for (int c = 0; c < n_kv && h == 0; ++c) n_exact += win_row_ref(wd, W, n_kv, s, j, c) >= 0;
+                for (int i = 0; i < D; ++i) {
+                    max_ref = std::max(max_ref, fabs(o2[i]));
+                    max_err = std::max(max_err, fabs(o1[i] - o2[i]));
+                }
+            }
+        }
+    }
+    ++cases;
+    const bool ok = max_err <= tol*std::max(1.0, max_ref) && n_exact > 0 && (!W.per_query || n_mixed_cells > 0);
+    if (!ok) ++failures;
+    printf("window prefill %s D=%d kv_heads=%d gqa=%d n_kv=%d rows=%d (%d with padding) streams=%d queries=%d per_query=%d: "
+           "exact (query, cell) pairs %d, cells read exactly by some queries only %d; max err %.2e (max |ref| %.2f) %s\n",
+           name, D, n_head_kv, gqa, n_kv, n_w, n_all, n_seq, n_q, W.per_query, n_exact, n_mixed_cells, max_err, max_ref,
+           ok ? "ok" : "FAIL");
+}
+
 int main() {
     //                          kvh gqa  n_kv seq split  mask   sinks  softcap alibi ne33
     const Case plain       = {  2,  3,  300,  1,  128, true,  false, 0.0f,  0.0f,  1 };
@@ -466,6 +716,14 @@ int main() {
     run_case< 64, GGML_TYPE_BFP8_32, GGML_TYPE_BFP8_32, true>("bfp8_32/bfp8_32", pre_streams, &far_norm,  tol);
     run_case<128, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_streams, &neox_part, tol);   // pre-RoPE only pairs
     run_case< 64, GGML_TYPE_NUQ4,    GGML_TYPE_F16,     true>("nuq4/f16",        pre_gqa8,    &norm_h16, tol);
+    // exact window: the decode kernel reads a cell's row when the query's planes say so; prefill's stand-in
+    const Win win_q   = { 40, true  };
+    const Win win_all = { 24, false };
+    run_case<128, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_streams, &neox_part, tol, &win_q);
+    run_case< 64, GGML_TYPE_NUQ3,    GGML_TYPE_NUQ3,    true>("nuq3/nuq3",       pre_gqa8,    &norm_h16,  tol, &win_q);
+    run_case< 64, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32, true>("bfp4_32/bfp4_32", pre_streams, &neox64,    tol, &win_all);
+    run_window_prefill<128>("NEOX partial", neox_part, win_q,   2, 3, 300, 2, 7, 1e-3);
+    run_window_prefill< 64>("NORM",         norm_h16,  win_all, 1, 8, 200, 1, 5, 1e-3);
     printf("pre-RoPE rows below position 10000: max err f32 %.2e, f16 beyond rounding %.2e\n", max_rel_f32, max_rel_f16);
     printf("cases %d failures %d\n", cases, failures);
     return failures != 0;

@@ -190,6 +190,44 @@ static bool kvq_fa_prerope_args(const ggml_tensor * op, kvq_prerope_args * p) {
     return true;
 }
 
+// the node's exact window (ggml_kvq_fa_set_window; kvq-window.cuh); false when it reads none
+static bool kvq_fa_window_args(const ggml_tensor * op, kvq_window_args * w) {
+    const ggml_tensor * rows = ggml_kvq_fa_get_window(op);
+    *w = {};
+    if (rows == nullptr) {
+        return false;
+    }
+    const ggml_tensor * pos   = op->src[5];
+    const int32_t     * p     = (const int32_t *) pos->data;
+    const int64_t       plane = pos->nb[2] / (int64_t) sizeof(int32_t);
+    w->rows = (const char *) rows->data;
+    w->nb1  = rows->nb[1];
+    w->n    = (int) rows->ne[1];
+    w->v0   = op->src[1]->ne[0]*op->src[1]->ne[2];
+    w->row  = p + plane;
+    if (pos->ne[2] >= 4) {
+        w->last = p + 2*plane;
+        w->qpos = p + 3*plane;
+    }
+    return true;
+}
+
+// a window these kernels read: f16 rows [K | V] of every KV head, planes as ggml_kvq_fa_set_window lays them
+static bool kvq_fa_window_supported(const ggml_tensor * op) {
+    const ggml_tensor * rows = ggml_kvq_fa_get_window(op);
+    if (rows == nullptr) {
+        return true;
+    }
+    const ggml_tensor * K = op->src[1];
+    const ggml_tensor * V = op->src[2];
+    const ggml_tensor * pos  = op->src[5];
+    const ggml_tensor * mask = op->src[3];
+    return rows->type == GGML_TYPE_F16 && rows->nb[0] == sizeof(half) && rows->ne[2] == 1 && rows->ne[3] == 1 &&
+           rows->ne[0] == K->ne[0]*K->ne[2] + V->ne[0]*V->ne[2] && rows->ne[1] < INT32_MAX &&
+           (pos->ne[2] == 2 || pos->ne[2] == 4) && pos->ne[0] >= op->src[0]->ne[1] &&
+           mask != nullptr && mask->type == GGML_TYPE_F16 && mask->nb[0] == sizeof(half);   // prefill rebuilds the mask
+}
+
 // the layouts and tensors the pre-RoPE kernels take (kvq-prerope.cuh)
 static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
     int n_dims, mode, n_rot_h;
@@ -285,17 +323,102 @@ static void kvq_fa_to_f16(const ggml_tensor * t, const kvq_cb & cb, ggml_tensor 
     }
 }
 
+// pool memory the window's stand-in lives in until upstream's kernel has run
+struct kvq_window_bufs {
+    ggml_cuda_pool_alloc<half>    kw, k, v, mask;
+    ggml_cuda_pool_alloc<int32_t> inv, pos;
+    explicit kvq_window_bufs(ggml_cuda_pool & pool) : kw(pool), k(pool), v(pool), mask(pool), inv(pool), pos(pool) {}
+};
+
+// The stand-in with the exact window (kvq-window.cuh): its K / V (post-RoPE f16, as converted) get the window's
+// rows appended, padded to a multiple of 256 cells, and its mask says which of a cell and its row each query reads.
+static void kvq_fattn_window_standin(const ggml_tensor * dst, const kvq_prerope_args & pre, const kvq_window_args & w,
+                                     ggml_kvq_cuda_standin * s, kvq_window_bufs & b, cudaStream_t stream) {
+    const ggml_tensor * K    = dst->src[1];
+    const ggml_tensor * mask = dst->src[3];
+    const int D      = (int) K->ne[0];
+    const int n_kv   = (int) K->ne[1];
+    const int n_head = (int) K->ne[2];
+    const int n_str  = (int) K->ne[3];
+    const int n_w    = w.n;
+    const int n_all  = (int) GGML_PAD((int64_t) n_kv + n_w, 256);
+    const int n_q    = (int) dst->src[0]->ne[1];
+    const int n_qpad = (int) mask->ne[1];
+    const int ne2    = (int) mask->ne[2];
+
+    // which cell names each row, and the positions the rows' keys turn at
+    b.inv.alloc((size_t) n_w*n_str);
+    b.pos.alloc((size_t) n_w*n_str);
+    CUDA_CHECK(cudaMemsetAsync(b.inv.ptr, 0xFF, (size_t) n_w*n_str*sizeof(int32_t), stream));
+    kvq_win_inverse<<<kvq_grid((int64_t) n_kv*n_str), KVQ_CUDA_BLOCK, 0, stream>>>(w, pre.pos_stride, n_kv, n_str, b.inv.ptr);
+    kvq_win_positions<<<kvq_grid((int64_t) n_w*n_str), KVQ_CUDA_BLOCK, 0, stream>>>(b.inv.ptr, pre.pos, pre.pos_stride, n_w, n_str, b.pos.ptr);
+
+    // the rows' keys, post-RoPE: the prefill conversion over src[9]'s K part at those positions
+    b.kw.alloc((size_t) D*n_w*n_head*n_str);
+    kvq_prerope_args pw = pre;
+    pw.pos        = b.pos.ptr;
+    pw.pos_stride = n_w;
+    const int64_t n_rows = (int64_t) n_w*n_head*n_str;
+    const dim3 block(WARP_SIZE, KVQ_CUDA_BLOCK/WARP_SIZE, 1);
+    const int  grid = (int) ((n_rows + block.y - 1)/block.y);
+    const kvq_cb none = {};
+    switch (D) {
+        case 64:  kvq_prerope_k_to_f16< 64, GGML_TYPE_F16><<<grid, block, 0, stream>>>(w.rows, b.kw.ptr, pw, none, n_w, n_head, n_rows, w.nb1, D*sizeof(half), 0); break;
+        case 128: kvq_prerope_k_to_f16<128, GGML_TYPE_F16><<<grid, block, 0, stream>>>(w.rows, b.kw.ptr, pw, none, n_w, n_head, n_rows, w.nb1, D*sizeof(half), 0); break;
+        case 256: kvq_prerope_k_to_f16<256, GGML_TYPE_F16><<<grid, block, 0, stream>>>(w.rows, b.kw.ptr, pw, none, n_w, n_head, n_rows, w.nb1, D*sizeof(half), 0); break;
+        default: GGML_ABORT("pykvq: exact window of head size %d", D);
+    }
+
+    // K and V with the rows appended
+    const int64_t n_out = (int64_t) D*n_all*n_head*n_str;
+    const int64_t rk = (int64_t) D*sizeof(half);
+    b.k.alloc(n_out);
+    b.v.alloc(n_out);
+    kvq_win_assemble<<<kvq_grid(n_out), KVQ_CUDA_BLOCK, 0, stream>>>(
+        (const char *) s->k.data, s->k.nb[1], s->k.nb[2], s->k.nb[3],
+        (const char *) b.kw.ptr, rk, rk*n_w, rk*n_w*n_head, D, n_kv, n_w, n_all, n_head, n_str, b.k.ptr);
+    kvq_win_assemble<<<kvq_grid(n_out), KVQ_CUDA_BLOCK, 0, stream>>>(
+        (const char *) s->v.data, s->v.nb[1], s->v.nb[2], s->v.nb[3],
+        w.rows + w.v0*(int64_t) sizeof(half), w.nb1, rk, 0, D, n_kv, n_w, n_all, n_head, n_str, b.v.ptr);
+
+    // the mask: per query, a cell or its exact row
+    const int64_t n_mask = (int64_t) n_all*n_qpad*ne2*n_str;
+    b.mask.alloc(n_mask);
+    kvq_win_mask<<<kvq_grid(n_mask), KVQ_CUDA_BLOCK, 0, stream>>>(
+        (const char *) mask->data, mask->nb[1], mask->nb[2], mask->nb[3], (int) mask->ne[3], w, pre.pos_stride, b.inv.ptr,
+        n_kv, n_all, n_q, n_qpad, ne2, n_str, b.mask.ptr);
+    CUDA_CHECK(cudaGetLastError());
+
+    for (ggml_tensor * t : { &s->k, &s->v }) {
+        t->ne[1] = n_all;
+        kvq_f16_like(t, t);
+        t->data = t == &s->k ? (void *) b.k.ptr : (void *) b.v.ptr;
+    }
+    s->mask = *mask;
+    s->mask.ne[0] = n_all;
+    s->mask.ne[3] = n_str;
+    kvq_f16_like(&s->mask, &s->mask);
+    s->mask.data = b.mask.ptr;
+    s->node.src[3] = &s->mask;
+}
+
 static void kvq_fattn_prefill(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const kvq_cb & cb_k, const kvq_cb & cb_v) {
     ggml_kvq_cuda_standin s;
     kvq_fattn_standin(dst, &s);
     ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
+    kvq_window_bufs wb(ctx.pool());
     kvq_prerope_args pre;
-    if (kvq_fa_prerope_args(dst, &pre)) {
+    kvq_window_args  win;
+    const bool is_pre = kvq_fa_prerope_args(dst, &pre);
+    if (is_pre) {
         kvq_fa_prerope_k_to_f16(dst->src[1], cb_k, pre, &s.k, k16, ctx.stream());
     } else {
         kvq_fa_to_f16(dst->src[1], cb_k, &s.k, k16, ctx.stream());
     }
     kvq_fa_to_f16(dst->src[2], cb_v, &s.v, v16, ctx.stream());
+    if (is_pre && kvq_fa_window_args(dst, &win)) {
+        kvq_fattn_window_standin(dst, pre, win, &s, wb, ctx.stream());
+    }
     ggml_cuda_flash_attn_ext(ctx, &s.node);
 }
 
@@ -308,6 +431,9 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
     const int D = (int) Q->ne[0];
     kvq_fattn_args a = {};
     const bool pre = kvq_fa_prerope_args(dst, &a.pre);
+    if (pre) {
+        kvq_fa_window_args(dst, &a.win);
+    }
     if (Q->ne[1] != 1 || Q->type != GGML_TYPE_F32 || K->ne[0] != D || V->ne[0] != D ||
         !(D == 64 || D == 128 || D == 256) || Q->ne[2] % K->ne[2] != 0 ||
         (mask && mask->type != GGML_TYPE_F16) || (sinks && sinks->type != GGML_TYPE_F32) ||
@@ -452,8 +578,7 @@ int ggml_kvq_cuda_supports_op(const ggml_tensor * op, ggml_kvq_cuda_standin * st
         case GGML_OP_FLASH_ATTN_EXT: {
             const ggml_tensor * K = op->src[1];
             const ggml_tensor * V = op->src[2];
-            // an exact window (src[9]) is read by the CPU kernel only
-            if (!K || !V || src0->type != GGML_TYPE_F32 || !kvq_fa_prerope_supported(op) || ggml_kvq_fa_get_window(op)) {
+            if (!K || !V || src0->type != GGML_TYPE_F32 || !kvq_fa_prerope_supported(op) || !kvq_fa_window_supported(op)) {
                 return GGML_KVQ_CUDA_NO;
             }
             for (const ggml_tensor * t : { K, V }) {

@@ -11,11 +11,15 @@
 // Codebooks (nuq K / V) come in the kernel arguments, so CUDA graphs replay them as they are.
 // PRE: a pre-RoPE K cache; each decoded K row is turned into its post-RoPE key (kvq-prerope.cuh)
 // once per warp, i.e. once for the block's whole GQA group, before the K·Q dots.
+// WINDOW (PRE only; ggml_kvq_fa_set_window): cells whose exact row the query still reads take that f16 row
+// (the same pre-RoPE domain, so the same transform follows) instead of their quantized one; a tile asks once,
+// lane i for key i, and a tile without such a cell (nearly all of them) reads as before.
 #pragma once
 
 #include "common.cuh"
 #include "kvq-codec.cuh"
 #include "kvq-prerope.cuh"
+#include "kvq-window.cuh"
 
 #define KVQ_FA_NWARPS 4
 #define KVQ_FA_G      8      // query heads per block (the K·Q reduction below is written for 8)
@@ -44,6 +48,7 @@ struct kvq_fattn_args {
     int8_t   cb_k[16];
     int8_t   cb_v[16];
     kvq_prerope_args pre;   // PRE kernels only
+    kvq_window_args  win;   // PRE kernels only; win.rows NULL: no exact window
 };
 
 // N consecutive values of a row; f16 rows by half2 loads, the rest through the codec
@@ -83,6 +88,21 @@ static __device__ __forceinline__ void kvq_fa_load_rows(const char * base, int64
     for (int u = 0; u < U; ++u) {
         if (u < nk) {
             kvq_fa_load<T, N>(base + (int64_t) (k + u)*nb, i0, c, out[u]);
+        }
+    }
+}
+
+// rows k .. k+U-1 of a tile (i0 = k - the tile's first) whose exact-window row lane (i0 + u) holds in wr
+// (-1: none) replaced by that row's values at element offset off; warp-uniform (shuffles)
+template <int U, int N>
+static __device__ __forceinline__ void kvq_fa_load_window_rows(const kvq_window_args & w, const int wr, const int i0,
+                                                               const int nk, const int64_t off, const int c0,
+                                                               float (&out)[U][N]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int r = __shfl_sync(0xFFFFFFFF, wr, (i0 + u) & (WARP_SIZE - 1), WARP_SIZE);
+        if (i0 + u < nk && r >= 0) {
+            kvq_fa_load<GGML_TYPE_F16, N>(w.rows + (int64_t) r*w.nb1 + off*(int64_t) sizeof(half), c0, nullptr, out[u]);
         }
     }
 }
@@ -143,6 +163,10 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         kpos = a.pre.pos + seq*a.pre.pos_stride;
     }
     const char * V = a.V + seq*a.nb23 + kvh*a.nb22;
+    kvq_window_query wq = {};
+    if constexpr (PRE) {
+        wq = kvq_window_query_of(a.win, a.pre.pos_stride, seq, 0);
+    }
 
     __shared__ float sh_s[NW][G][WARP_SIZE];   // a tile's scores: [head][key]
     __shared__ float sh_p[NW][WARP_SIZE][G];   // its probabilities: [key][head]
@@ -163,12 +187,24 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
 
     for (int k0 = kb + warp*WARP_SIZE; k0 < ke; k0 += NW*WARP_SIZE) {
         const int nk = min(WARP_SIZE, ke - k0);
+        // the exact window: lane i's key's row of it (-1: the quantized one), and whether any key of the tile has one
+        int  wr   = -1;
+        bool wany = false;
+        if constexpr (PRE) {
+            if (wq.on) {
+                wr   = lane < nk ? kvq_window_row(a.win, wq, k0 + lane) : -1;
+                wany = __ballot_sync(0xFFFFFFFF, wr >= 0) != 0;
+            }
+        }
 
         // K·Q of the tile's keys -> sh_s[warp][g][key], U rows at a time
         for (int i0 = 0; i0 < nk; i0 += U) {
           float kf[U][EPL];
           kvq_fa_load_rows<TK, U, EPL>(K, a.nb11, k0 + i0, nk - i0, lane*EPL, cbk, kf);
           if constexpr (PRE) {
+              if (wany) {
+                  kvq_fa_load_window_rows<U, EPL>(a.win, wr, i0, nk, (int64_t) kvh*D, lane*EPL, kf);
+              }
 #pragma unroll
               for (int u = 0; u < U; ++u) {
                   if (i0 + u < nk) {   // warp-uniform: the shuffles inside see the whole warp
@@ -262,6 +298,11 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         for (int i0 = 0; i0 < nk; i0 += U) {
             float vf[U][EPL];
             kvq_fa_load_rows<TV, U, EPL>(V, a.nb21, k0 + i0, nk - i0, lane*EPL, cbv, vf);
+            if constexpr (PRE) {
+                if (wany) {
+                    kvq_fa_load_window_rows<U, EPL>(a.win, wr, i0, nk, a.win.v0 + (int64_t) kvh*D, lane*EPL, vf);
+                }
+            }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (i0 + u >= nk) {

@@ -14,6 +14,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -147,6 +148,22 @@ static inline void  __syncthreads() { emu::barrier(emu::block_bar, emu::n_thread
 static inline void  __syncwarp(unsigned = 0xffffffff) { emu::barrier(emu::warp_bar[emu::thread_idx().y], WARP_SIZE); }
 static inline float __shfl_sync(unsigned, float v, int src, int = WARP_SIZE)     { return emu::shfl(v, src); }
 static inline float __shfl_xor_sync(unsigned, float v, int mask, int = WARP_SIZE) { return emu::shfl(v, (int) emu::thread_idx().x ^ mask); }
+static inline int   __shfl_sync(unsigned, int v, int src, int = WARP_SIZE) {   // exact: ints travel as their bits
+    float f;
+    memcpy(&f, &v, sizeof(f));
+    f = emu::shfl(f, src);
+    memcpy(&v, &f, sizeof(v));
+    return v;
+}
+static inline unsigned __ballot_sync(unsigned, int pred) {
+    unsigned m = 0;
+    for (int l = 0; l < WARP_SIZE; ++l) {
+        m |= (emu::shfl(pred ? 1.0f : 0.0f, l) != 0.0f ? 1u : 0u) << l;
+    }
+    return m;
+}
+// fibers run one at a time: an atomic is a plain read-modify-write
+static inline int atomicMax(int * p, int v) { const int o = *p; *p = o > v ? o : v; return o; }
 
 template <int width = WARP_SIZE>
 static inline float warp_reduce_sum(float x) {
