@@ -56,6 +56,23 @@ class Options:
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
     kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
     kv_window: int = 64                  # (pykvq.cache.kv_sinks / kv_window; 0: off)
+    kv_bits_ctx: int = 0                 # > 0: kv_bits counts that window at this many cells (0: the cache alone)
+
+    def window_bits(self) -> float:
+        """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
+        the row being written, over the cells; the runtime's own count)."""
+        if not (self.prerope_k and self.kv_bits_ctx > 0 and (self.kv_sinks or self.kv_window)):
+            return 0.0
+        return 16.0 * (self.kv_sinks + self.kv_window + 1) / self.kv_bits_ctx
+
+    def cache_bits(self) -> float | None:
+        """The budget the per-layer types share: kv_bits less what the window takes."""
+        return None if self.kv_bits is None else self.kv_bits - self.window_bits()
+
+    def exact_positions(self) -> int:
+        """Calibration positions the runtime reads exactly from every query (the file's default sinks): their
+        quantization error costs nothing, so budgets and codebooks leave them out."""
+        return self.kv_sinks if self.prerope_k and self.kv_sinks > 0 else 0
 
     def codebook_method(self) -> str:
         if self.codebooks != "auto":
@@ -89,7 +106,7 @@ class Options:
     def resolved_types(self) -> tuple[str, str]:
         default = "bfp4_32" if self.ksort else "q4_0"
         if self.kv_bits is not None:    # the uniform type nearest the budget from below, for logs / fallbacks
-            fit = [t for t in self.ladder if layer_types.bits_per_value(t) <= self.kv_bits]
+            fit = [t for t in self.ladder if layer_types.bits_per_value(t) <= self.cache_bits()]
             default = max(fit or self.ladder, key=layer_types.bits_per_value)
         k = self.cache_type_k or default
         v = self.cache_type_v or (default if self.rotate_v != "none" else k)
@@ -404,7 +421,7 @@ def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> N
     for which, per_layer in (("k", rep.layer_types_k), ("v", rep.layer_types_v)):
         for i, slot in enumerate(per_layer):
             errors[(i, which)] = slot[which]
-    choice = layer_types.assign(errors, opts.kv_bits, opts.ladder)
+    choice = layer_types.assign(errors, opts.cache_bits(), opts.ladder)
     n = len(rep.layer_types_k)
     rep.layer_types_k = [choice[(i, "k")] for i in range(n)]
     rep.layer_types_v = [choice[(i, "v")] for i in range(n)]
@@ -433,12 +450,15 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
         if not any(_is_nuq(t) for t in cands) and opts.kv_bits is None:
             continue
         x = samples(calib, i, g, dom)
+        # the sinks are read exactly: a budget compares the errors of the other positions (a sink's Fisher is
+        # large in some layers and would buy bits where the runtime spends none)
+        keep = calib.pos >= opts.exact_positions()
         cbs = {}
         for t in cands:
             if _is_nuq(t) and method != "none":
                 cbs[t] = codebook.fit(x.x, x.fisher, t, method, q_norm=opts.q_norm)
             if opts.kv_bits is not None or t == uniform_type:     # the loss-increase estimate sum F (x - Q(x))^2
-                errs[(which, t)] = codebook.weighted_error(x.x, x.fisher, t, cbs.get(t))
+                errs[(which, t)] = codebook.weighted_error(x.x[keep], x.fisher[keep], t, cbs.get(t))
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}
             # per-layer decisions are global (the budget is shared): record errors, decide after the loop

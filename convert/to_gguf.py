@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bits", type=float, default=None, metavar="B",
                    help="bits/value budget: give each layer's K and V its own type from --layer-types, ranked "
                         "by Fisher-weighted quantization error, with the average <= B")
+    p.add_argument("--kv-bits-ctx", type=int, default=0, metavar="N",
+                   help="with --kv-bits and a --prerope-k window: count the window's f16 rows at N cells in the budget "
+                        "(16 x (sinks + window + 1) / N bits/value: 0.27 for 4 + 64 at 4096), so that B is the whole "
+                        "cache's size at that context; 0 (default): B is the quantized cache's alone")
     p.add_argument("--layer-types", default=",".join(pipeline.layer_types.DEFAULT_LADDER),
                    help="candidate types for --kv-bits (default %(default)s)")
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
@@ -292,6 +296,7 @@ def convert(args) -> dict:
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
                             prerope_scale=args.prerope_k_scale, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
+                            kv_bits_ctx=args.kv_bits_ctx,
                             ladder=tuple(t.strip() for t in args.layer_types.split(",") if t.strip()))
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
@@ -301,10 +306,14 @@ def convert(args) -> dict:
         opts.check_learning()
         for t in opts.ladder:
             pipeline.layer_types.bits_per_value(t)
+        if args.kv_bits_ctx < 0:
+            raise ValueError(f"--kv-bits-ctx must be >= 0, got {args.kv_bits_ctx}")
         if opts.kv_bits is not None:
             low = min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder)
-            if opts.kv_bits < low:
-                raise ValueError(f"--kv-bits {opts.kv_bits} is below the cheapest of --layer-types ({low})")
+            if opts.cache_bits() < low:
+                win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
+                       f"{opts.cache_bits():.3f} for the cache)" if opts.window_bits() else "")
+                raise ValueError(f"--kv-bits {opts.kv_bits}{win} is below the cheapest of --layer-types ({low})")
     except Exception as e:
         raise ConvertError(str(e)) from None
     progress = False if args.no_progress else None
@@ -380,6 +389,8 @@ def convert(args) -> dict:
         "codebooks": opts.codebook_method(), "q_norm": opts.q_norm, "kv_bits": opts.kv_bits,
         "layer_types_k": rep.layer_types_k, "layer_types_v": rep.layer_types_v,
         "bits_per_value": rep.bits_per_value,
+        "window_bits": round(opts.window_bits(), 4) if opts.kv_bits is not None else None,
+        "kv_bits_ctx": opts.kv_bits_ctx or None,
         "v_learned": [{"choice": r.choice, "cond": round(r.cond, 2), "heldout": r.heldout, "reason": r.reason,
                        "seconds": round(r.seconds, 2)} for r in rep.v_learned],
         "k_learned": [{"choice": r.choice, "heldout": r.heldout, "seconds": round(r.seconds, 2)}
@@ -419,7 +430,8 @@ def main(argv=None) -> int:
             print(f"{w.upper()} cache per layer: " + ", ".join(f"{t} x{n}" for t, n in c.most_common()))
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
-              + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else ""))
+              + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")
+              + (f" + the window's {s['window_bits']:.3f} at {s['kv_bits_ctx']} cells" if s.get("window_bits") else ""))
     if s["codebook_errors"] and not s["layer_types_k"]:
         tot = {}
         for per_layer in s["codebook_errors"]:

@@ -93,3 +93,32 @@ def test_bad_budget_and_types_are_refused(smollm2, tmp_path):
     res = run_convert(smollm2, "-o", out, "--kv-bits", "4", "--layer-types", "nuq3,bogus", check=False)
     assert res.returncode == 2 and "bogus" in res.stderr
     assert not out.exists()
+
+
+def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
+    """--kv-bits-ctx N: the budget is the whole cache's at N cells, the window's f16 rows included (16 x (4 + 64 + 1)
+    / 4096 = 0.2695 bits/value for a --prerope-k file's default sinks and window), so the per-layer types share what
+    is left; a budget the window alone would eat is refused before calibration, and nothing is written."""
+    out = tmp_path / "smol-3.6-at-4096.gguf"
+    res = run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "3.6", "--kv-bits-ctx", "4096", *CALIB)
+    m = read_gguf(out)
+    bits = [8.5 if t == "q8_0" else nuq.FORMATS[t].bits_per_value
+            for which in ("k", "v") for t in _layer_types(m, which)]
+    window = 16 * (4 + 64 + 1) / 4096
+    assert np.mean(bits) <= 3.6 - window + 1e-9
+    assert np.mean(bits) > 3.6 - window - 0.5          # the budget is spent, not left idle
+    assert "the window's 0.270 at 4096 cells" in res.stdout
+    bad = tmp_path / "x.gguf"
+    res = run_convert(smollm2, "-o", bad, "--prerope-k", "--kv-bits", "3.0", "--kv-bits-ctx", "512", *CALIB, check=False)
+    assert res.returncode == 2 and "below the cheapest" in res.stderr and "for the cache" in res.stderr
+    assert not bad.exists()
+
+
+def test_budget_leaves_out_the_positions_the_runtime_keeps_exact():
+    """The sinks a --prerope-k file keeps in f16 by default are not part of the errors a budget compares."""
+    from convert.pipeline import Options
+    assert Options(prerope_k=True).exact_positions() == 4
+    assert Options(prerope_k=True, kv_sinks=0).exact_positions() == 0
+    assert Options().exact_positions() == 0             # a post-RoPE file keeps no window
+    assert Options(prerope_k=True, kv_bits=3.6, kv_bits_ctx=4096).cache_bits() == pytest.approx(3.6 - 16 * 69 / 4096)
+    assert Options(prerope_k=True, kv_bits=3.6).cache_bits() == 3.6

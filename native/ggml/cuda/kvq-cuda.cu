@@ -323,11 +323,12 @@ static void kvq_fa_to_f16(const ggml_tensor * t, const kvq_cb & cb, ggml_tensor 
     }
 }
 
-// pool memory the window's stand-in lives in until upstream's kernel has run
+// pool memory the window's stand-in lives in until upstream's kernel has run. Members in the order they are
+// allocated: destroyed in reverse, as ggml-cuda's VMM pool requires (frees in reverse order of allocation)
 struct kvq_window_bufs {
-    ggml_cuda_pool_alloc<half>    kw, k, v, mask;
     ggml_cuda_pool_alloc<int32_t> inv, pos;
-    explicit kvq_window_bufs(ggml_cuda_pool & pool) : kw(pool), k(pool), v(pool), mask(pool), inv(pool), pos(pool) {}
+    ggml_cuda_pool_alloc<half>    kw, k, v, mask;
+    explicit kvq_window_bufs(ggml_cuda_pool & pool) : inv(pool), pos(pool), kw(pool), k(pool), v(pool), mask(pool) {}
 };
 
 // The stand-in with the exact window (kvq-window.cuh): its K / V (post-RoPE f16, as converted) get the window's
