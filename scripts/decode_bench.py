@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Decode speed at depth of several caches of one file, measured interleaved in one process.
 
-    python scripts/decode_bench.py FILE [--depths 8192,16384] [--caches f16,q4_0:post,q4_0:centred,q53_64/q4_0,q4_0:auto:stock]
+    python scripts/decode_bench.py FILE [--depths 8192,16384] [--caches f16,q4_0:post,q4_0:centred,q53_64/q4_0,q4_0:auto:stock,q4_0:auto::0+0]
                                         [--rounds 8] [--tokens 16] [--prefill 512] [--threads 2]
 
 llama-bench runs one cache after another; on a shared machine whole runs then move by 20% and a ratio
-of two runs says little. Here every cache (K[/V][:K_DOMAIN[:ENCODER]], V of K's type when not given; Model(k_domain=,
-encoder=): ENCODER stock / lsq sets how q4_0 / q5_0 rows are written) gets
+of two runs says little. Here every cache (K[/V][:K_DOMAIN[:ENCODER[:S+W]]], V of K's type when not given; Model(k_domain=,
+encoder=, kv_sinks=S, kv_window=W): ENCODER stock / lsq sets how q4_0 / q5_0 rows are written, S+W the exact sinks and
+window, the file's default when not given; an empty field takes the default) gets
 its own context, prefilled once to each depth with the same WikiText-2 text; then each round decodes
 --tokens tokens in every context in turn (and removes them again), so a slow spell of the machine falls
 on all of them alike. With --prefill P each round also times a batch of P tokens at the depth (prefill at
@@ -46,27 +47,29 @@ def main() -> None:
     ap.add_argument("file")
     ap.add_argument("--depths", default="8192,16384")
     ap.add_argument("--caches", default="f16,q4_0:post,q4_0:centred,q4_0:auto",
-                    help="K[/V][:K_DOMAIN[:ENCODER]], comma-separated; ratios are to the first and the second")
+                    help="K[/V][:K_DOMAIN[:ENCODER[:S+W]]], comma-separated; ratios are to the first and the second")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16, help="tokens decoded per context and round")
     ap.add_argument("--prefill", type=int, default=0, help="also time a batch of this many tokens per round")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
-    caches = [(c.split(":") + [None, None])[:3] for c in args.caches.split(",")]
-    caches = [((t.split("/") + [t])[:2], dom, enc) for t, dom, enc in caches]      # [K, V], V = K unless given
+    caches = [[f or None for f in (c.split(":") + [None] * 3)[:4]] for c in args.caches.split(",")]
+    caches = [((t.split("/") + [t])[:2], dom, enc, win) for t, dom, enc, win in caches]   # [K, V], V = K unless given
     n_ctx = max(depths) + max(args.tokens, args.prefill) + 16
 
     models = []
-    for (k, v), dom, enc in caches:
+    for (k, v), dom, enc, win in caches:
+        sinks, window = (int(x) for x in win.split("+")) if win else (None, None)
         models.append(Model(args.file, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True,
-                            n_threads=args.threads, k_domain=dom, encoder=enc, n_batch=512))
+                            n_threads=args.threads, k_domain=dom, encoder=enc, n_batch=512,
+                            kv_sinks=sinks, kv_window=window))
     toks = models[0].tokenize(wikitext_test())
     need = max(depths) + max(args.tokens, args.prefill)
     if len(toks) < need:
         raise SystemExit(f"the text has {len(toks)} tokens, need {need}")
     names = [(k if k == v else f"{k}/{v}") + (f" {dom}" if dom else "") + (f" {enc}" if enc else "")
-             for (k, v), dom, enc in caches]
+             + (f" win {win}" if win else "") for (k, v), dom, enc, win in caches]
     print(f"{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds x {args.tokens} tokens per cache")
     filled = 0
     for d in depths:

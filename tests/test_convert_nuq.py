@@ -114,8 +114,19 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert not bad.exists()
 
 
-def test_budget_leaves_out_the_positions_the_runtime_keeps_exact():
-    """The sinks a --prerope-k file keeps in f16 by default are not part of the errors a budget compares."""
+def test_key_codebooks_leave_out_the_positions_the_runtime_keeps_exact(smollm2, tmp_path):
+    """The sinks a --prerope-k file keeps in f16 by default are left out of its K codebooks' fit: the same conversion
+    with --kv-sinks 0 fits the same V codebooks and other K codebooks."""
+    cbs = {}
+    for sinks in ("4", "0"):
+        out = tmp_path / f"smol-nuq3-sinks{sinks}.gguf"
+        run_convert(smollm2, "-o", out, "--prerope-k", "--cache-type-k", "nuq3", "--cache-type-v", "nuq3",
+                    "--kv-sinks", sinks, *CALIB)
+        m = read_gguf(out)
+        cbs[sinks] = {w: [np.asarray(m.tensors[Tensors.CODEBOOK[w].format(bid=i)].data).reshape(-1)
+                          for i in range(m.layer_count())] for w in ("k", "v")}
+    assert all((a == b).all() for a, b in zip(cbs["4"]["v"], cbs["0"]["v"]))
+    assert sum((a != b).any() for a, b in zip(cbs["4"]["k"], cbs["0"]["k"])) >= len(cbs["4"]["k"]) // 2
     from convert.pipeline import Options
     assert Options(prerope_k=True).exact_positions() == 4
     assert Options(prerope_k=True, kv_sinks=0).exact_positions() == 0
