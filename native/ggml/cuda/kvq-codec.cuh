@@ -27,6 +27,15 @@
 
 // ---- scalar helpers -----------------------------------------------------------------------
 
+// thread i's (element, block or chunk i0 of a row, i1, i2, i3) for rows of n0 of them over ne1 x ne2 x ...
+KVQ_HD void kvq_unravel(int64_t i, int64_t n0, int64_t ne1, int64_t ne2,
+                        int64_t & i0, int64_t & i1, int64_t & i2, int64_t & i3) {
+    i0 = i % n0;  i /= n0;
+    i1 = i % ne1; i /= ne1;
+    i2 = i % ne2;
+    i3 = i / ne2;
+}
+
 KVQ_HD uint32_t kvq_f2u(float f) {
 #if defined(__CUDA_ARCH__)
     return __float_as_uint(f);

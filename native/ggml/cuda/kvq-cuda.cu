@@ -354,21 +354,21 @@ static void kvq_fattn_window_standin(const ggml_tensor * dst, const kvq_prerope_
     kvq_win_inverse<<<kvq_grid((int64_t) n_kv*n_str), KVQ_CUDA_BLOCK, 0, stream>>>(w, pre.pos_stride, n_kv, n_str, b.inv.ptr);
     kvq_win_positions<<<kvq_grid((int64_t) n_w*n_str), KVQ_CUDA_BLOCK, 0, stream>>>(b.inv.ptr, pre.pos, pre.pos_stride, n_w, n_str, b.pos.ptr);
 
-    // the rows' keys, post-RoPE: the prefill conversion over src[9]'s K part at those positions
-    b.kw.alloc((size_t) D*n_w*n_head*n_str);
+    // the rows' keys, post-RoPE: the prefill conversion over src[9]'s K part (an f16 view [D, n_w, n_head, n_str],
+    // every stream the same rows) at those positions
+    ggml_tensor rows_k = *K, kw;
+    rows_k.type  = GGML_TYPE_F16;
+    rows_k.data  = (void *) w.rows;
+    rows_k.ne[1] = n_w;
+    rows_k.nb[0] = sizeof(half);
+    rows_k.nb[1] = w.nb1;
+    rows_k.nb[2] = D*sizeof(half);
+    rows_k.nb[3] = 0;
+    kvq_f16_like(&kw, &rows_k);
     kvq_prerope_args pw = pre;
     pw.pos        = b.pos.ptr;
     pw.pos_stride = n_w;
-    const int64_t n_rows = (int64_t) n_w*n_head*n_str;
-    const dim3 block(WARP_SIZE, KVQ_CUDA_BLOCK/WARP_SIZE, 1);
-    const int  grid = (int) ((n_rows + block.y - 1)/block.y);
-    const kvq_cb none = {};
-    switch (D) {
-        case 64:  kvq_prerope_k_to_f16< 64, GGML_TYPE_F16><<<grid, block, 0, stream>>>(w.rows, b.kw.ptr, pw, none, n_w, n_head, n_rows, w.nb1, D*sizeof(half), 0); break;
-        case 128: kvq_prerope_k_to_f16<128, GGML_TYPE_F16><<<grid, block, 0, stream>>>(w.rows, b.kw.ptr, pw, none, n_w, n_head, n_rows, w.nb1, D*sizeof(half), 0); break;
-        case 256: kvq_prerope_k_to_f16<256, GGML_TYPE_F16><<<grid, block, 0, stream>>>(w.rows, b.kw.ptr, pw, none, n_w, n_head, n_rows, w.nb1, D*sizeof(half), 0); break;
-        default: GGML_ABORT("pykvq: exact window of head size %d", D);
-    }
+    kvq_fa_prerope_k_to_f16(&rows_k, kvq_cb{}, pw, &kw, b.kw, stream);
 
     // K and V with the rows appended
     const int64_t n_out = (int64_t) D*n_all*n_head*n_str;
@@ -377,7 +377,7 @@ static void kvq_fattn_window_standin(const ggml_tensor * dst, const kvq_prerope_
     b.v.alloc(n_out);
     kvq_win_assemble<<<kvq_grid(n_out), KVQ_CUDA_BLOCK, 0, stream>>>(
         (const char *) s->k.data, s->k.nb[1], s->k.nb[2], s->k.nb[3],
-        (const char *) b.kw.ptr, rk, rk*n_w, rk*n_w*n_head, D, n_kv, n_w, n_all, n_head, n_str, b.k.ptr);
+        (const char *) kw.data, kw.nb[1], kw.nb[2], kw.nb[3], D, n_kv, n_w, n_all, n_head, n_str, b.k.ptr);
     kvq_win_assemble<<<kvq_grid(n_out), KVQ_CUDA_BLOCK, 0, stream>>>(
         (const char *) s->v.data, s->v.nb[1], s->v.nb[2], s->v.nb[3],
         w.rows + w.v0*(int64_t) sizeof(half), w.nb1, rk, 0, D, n_kv, n_w, n_all, n_head, n_str, b.v.ptr);

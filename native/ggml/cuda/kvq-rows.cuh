@@ -13,15 +13,6 @@ struct kvq_cb {
 
 // ---- quantize: SET_ROWS and CPY f32 -> type -------------------------------------------------
 
-// thread i's (block or chunk i0 of a row, i1, i2, i3) for rows of n0 blocks / chunks over ne1 x ne2 x ...
-static __device__ __forceinline__ void kvq_unravel(int64_t i, int64_t n0, int64_t ne1, int64_t ne2,
-                                                   int64_t & i0, int64_t & i1, int64_t & i2, int64_t & i3) {
-    i0 = i % n0;  i /= n0;
-    i1 = i % ne1; i /= ne1;
-    i2 = i % ne2;
-    i3 = i / ne2;
-}
-
 // one thread per block of qk values: row i01 of src0 goes to row src1[i01, i02 % ne11, i03 % ne12]
 // of dst (SET_ROWS), or to row i01 when src1 is NULL (CPY f32 -> type, same shapes)
 template <ggml_type T, typename idx_t>

@@ -100,10 +100,8 @@ static __global__ void kvq_win_mask(const char * mask, const int64_t nb1, const 
     if (i >= (int64_t) n_all*n_qpad*ne2*n_stream) {
         return;
     }
-    const int c = (int) (i % n_all);
-    const int j = (int) ((i / n_all) % n_qpad);
-    const int h = (int) ((i / ((int64_t) n_all*n_qpad)) % ne2);
-    const int s = (int) (i / ((int64_t) n_all*n_qpad*ne2));
+    int64_t c, j, h, s;
+    kvq_unravel(i, n_all, n_qpad, ne2, c, j, h, s);
     const half * mrow = (const half *) (mask + j*nb1 + h*nb2 + (s % ne3)*nb3);
     const half ninf = kvq_half_bits(0xFC00);
     const int  n_w  = w.n;
@@ -135,10 +133,8 @@ static __global__ void kvq_win_assemble(const char * src, const int64_t nb1, con
     if (i >= (int64_t) D*n_all*n_head*n_stream) {
         return;
     }
-    const int d = (int) (i % D);
-    const int c = (int) ((i / D) % n_all);
-    const int h = (int) ((i / ((int64_t) D*n_all)) % n_head);
-    const int s = (int) (i / ((int64_t) D*n_all*n_head));
+    int64_t d, c, h, s;
+    kvq_unravel(i, D, n_all, n_head, d, c, h, s);
     if (c < n_kv) {
         dst[i] = ((const half *) (src + c*nb1 + h*nb2 + s*nb3))[d];
     } else if (c < n_kv + n_w) {
