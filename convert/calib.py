@@ -167,14 +167,15 @@ def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None) -> Cal
 
 
 def collect_cached(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
-                   source: str = "", progress: bool | None = None, fisher: bool = False) -> Calib:
+                   source: str = "", progress: bool | None = None, fisher: bool = False,
+                   window: tuple[int, int] | None = None) -> Calib:
     """collect(), kept in $PYKVQ_CACHE/calib/stats keyed by model, text and settings: several
     conversions of one model (the results scripts make dozens) calibrate once."""
     import hashlib
     cfg = Path(hf_dir) / "config.json"
     h = hashlib.sha256()
     for part in (str(Path(hf_dir).resolve()), cfg.read_text() if cfg.is_file() else "", text,
-                 f"{n_seq}/{seq_len}/{g.n_layer}/{g.head_dim}/v1"):
+                 f"{n_seq}/{seq_len}/{g.n_layer}/{g.head_dim}/v1" + (f"/window{window}" if window and fisher else "")):
         h.update(part.encode("utf-8", "replace"))
     d = cache_dir() / "calib" / "stats"
     paths = [d / f"{h.hexdigest()[:24]}.{what}.npz" for what in ("fisher", "plain")]
@@ -187,7 +188,8 @@ def collect_cached(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4
                 return Calib(get("q"), get("k"), z["pos"], source, get("v"), get("gk"), get("gv"))
             except Exception:                    # a damaged cache entry: calibrate again
                 p.unlink(missing_ok=True)
-    c = collect(hf_dir, text, g, n_seq=n_seq, seq_len=seq_len, source=source, progress=progress, fisher=fisher)
+    c = collect(hf_dir, text, g, n_seq=n_seq, seq_len=seq_len, source=source, progress=progress, fisher=fisher,
+                window=window)
     d.mkdir(parents=True, exist_ok=True)
     arrays = {"pos": c.pos}
     for w in ("q", "k", "v", "gk", "gv"):
@@ -208,10 +210,35 @@ def hf_to_norm(g: Geometry) -> np.ndarray:
     return np.concatenate([rot, np.arange(g.n_rot, g.head_dim)])
 
 
+def _window_attention(sinks: int, window: int):
+    """An HF attention function (eager, one unpadded causal sequence) whose forward pass is the model's and whose
+    gradients w.r.t. K and V come only through the reads a pre-RoPE file's runtime makes of quantized cells: query t
+    reads key s exactly when s < sinks or t - s < window, so those reads see K and V detached. The Fisher taken
+    through it weighs each cached value by what the window and sinks leave of its error."""
+    import torch
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        n_rep = module.num_key_value_groups
+        T = query.shape[2]
+        t, s_ = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        exact = (s_ < sinks) | (t - s_ < window)
+        k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+        kd, vd = k.detach(), v.detach()
+        s = torch.where(exact, query @ kd.transpose(2, 3), query @ k.transpose(2, 3)) * scaling
+        p = torch.softmax(s.masked_fill(s_ > t, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+        e = exact.to(p.dtype)
+        o = (p * e) @ vd + (p * (1 - e)) @ v
+        return o.transpose(1, 2).contiguous(), None
+    return attention
+
+
 def collect(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
-            source: str = "", progress: bool | None = None, fisher: bool = False) -> Calib:
+            source: str = "", progress: bool | None = None, fisher: bool = False,
+            window: tuple[int, int] | None = None) -> Calib:
     """Q and K of every layer on n_seq windows of the text; with fisher, also V and the
-    gradients of the mean next-token loss w.r.t. K and V (one backward pass per sequence)."""
+    gradients of the mean next-token loss w.r.t. K and V (one backward pass per sequence). window (sinks, W): the
+    gradients only through the reads of quantized cells (_window_attention)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -224,6 +251,10 @@ def collect(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_l
         raise ConvertError(str(e)) from None
     model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     model.eval()
+    if fisher and window is not None:
+        from transformers import AttentionInterface
+        AttentionInterface.register("pykvq_calib_window", _window_attention(*window))
+        model.config._attn_implementation = "pykvq_calib_window"
     layers = model.model.layers
     if len(layers) != g.n_layer:
         raise ConvertError(f"HF model has {len(layers)} layers, GGUF has {g.n_layer}")

@@ -22,7 +22,8 @@ from pykvq.keys import Keys, Tensors, Values
 from pykvq.progress import progress_bar
 from pykvq.ref import q53
 
-from . import cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, prerope, rows, smooth
+from . import (cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, prerope, rows, smooth,
+               window_weights)
 from .calib import Calib
 from .geometry import head_rows, pair_channels, pair_perms_to_channels
 from .gguf_io import ConvertError, GGUFModel, Tensor
@@ -57,6 +58,8 @@ class Options:
     kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
     kv_window: int = 64                  # (pykvq.cache.kv_sinks / kv_window; 0: off)
     kv_bits_ctx: int = 0                 # > 0: kv_bits counts that window at this many cells (0: the cache alone)
+    budget_weights: str = "window"       # kv_bits' errors per token: "window" (only what the file's window leaves
+                                         # quantized: calib.py's backward pass, or window_weights.py), "uniform"
 
     def window_bits(self) -> float:
         """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
@@ -68,6 +71,11 @@ class Options:
     def cache_bits(self) -> float | None:
         """The budget the per-layer types share: kv_bits less what the window takes."""
         return None if self.kv_bits is None else self.kv_bits - self.window_bits()
+
+    def window_weighted(self) -> bool:
+        """Whether the budget's errors weigh each token by what the file's window leaves of it."""
+        return (self.kv_bits is not None and self.budget_weights == "window" and self.prerope_k
+                and (self.kv_sinks > 0 or self.kv_window > 0))
 
     def exact_positions(self) -> int:
         """Calibration positions the runtime reads exactly from every query (the file's default sinks): the K
@@ -122,6 +130,7 @@ class Report:
     layer_types_k: list = field(default_factory=list)
     layer_types_v: list = field(default_factory=list)
     cb_errors: list = field(default_factory=list)          # per layer: {(kv, type): fisher-weighted error}
+    window_share: list = field(default_factory=list)       # per layer: {"k"/"v": mean read weight} (window budgets)
     bits_per_value: float | None = None
     scale_stats: dict = field(default_factory=dict)       # f16 block scales rounded by smoothing (subnormals)
     prerope: dict = field(default_factory=dict)           # --prerope-k: scale method and summary statistics
@@ -443,6 +452,13 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
                      cb_k: dict, cb_v: dict, rep: Report) -> None:
     """Codebooks (and, with a budget, the candidate errors) of layer i's K and V."""
     errs = {}
+    reads = None
+    if opts.window_weighted() and calib.sensitivity == "forward":    # backprop: the gradients already know it
+        if calib.q is None:
+            raise ConvertError("--kv-bits-weights window needs calibration samples of Q and K")
+        reads = dict(zip("kv", window_weights.read_weights(calib.q[i], calib.k[i], calib.pos, g, opts.kv_sinks,
+                                                           opts.kv_window)))
+        rep.window_share.append({w: float(a.mean()) for w, a in reads.items()})
     for which, samples, uniform_type, out, types in (
             ("k", cache_domain.keys, type_k, cb_k, rep.layer_types_k),
             ("v", cache_domain.values, type_v, cb_v, rep.layer_types_v)):
@@ -460,7 +476,8 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
             if _is_nuq(t) and method != "none":
                 cbs[t] = codebook.fit(x.x[fit], x.fisher[fit], t, method, q_norm=opts.q_norm)
             if opts.kv_bits is not None or t == uniform_type:     # the loss-increase estimate sum F (x - Q(x))^2
-                errs[(which, t)] = codebook.weighted_error(x.x, x.fisher, t, cbs.get(t))
+                f = x.fisher if reads is None else x.fisher * reads[which][:, :, None]
+                errs[(which, t)] = codebook.weighted_error(x.x, f, t, cbs.get(t))
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}
             # per-layer decisions are global (the budget is shared): record errors, decide after the loop

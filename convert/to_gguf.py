@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --kv-bits and a --prerope-k window: count the window's f16 rows at N cells in the budget "
                         "(16 x (sinks + window + 1) / N bits/value: 0.27 for 4 + 64 at 4096), so that B is the whole "
                         "cache's size at that context; 0 (default): B is the quantized cache's alone")
+    p.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
+                   help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
+                        "only those of reads the file's window and sinks leave quantized (the backward pass takes "
+                        "gradients through those reads alone; forward sensitivities weigh each token by the "
+                        "attention it gets from them), so the layers that look far back get the bits; uniform: "
+                        "every token's error alike. At 3.5 bits with --kv-bits-ctx 4096: KLD vs f16 0.0153 -> "
+                        "0.0118 (Qwen2.5-Coder-1.5B), 0.0226 -> 0.0189 (SmolLM2-135M)")
     p.add_argument("--layer-types", default=",".join(pipeline.layer_types.DEFAULT_LADDER),
                    help="candidate types for --kv-bits (default %(default)s)")
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
@@ -296,7 +303,7 @@ def convert(args) -> dict:
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
                             prerope_scale=args.prerope_k_scale, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
-                            kv_bits_ctx=args.kv_bits_ctx,
+                            kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
                             ladder=tuple(t.strip() for t in args.layer_types.split(",") if t.strip()))
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
@@ -363,7 +370,9 @@ def convert(args) -> dict:
                 hf_dir = src if hf else _calibration_hf_dir(src, args)
                 calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
                                                  source=source, progress=progress,
-                                                 fisher=opts.needs_gradients())
+                                                 fisher=opts.needs_gradients(),
+                                                 window=((opts.kv_sinks, opts.kv_window) if opts.window_weighted()
+                                                         else None))
             t_cal = time.time() - t1
         rep = pipeline.apply(m, opts, calib, progress=progress, geometry=g)
         if hf:
@@ -391,6 +400,8 @@ def convert(args) -> dict:
         "bits_per_value": rep.bits_per_value,
         "window_bits": round(opts.window_bits(), 4) if opts.kv_bits is not None else None,
         "kv_bits_ctx": opts.kv_bits_ctx or None,
+        "budget_weights": ("window" if opts.window_weighted() else "uniform") if opts.kv_bits is not None else None,
+        "window_share": rep.window_share,
         "v_learned": [{"choice": r.choice, "cond": round(r.cond, 2), "heldout": r.heldout, "reason": r.reason,
                        "seconds": round(r.seconds, 2)} for r in rep.v_learned],
         "k_learned": [{"choice": r.choice, "heldout": r.heldout, "seconds": round(r.seconds, 2)}
@@ -432,6 +443,12 @@ def main(argv=None) -> int:
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")
               + (f" + the window's {s['window_bits']:.3f} at {s['kv_bits_ctx']} cells" if s.get("window_bits") else ""))
+    if s.get("budget_weights") == "window" and s["layer_types_k"]:
+        print("budget: counts the errors of reads the window leaves quantized (--kv-bits-weights window)")
+    if s.get("window_share"):
+        print("budget weighs each token by the reads the window leaves quantized: share per layer, K "
+              + " ".join(f"{w['k']:.2f}" for w in s["window_share"]) + "; V "
+              + " ".join(f"{w['v']:.2f}" for w in s["window_share"]))
     if s["codebook_errors"] and not s["layer_types_k"]:
         tot = {}
         for per_layer in s["codebook_errors"]:

@@ -108,6 +108,7 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert np.mean(bits) <= 3.6 - window + 1e-9
     assert np.mean(bits) > 3.6 - window - 0.5          # the budget is spent, not left idle
     assert "the window's 0.270 at 4096 cells" in res.stdout
+    assert "counts the errors of reads the window leaves quantized" in res.stdout     # the default budget
     bad = tmp_path / "x.gguf"
     res = run_convert(smollm2, "-o", bad, "--prerope-k", "--kv-bits", "3.0", "--kv-bits-ctx", "512", *CALIB, check=False)
     assert res.returncode == 2 and "below the cheapest" in res.stderr and "for the cache" in res.stderr
@@ -133,3 +134,73 @@ def test_key_codebooks_leave_out_the_positions_the_runtime_keeps_exact(smollm2, 
     assert Options().exact_positions() == 0             # a post-RoPE file keeps no window
     assert Options(prerope_k=True, kv_bits=3.6, kv_bits_ctx=4096).cache_bits() == pytest.approx(3.6 - 16 * 69 / 4096)
     assert Options(prerope_k=True, kv_bits=3.6).cache_bits() == 3.6
+
+
+def test_window_weights_are_the_attention_the_quantized_reads_get():
+    """convert/window_weights.py by hand: with q = 0 every query t spreads its attention evenly, p_ts = 1 / (t + 1)
+    for s <= t, so key s gets sum over the queries that read it quantized (t - s >= W, s >= S) of 1 / (t + 1), over
+    its mean without a window (1: T queries' mass over T keys), and its value sum 1 / (t + 1)^2 over T / H_T (the
+    mean of the squared mass, H_T the harmonic number). No window, no sinks: every weight's mean is 1."""
+    from convert.geometry import Geometry
+    from convert.window_weights import read_weights
+    g = Geometry("llama", 1, 4, 2, 8, 8, 10000.0, "norm", None)
+    T, S, W = 40, 3, 5
+    pos = np.concatenate([np.arange(T)] * 2)                     # two calibration sequences
+    rng = np.random.default_rng(1)
+    q = np.zeros((2 * T, 4, 8), np.float32)
+    k = rng.normal(size=(2 * T, 2, 8)).astype(np.float32)
+    wk, wv = read_weights(q, k, pos, g, S, W)
+    inv = 1.0 / np.arange(1, T + 1)
+    want_k = np.array([inv[s + W:].sum() if s >= S else 0.0 for s in range(T)])
+    want_v = np.array([(inv[s + W:] ** 2).sum() if s >= S else 0.0 for s in range(T)]) * T / inv.sum()
+    for half in (slice(0, T), slice(T, 2 * T)):
+        np.testing.assert_allclose(wk[half], np.repeat(want_k[:, None], 2, axis=1), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(wv[half], np.repeat(want_v[:, None], 2, axis=1), rtol=1e-5, atol=1e-7)
+    q = rng.normal(size=(2 * T, 4, 8)).astype(np.float32)
+    wk, wv = read_weights(q, k, pos, g, 0, 0)
+    assert wk.mean() == pytest.approx(1.0, rel=1e-5) and wv.mean() == pytest.approx(1.0, rel=1e-5)
+    wk, wv = read_weights(q, k, pos, g, 0, T)                     # a window as long as the text: nothing quantized
+    assert not wk.any() and not wv.any()
+
+
+def test_window_attention_keeps_the_forward_pass_and_drops_the_exact_reads_gradients():
+    """convert/calib.py's attention for --kv-bits-weights window: the same output as plain causal attention, and
+    gradients w.r.t. K and V that come only through reads of quantized cells. With sinks 0 and window 0 (every read
+    quantized) they are plain attention's; with a window as long as the sequence, or sinks covering it, none."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from convert.calib import _window_attention
+    rng = np.random.default_rng(2)
+    B, H, Hkv, T, D = 1, 4, 2, 24, 8
+    q, k, v = (torch.from_numpy(rng.normal(size=(B, h, T, D)).astype(np.float32)) for h in (H, Hkv, Hkv))
+    mod = SimpleNamespace(num_key_value_groups=H // Hkv)
+
+    def plain(q, k, v):
+        k2, v2 = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        s = (q @ k2.transpose(2, 3)) / np.sqrt(D)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return (torch.softmax(s, dim=-1) @ v2).transpose(1, 2)
+
+    def grads(fn):
+        kk, vv = k.clone().requires_grad_(True), v.clone().requires_grad_(True)
+        out = fn(q, kk, vv)
+        (out * torch.from_numpy(rng.normal(size=out.shape).astype(np.float32))).sum().backward()
+        return out.detach(), kk.grad, vv.grad
+
+    rng_state = rng.bit_generator.state
+    o_ref, gk_ref, gv_ref = grads(plain)
+    for (sinks, window), same in (((0, 0), True), ((0, T), False), ((T, 0), False), ((3, 5), None)):
+        rng.bit_generator.state = rng_state                   # the same upstream gradient for every case
+        att = _window_attention(sinks, window)
+        o, gk, gv = grads(lambda q, k, v: att(mod, q, k, v, None, scaling=1 / np.sqrt(D))[0])
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+        if same is True:
+            torch.testing.assert_close(gk, gk_ref, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(gv, gv_ref, rtol=1e-4, atol=1e-6)
+        elif same is False:
+            assert not gk.any() and not gv.any()
+        else:                        # the sinks and the last `window` keys are read only exactly: no gradient
+            assert not gk[:, :, :sinks].any() and not gv[:, :, :sinks].any()
+            assert not gk[:, :, T - window:].any() and not gv[:, :, T - window:].any()
+            assert gk[:, :, sinks:T - window].abs().sum(dim=-1).gt(0).all()
