@@ -115,6 +115,10 @@ int llama_kvq_centre_pairs(std::vector<float> & mean, const std::vector<float> &
 void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const llama_kvq_prerope_fa & fa,
                               const ggml_tensor * k_rot);
 
+// make the graph inputs put on fa_node after it joined gf (positions, frequencies, a centred mean) leafs of gf: the
+// scheduler then keeps them in host memory and copies them into the node's split once its backend is idle
+void llama_kvq_fa_inputs_to_graph(ggml_cgraph * gf, ggml_tensor * fa_node);
+
 // session states: each layer's K / V type word also says what else decodes the bytes: a pre-RoPE K layer sets
 // LLAMA_KVQ_STATE_PREROPE, a centred one LLAMA_KVQ_STATE_CENTRED, a cache turned by upstream's online Hadamard (attn_rot_k / attn_rot_v) sets
 // LLAMA_KVQ_STATE_ROT, a file codebook puts its fingerprint (1..255) in bits 20..27 (type ids stay far below)

@@ -459,9 +459,8 @@ ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_k
 }
 
 void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo) const {
-    // The positions are FA's src[5], attached after the FA node was built: the scheduler may then
-    // place them with the FA node's backend (a CUDA buffer) rather than as a host input, so they are
-    // written with ggml_backend_tensor_set, which serves any buffer.
+    // The positions are FA's src[5], a graph leaf (llama_kvq_fa_inputs_to_graph): a host input the scheduler copies
+    // to the node's backend; written with ggml_backend_tensor_set, which serves any buffer.
     const int64_t n_kv = dst->ne[0];
     std::vector<int32_t> data(ggml_nelements(dst));
     for (int64_t s = 0; s < dst->ne[1]; ++s) {

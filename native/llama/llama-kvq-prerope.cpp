@@ -222,3 +222,17 @@ void llama_kvq_prerope_attach(ggml_tensor * fa_node, ggml_tensor * pos, const ll
     }
     ggml_kvq_fa_set_hadamard_skip(fa_node, llama_kvq_k_rot_skip(k_rot));
 }
+
+void llama_kvq_fa_inputs_to_graph(ggml_cgraph * gf, ggml_tensor * fa_node) {
+    // Sources attached after ggml_build_forward_expand reached the node are not in the graph: the scheduler gives
+    // them the node's backend and the allocator compute-buffer memory that later nodes reuse. On CUDA the host's
+    // write of the next ubatch's positions then raced the previous graph's last nodes (wrong pre-RoPE attention for
+    // ubatches that reuse a graph: -ub 64 KLD 3.9 vs 0.04 on the CPU). As leafs they are host inputs, copied into
+    // the split after the scheduler synchronizes its backend, as upstream's own inputs are.
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        ggml_tensor * t = fa_node->src[i];
+        if (t != nullptr && t->op == GGML_OP_NONE && (t->flags & GGML_TENSOR_FLAG_INPUT)) {
+            ggml_build_forward_expand(gf, t);
+        }
+    }
+}
