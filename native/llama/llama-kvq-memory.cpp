@@ -359,9 +359,10 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, true);
-        // On an H200 (2026-11-27, docs/RESULTS.md) CUDA's pre-RoPE flash attention read the cells written by an
-        // earlier batch wrongly (KLD 0.12-5 where the CPU gives 0.037; cells of the batch itself are right): a
-        // CUDA-held layer stays post-RoPE unless k_domain = pre asks for the CUDA kernels anyway
+        // On an H200 (2026-11-27, docs/RESULTS.md) CUDA's pre-RoPE flash attention was wrong for ubatches that reuse
+        // a graph (KLD 0.12-5 where the CPU gives 0.037): its positions and frequencies sat in CUDA compute memory
+        // the previous graph still used. Fixed since (llama_kvq_fa_inputs_to_graph) but not yet run on a GPU: a
+        // CUDA-held layer stays post-RoPE until a GPU check confirms it, unless k_domain = pre asks
         if (why == nullptr && !force_pre && layer.k->buffer != nullptr && !ggml_backend_buffer_is_host(layer.k->buffer) &&
             strncmp(ggml_backend_buffer_name(layer.k->buffer), "CUDA", 4) == 0) {
             why = "its K cache is on a CUDA device, whose pre-RoPE flash attention is not yet right across batches "
