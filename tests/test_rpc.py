@@ -54,17 +54,25 @@ def test_rpc_greedy_equals_local(smollm2, smollm2_codebooks, smollm2_converted, 
         assert "keys are K-sorted" in log and "bfp4_32" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("domain", ["pre", "centred"])
-def test_prerope_cache_runs_over_rpc(smollm2_prerope, workers, domain):
+@pytest.mark.parametrize("domain,window", [("pre", []), ("pre", ["--kv-window", "0", "--kv-sinks", "0"]),
+                                           ("centred", [])])
+def test_prerope_cache_runs_over_rpc(smollm2_prerope, workers, domain, window):
     """A pre-RoPE (or centred) key cache on two CPU workers: they said in HELLO that their backend has the
     kernels, so the layers and their caches go there, and the answer is the local one."""
     env = {"PYKVQ_K_DOMAIN": domain}
-    local, _ = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", env=env)
-    remote, log = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", rpc=workers, env=env)
+    local, _ = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", *window, env=env)
+    remote, log = complete(smollm2_prerope, "-ctk", "q4_0", "-ctv", "q4_0", *window, "-v", rpc=workers,
+                           env={**env, "GGML_SCHED_DEBUG": "1"})      # -v: the scheduler's splits and their inputs
     assert remote == local and len(local) > len(PROMPT) + 20
     assert len(set(re.findall(r"- (RPC\d) \(127\.0\.0\.1:\d+\) \|", log))) == 2, log[-3000:]
     assert "offloaded 31/31 layers" in log
     assert ("pre-RoPE" if domain == "pre" else "centred") in log, log[-3000:]
+    # the positions and rotary frequencies attention reads are host inputs the scheduler copies into each worker's
+    # split (llama_kvq_fa_inputs_to_graph), not tensors in the worker's compute memory that later nodes reuse: there
+    # the host's write of the next batch's raced the GPU still running the last one (CUDA, 2026-11-27). The window's
+    # own nodes happened to make them leafs; without a window (or centred) nothing else did.
+    inputs = " ".join(re.findall(r"## SPLIT #\d+: RPC\d[^\n]*", log))
+    assert "[kvq_k_pos" in inputs and "[kvq_rope_freqs-0" in inputs, inputs[:2000]
 
 
 def test_q53_64_keys_on_a_worker_are_refused_by_name(smollm2_prerope, workers):
