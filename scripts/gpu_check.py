@@ -278,8 +278,8 @@ def _kld(text: str) -> float | None:
 def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
     prerope: a pre-RoPE file, its keys forced pre-RoPE (PYKVQ_K_DOMAIN=pre); the GPU runs once more with batches of 32
-    (the cells an earlier batch wrote, read by a later one: wrong on the H200 of 2026-11-27), and once with its
-    post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
+    (ubatches that reuse a graph: wrong on the H200 of 2026-11-27, a race on the positions' GPU memory fixed since by
+    patch 0019, not yet run on a GPU), and once with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
