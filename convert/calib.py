@@ -218,11 +218,13 @@ def _window_attention(sinks: int, window: int):
     import torch
     from transformers.models.llama.modeling_llama import repeat_kv
 
+    from .window_weights import read_exactly
+
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
         n_rep = module.num_key_value_groups
         T = query.shape[2]
         t, s_ = torch.arange(T)[:, None], torch.arange(T)[None, :]
-        exact = (s_ < sinks) | (t - s_ < window)
+        exact = read_exactly(t, s_, sinks, window)
         k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         kd, vd = k.detach(), v.detach()
         s = torch.where(exact, query @ kd.transpose(2, 3), query @ k.transpose(2, 3)) * scaling

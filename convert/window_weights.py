@@ -21,27 +21,13 @@ from __future__ import annotations
 import numpy as np
 
 from .geometry import Geometry
-from .learn_v import sequences
-from .smooth import rope_norm
+from .learn_v import attention_probs, sequences
 
 
-def _received(qr: np.ndarray, kr: np.ndarray, g: Geometry, quantized: np.ndarray) -> tuple[np.ndarray, ...]:
-    """For one sequence's post-RoPE q [T, n_head, hd], k [T, n_kv, hd] and the mask of quantized reads [T(query),
-    T(key)]: per key and KV head [T, n_kv] the attention mass and squared mass received, in all and from quantized
-    reads (float64)."""
-    t = qr.shape[0]
-    causal = np.arange(t)[None, :] > np.arange(t)[:, None]
-    out = [np.zeros((t, g.n_head_kv)) for _ in range(4)]
-    for h in range(g.n_head):               # one head at a time: a [T, T] score matrix
-        kv = h // g.group
-        s = (qr[:, h].astype(np.float64) @ kr[:, kv].astype(np.float64).T) / np.sqrt(g.head_dim)
-        s[causal] = -np.inf
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        p2 = p * p
-        for o, a in zip(out, (p, p2, p * quantized, p2 * quantized)):
-            o[:, kv] += a.sum(axis=0) / g.group
-    return tuple(out)
+def read_exactly(t, s, sinks: int, window: int):
+    """Whether query position t reads key position s from the window's f16 rows (numpy or torch, broadcast): the
+    runtime's rule (native/llama/llama-kvq-window.cpp), shared with calib.py's backward pass."""
+    return (s < sinks) | (t - s < window)
 
 
 def read_weights(q: np.ndarray, k: np.ndarray, pos: np.ndarray, g: Geometry, sinks: int,
@@ -52,10 +38,12 @@ def read_weights(q: np.ndarray, k: np.ndarray, pos: np.ndarray, g: Geometry, sin
     wk, wv = np.zeros(k.shape[:2]), np.zeros(k.shape[:2])
     for sl in sequences(pos):
         p = pos[sl]
-        qd = p[:, None] - p[None, :]                        # query - key distance
-        quantized = (qd >= window) & (p[None, :] >= sinks)
-        mass, sq, mass_q, sq_q = _received(rope_norm(q[sl], p, g), rope_norm(k[sl], p, g), g, quantized)
-        wk[sl], wv[sl] = mass_q, sq_q
-        mass_all, sq_all = mass_all + mass.sum(), sq_all + sq.sum()
+        # [n_kv, group, query, key]: every query of the sequence (causal: zero above the diagonal)
+        a = attention_probs(q[sl], k[sl], p, g, len(p)).astype(np.float64).reshape(g.n_head_kv, g.group, len(p), -1)
+        quantized = ~read_exactly(p[:, None], p[None, :], sinks, window)
+        a2 = a * a
+        wk[sl] = (a * quantized).sum(axis=(1, 2)).T / g.group
+        wv[sl] = (a2 * quantized).sum(axis=(1, 2)).T / g.group
+        mass_all, sq_all = mass_all + a.sum() / g.group, sq_all + a2.sum() / g.group
     n = wk.size
     return (wk * n / max(mass_all, 1e-30)).astype(np.float32), (wv * n / max(sq_all, 1e-30)).astype(np.float32)

@@ -204,3 +204,18 @@ def test_window_attention_keeps_the_forward_pass_and_drops_the_exact_reads_gradi
             assert not gk[:, :, :sinks].any() and not gv[:, :, :sinks].any()
             assert not gk[:, :, T - window:].any() and not gv[:, :, T - window:].any()
             assert gk[:, :, sinks:T - window].abs().sum(dim=-1).gt(0).all()
+
+
+def test_forward_budget_weighs_tokens_by_the_window(smollm2, tmp_path):
+    """--sensitivity forward (runtime calibration, no backward pass) with --kv-bits and the file's window: each layer's
+    errors are weighed by window_weights.read_weights, whose per-layer mean shares the converter prints (each in
+    [0, 1]: the window only removes reads); --kv-bits-weights uniform prints none and says nothing of the window."""
+    out = tmp_path / "smol-fw.gguf"
+    res = run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "3.6", "--sensitivity", "forward", *CALIB)
+    line = next(x for x in res.stdout.splitlines() if "share per layer" in x)
+    shares = [float(x) for x in line.split("K ")[1].replace("; V", "").split()]
+    assert len(shares) == 2 * read_gguf(out).layer_count() and all(0.0 <= x <= 1.0 for x in shares)
+    assert "counts the errors of reads the window leaves quantized" in res.stdout
+    res = run_convert(smollm2, "-o", tmp_path / "smol-fu.gguf", "--prerope-k", "--kv-bits", "3.6", "--sensitivity",
+                      "forward", "--kv-bits-weights", "uniform", *CALIB)
+    assert "share per layer" not in res.stdout and "window leaves quantized" not in res.stdout
