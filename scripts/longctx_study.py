@@ -14,8 +14,11 @@ half of each window (as llama-perplexity scores a chunk), on WikiText-2 test tex
 Key rows are quantized pre-RoPE as the runtime's --prerope-k cache holds them: (k - mean) / scale with the
 converter's Fisher scale, then per token blocks of 32 (upstream's online Hadamard over the head, then the type),
 or per channel along groups of G tokens (KIVI's asymmetric min / max, f16 scale and minimum per group, no
-Hadamard). Values: per token, Hadamard over the head, then the type (the runtime's). The post-RoPE q8_0 row is
-stock llama.cpp's q8_0 cache (with its Hadamard) for the ratio the issue's targets are stated in.
+Hadamard), or per token with each head's channels split by importance (`mix<hi><lo>`: the rotary pairs of
+largest F_c var_c in hi bits, the rest in lo bits, q53_64's layout and rule at other widths; `lsq<b>`: b bits,
+the head's Hadamard, scales by least squares). Values: per token, Hadamard over the head, then the type (the
+runtime's). The post-RoPE q8_0 row is stock llama.cpp's q8_0 cache (with its Hadamard) for the ratio the issue's
+targets are stated in.
 
 Bits per value count the window and sinks as f16 at the context length used. Cost: ~1 min per row and window
 on 2 cores for SmolLM2 at 4096 tokens.
@@ -36,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from convert import cache_domain, prerope  # noqa: E402
-from pykvq.ref import roundtrip  # noqa: E402
+from pykvq.ref import roundtrip, scale_search  # noqa: E402
 from pykvq.ref.stock import _roundtrip_signed_max as roundtrip_signed  # noqa: E402
 from prerope_study import rot  # noqa: E402  (blocks of n channels times the Hadamard)
 
@@ -44,7 +47,8 @@ from prerope_study import rot  # noqa: E402  (blocks of n channels times the Had
 @dataclass(frozen=True)
 class Row:
     name: str
-    k: str                 # "q8_0@post" | per-token type ("q4_0", "int3") | "grp<b>x<G>" (token groups)
+    k: str                 # "q8_0@post" | per-token type ("q4_0", "int3", "lsq3") | "grp<b>x<G>" (token groups)
+                           # | "mix<hi><lo>" (each head's 64 channels split by importance: hi / lo-bit halves)
     v: str                 # per-token type
     window: int = 0        # W recent tokens exact
     sinks: int = 0         # S first tokens exact
@@ -57,6 +61,10 @@ def type_bits(t: str) -> float:
     if t.startswith("grp"):
         b, g = t[3:].split("x")
         return int(b) + 32 / int(g)                   # f16 scale and minimum per group
+    if t.startswith("mix"):
+        return (int(t[3]) + int(t[4])) / 2 + 0.5      # an f16 scale per half of 32
+    if t.startswith("lsq"):
+        return int(t[3]) + 0.5
     return {"q8_0": 8.5, "q4_0": 4.5, "int3": 3.5, "int2": 2.5, "f16": 16.0}[t.split("@")[0]]
 
 
@@ -65,8 +73,30 @@ def row_bits(r: Row, ctx: int) -> float:
     return ((ctx - exact) * (type_bits(r.k) + type_bits(r.v)) / 2 + exact * 16.0) / ctx
 
 
+def lsq_blocks(x: np.ndarray, bits: int) -> np.ndarray:
+    """q*_0's rule at `bits` with each 32-block's scale by least squares (pykvq/ref/scale_search.py), read back."""
+    half = 1 << (bits - 1)
+    d, q = scale_search.quantize(x.reshape(-1, 32), half)
+    return ((q.astype(np.float32) - half) * d.astype(np.float32)[:, None]).reshape(x.shape)
+
+
+def importance_split(x: np.ndarray, order: np.ndarray, hi: int, lo: int) -> np.ndarray:
+    """x [T, n_kv, hd]: per head, the channels order[h][:hd/2] (the important rotary pairs) in hi bits and the rest in
+    lo bits, each 32 turned by its own 32-wide Hadamard, scales by least squares (q53_64's rule at other widths)."""
+    out = np.empty_like(x)
+    n = x.shape[-1] // 2
+    for h in range(x.shape[1]):
+        o = order[h]
+        y = x[:, h, o]
+        out[:, h, o] = np.concatenate([rot(lsq_blocks(rot(y[:, :n], 32), hi), 32),
+                                       rot(lsq_blocks(rot(y[:, n:], 32), lo), 32)], axis=1)
+    return out
+
+
 def per_token(x: np.ndarray, t: str, hd: int) -> np.ndarray:
     """x [..., hd]: the online Hadamard over the head, then the type along it (blocks of 32)."""
+    if t.startswith("lsq"):
+        return rot(lsq_blocks(rot(x, hd), int(t[3])), hd)
     if t.startswith("int"):        # symmetric, one f16 scale per 32 (q*_0's rule at b bits)
         q = lambda z: roundtrip_signed(z, 2 ** (int(t[3:]) - 1))  # noqa: E731
     else:
@@ -98,11 +128,14 @@ class Harness:
         self.st, self.g = st, st.g
         c, g = st.calib, st.g
         dom = cache_domain.Domain()
-        self.kstats = []
+        self.kstats, self.korder = [], []
         for i in range(g.n_layer):
             kp = cache_domain.prerope_keys(c, i, g, dom)
             f = cache_domain.prerope_key_fisher(c, i, g, dom)
             self.kstats.append(prerope.stats(kp, "fisher", f))
+            imp = f * kp.astype(np.float64).var(axis=0)          # what an error in the channel costs: F_c var_c
+            po = np.argsort(-(imp[:, 0::2] + imp[:, 1::2]), axis=1, kind="stable")   # whole NORM pairs, as baked
+            self.korder.append(np.stack([2 * po, 2 * po + 1], axis=-1).reshape(imp.shape))
         self.row: Row | None = None
         self.kq: dict[int, np.ndarray] = {}
         ml = sys.modules[type(st.model.model.layers[0].self_attn).__module__]
@@ -121,8 +154,12 @@ class Harness:
                     x = k[0].detach().numpy().transpose(1, 0, 2)[..., st.idx]        # [T, n_kv, hd] NORM
                     mean, scale = h.kstats[i]
                     y = (x - mean) / scale
-                    y = token_groups(y, *map(int, r.k[3:].split("x"))) if r.k.startswith("grp") \
-                        else per_token(y, r.k, g.head_dim)
+                    if r.k.startswith("grp"):
+                        y = token_groups(y, *map(int, r.k[3:].split("x")))
+                    elif r.k.startswith("mix"):
+                        y = importance_split(y, h.korder[i], int(r.k[3]), int(r.k[4]))
+                    else:
+                        y = per_token(y, r.k, g.head_dim)
                     xq = torch.from_numpy(np.ascontiguousarray((y * scale + mean)[..., st.inv].transpose(1, 0, 2),
                                                                np.float32))[None]
                     h.kq[i] = prev(q, xq, cos, sin, *a, **kw)[1]
@@ -218,6 +255,9 @@ def main(argv=None) -> int:
         Row("K groups 2b x 64 / int3 + window 128, sinks 4", "grp2x64", "int3", W, S),
         Row("q4_0 / int3 + window 128, sinks 4", "q4_0", "int3", W, S),
         Row("int3 / int2 + window 128, sinks 4", "int3", "int2", W, S),
+        # keys alone (V q8_0), the runtime's default window: halves split by importance (q53_64's layout), other widths
+        *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
+          for k in ("q4_0", "mix53", "lsq3", "mix42", "mix43", "mix32")],
     ]
     if args.only:
         keep = set(args.only.split(";"))
