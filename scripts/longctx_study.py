@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         Row("int3 / int2 + window 128, sinks 4", "int3", "int2", W, S),
         # keys alone (V q8_0), the runtime's default window: halves split by importance (q53_64's layout), other widths
         *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
-          for k in ("q4_0", "mix53", "lsq3", "mix42", "mix43", "mix32")],
+          for k in ("q4_0", "mix53", "lsq3", "mix42", "mix43", "mix52", "mix32")],
     ]
     if args.only:
         keep = set(args.only.split(";"))
