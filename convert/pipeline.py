@@ -98,7 +98,7 @@ class Options:
     def needs_gradients(self) -> bool:
         """Whether calibration must take the loss's gradients (Fisher codebooks, budgets, the fisher K scale)."""
         return (self.needs_fisher() or self.rotate_v == "learned" or
-                (self.prerope_k and (self.prerope_scale == "fisher" or self.cache_type_k == "q53_64")))
+                (self.prerope_k and (self.prerope_scale == "fisher" or self.cache_type_k in q53.HALVES_TYPES)))
 
     def check_learning(self) -> None:
         """What the learned transforms cannot do (checked before calibration, to fail fast)."""
@@ -174,14 +174,15 @@ def check_file(m: GGUFModel, opts: Options, g) -> None:
         raise ConvertError(f"K-sort with {rope_scaling} rope scaling is not supported (its ramp depends on "
                            "the pair's position)")
     type_k, _ = opts.resolved_types()
-    if type_k == "q53_64" and not opts.prerope_k:
-        raise ConvertError("--cache-type-k q53_64 needs --prerope-k: its 5-bit halves are for the channels the "
+    halves = type_k in q53.HALVES_TYPES
+    if halves and not opts.prerope_k:
+        raise ConvertError(f"--cache-type-k {type_k} needs --prerope-k: its wide halves are for the channels the "
                            "loss reads most, measured in the pre-RoPE key domain")
-    if type_k == "q53_64" and opts.ksort:
-        raise ConvertError("--ksort with --cache-type-k q53_64 is not supported: q53_64 lays the pairs out by "
+    if halves and opts.ksort:
+        raise ConvertError(f"--ksort with --cache-type-k {type_k} is not supported: {type_k} lays the pairs out by "
                            "importance itself")
-    if type_k == "q53_64" and (g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")):
-        raise ConvertError(f"--cache-type-k q53_64 moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
+    if halves and (g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")):
+        raise ConvertError(f"--cache-type-k {type_k} moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
                            f"head {g.head_dim}) and no position-dependent rope scaling ({rope_scaling})")
 
 
@@ -214,13 +215,13 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         if g.head_dim % _block(t):
             raise ConvertError(f"cache type {t} ({which}) has blocks of {_block(t)}, which do not divide "
                                f"the head size {g.head_dim}")
-    # q53_64 keys: the converter lays every head's pairs out by importance (K-sort's machinery, another order)
-    importance = opts.prerope_k and type_k == "q53_64"
+    # q53_64 / q42_64 keys: every head's pairs laid out by importance (K-sort's machinery, another order)
+    importance = opts.prerope_k and type_k in q53.HALVES_TYPES
     key_kind = opts.ksort_key if opts.ksort_key != "auto" else ("calib" if calib is not None else "weight")
     if importance:
         key_kind = "importance"
         if calib.gk is None and calib.km is None:
-            raise ConvertError("--cache-type-k q53_64 needs Fisher calibration statistics (the keys' gradients)")
+            raise ConvertError(f"--cache-type-k {type_k} needs Fisher calibration statistics (the keys' gradients)")
     if opts.ksort and key_kind == "calib" and calib is None:
         raise ConvertError("--ksort-key calib needs calibration text")
 

@@ -345,7 +345,7 @@ def convert(args) -> dict:
         forward = args.sensitivity == "forward"
         stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
                                               or opts.learn_k or opts.needs_fisher()
-                                              or opts.resolved_types()[0] == "q53_64"))
+                                              or opts.resolved_types()[0] in pipeline.q53.HALVES_TYPES))
         # an architecture outside the converter's table: only the pre-RoPE statistics, whose layout the runtime's
         # graph tells (checked against the file's rope dimension count after calibration)
         g = geometry(m, layout="norm" if forward and stats_only else None)

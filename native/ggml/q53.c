@@ -4,6 +4,7 @@
 //
 // A pre-RoPE key file laid out for it (convert/prerope.py: the important rotary pairs of every 64
 // channels in the first half) spends 5 bits where the loss reads the keys and 3 where it hardly does.
+// q42_64 is the same split one bit lower (4 and 2 bits, 3.5 bits/value), below.
 #include "ggml-kvq.h"
 
 #include <float.h>
@@ -12,6 +13,7 @@
 
 // each half: q*_0's rule with a least-squares scale (ggml_kvq_lsq_block, native/ggml/lsq.c), half = 2^(bits-1)
 GGML_KVQ_STATIC_ASSERT(QK_Q53/2 == GGML_KVQ_LSQ_N, "a q53_64 half is one least-squares block");
+GGML_KVQ_STATIC_ASSERT(QK_Q42/2 == GGML_KVQ_LSQ_N, "a q42_64 half is one least-squares block");
 
 void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {
     ggml_kvq_quantize_row_q53_64_with(x, y, k, ggml_kvq_lsq_block);
@@ -58,15 +60,55 @@ void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k) {
     }
 }
 
-bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes) {
-    if (nbytes % sizeof(block_q53_64) != 0) {
+bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes) {
+    // both types start with their two f16 scales
+    const size_t size = type == GGML_TYPE_Q42_64 ? sizeof(block_q42_64) : sizeof(block_q53_64);
+    if (nbytes % size != 0) {
         return false;
     }
-    const block_q53_64 * b = (const block_q53_64 *) data;
-    for (size_t i = 0; i < nbytes / sizeof(block_q53_64); ++i) {
-        if (!isfinite(ggml_kvq_f16_bytes(b[i].d5)) || !isfinite(ggml_kvq_f16_bytes(b[i].d3))) {
+    const uint8_t * b = (const uint8_t *) data;
+    for (size_t i = 0; i < nbytes / size; ++i) {
+        if (!isfinite(ggml_kvq_f16_bytes(b + i*size)) || !isfinite(ggml_kvq_f16_bytes(b + i*size + 2))) {
             return false;
         }
     }
     return true;
+}
+
+// q42_64: the first half q4_0's rule (half = 8), the second the same rule with 4 levels (half = 2)
+void quantize_row_q42_64_ref(const float * x, block_q42_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_q42_64_with(x, y, k, ggml_kvq_lsq_block);
+}
+
+void ggml_kvq_quantize_row_q42_64_with(const float * x, block_q42_64 * y, int64_t k, ggml_kvq_lsq_block_t block) {
+    const int64_t nb = k / QK_Q42;
+    for (int64_t i = 0; i < nb; ++i) {
+        const float * xb = x + i*QK_Q42;
+        block_q42_64 * b = y + i;
+        uint8_t q4[QK_Q42/2], q2[QK_Q42/2];
+        block(xb, 8, b->d4, q4);
+        block(xb + QK_Q42/2, 2, b->d2, q2);
+        for (int j = 0; j < 16; ++j) {
+            b->qs4[j] = (uint8_t) (q4[j] | (q4[j + 16] << 4));
+        }
+        memset(b->qs2, 0, sizeof(b->qs2));
+        for (int j = 0; j < 32; ++j) {
+            b->qs2[j % 8] |= (uint8_t) (q2[j] << (2*(j / 8)));
+        }
+    }
+}
+
+void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k) {
+    const int64_t nb = k / QK_Q42;
+    for (int64_t i = 0; i < nb; ++i) {
+        const block_q42_64 * b = x + i;
+        const float d4 = ggml_kvq_f16_bytes(b->d4), d2 = ggml_kvq_f16_bytes(b->d2);
+        float * o = y + i*QK_Q42;
+        for (int j = 0; j < 32; ++j) {
+            const int q4 = j < 16 ? b->qs4[j] & 15 : b->qs4[j - 16] >> 4;
+            const int q2 = (b->qs2[j % 8] >> (2*(j / 8))) & 3;
+            o[j]      = (float) (q4 - 8)*d4;
+            o[j + 32] = (float) (q2 - 2)*d2;
+        }
+    }
 }

@@ -163,6 +163,20 @@ typedef struct {
 
 GGML_KVQ_STATIC_ASSERT(sizeof(block_q53_64) == 36, "block_q53_64 size");
 
+// q42_64: the same split one bit lower, 3.5 bits/value: the first 32 values in 4 bits (q4_0's levels and nibble
+// order), the last 32 in 2 bits (4 levels, nuq2's order), each half with its own f16 scale
+// (pykvq/ref/q53.py: 4 / 2 takes 59% off the error of uniform 3-bit keys in the study, docs/RESULTS.md).
+#define QK_Q42 64
+
+typedef struct {
+    uint8_t d4[2];            // scale of values 0..31: x = d4 * (q4 - 8)
+    uint8_t d2[2];            // scale of values 32..63: x = d2 * (q2 - 2)
+    uint8_t qs4[16];          // byte j: q4(j) (low nibble), q4(j+16) (high)
+    uint8_t qs2[8];           // byte j, bits 2k..2k+1: q2(j + 8k), k = 0..3
+} block_q42_64;               // 28 bytes per 64 values: 3.5 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_q42_64) == 28, "block_q42_64 size");
+
 // Fallback codebooks (pykvq/ref/nuq.py FALLBACK): Lloyd-Max centroids of Gaussian
 // blocks of 32 normalised by their absmax to [-127, 127], rounded.
 #define GGML_KVQ_NUQ_FALLBACK_4 { -123, -98, -78, -61, -46, -32, -19, -6, 6, 19, 32, 46, 61, 78, 98, 123 }
@@ -384,8 +398,10 @@ GGML_API void dequantize_row_nuq2o(const block_nuq2o * x, float * y, int64_t k);
 
 GGML_API void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k);
 GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k);
-// Row validation for ggml_validate_row_data (patch 0015): both scales finite.
-GGML_API bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes);
+GGML_API void quantize_row_q42_64_ref(const float * x, block_q42_64 * y, int64_t k);
+GGML_API void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k);
+// Row validation for ggml_validate_row_data (patch 0015): both scales of every block finite (q53_64, q42_64).
+GGML_API bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes);
 
 //
 // Least-squares block scales (native/ggml/lsq.c, pykvq/ref/scale_search.py). For a block of GGML_KVQ_LSQ_N values and
@@ -401,11 +417,12 @@ GGML_API bool ggml_kvq_validate_row_q53(const void * data, size_t nbytes);
 GGML_API void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 GGML_API void quantize_row_q4_0_lsq(const float * x, void * y, int64_t k);
 GGML_API void quantize_row_q5_0_lsq(const float * x, void * y, int64_t k);
-// the rows of q4_0 / q5_0 / q53_64 with another implementation of the block rule (the CPU's SIMD one)
+// the rows of q4_0 / q5_0 / q53_64 / q42_64 with another implementation of the block rule (the CPU's SIMD one)
 typedef void (*ggml_kvq_lsq_block_t)(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 GGML_API void ggml_kvq_quantize_row_q4_0_with(const float * x, void * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q5_0_with(const float * x, void * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
+GGML_API void ggml_kvq_quantize_row_q42_64_with(const float * x, block_q42_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 
 // The encoder a SET_ROWS into a cache tensor uses: int32 op_params[GGML_KVQ_ENC_TAG] = GGML_KVQ_ENC_MAGIC
 // for least squares (ggml's SET_ROWS reads no op_params). The CPU and pykvq's CUDA kernels read it; a backend

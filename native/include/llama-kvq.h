@@ -218,7 +218,7 @@ std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors
 bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
 
 // The online K Hadamard's input tensor [nrot, nrot] (upstream: nrot = the largest power of two dividing the head
-// size). A q53_64 block's halves hold 5- and 3-bit values of channels of different importance (pykvq/ref/q53.py),
+// size). A q53_64 (q42_64) block's halves hold 5- and 3-bit (4- and 2-bit) values of channels of different importance (pykvq/ref/q53.py),
 // so with any q53_64 K layer the rotation never mixes the halves: within each 32-value half for nrot 64, and for
 // nrot >= 128 the Hadamard without its stride-32 butterfly (ggml_kvq_fa_set_hadamard_skip), which turns the
 // 5-bit halves of nrot/64 blocks together and their 3-bit halves together. That layout is marked in the tensor's
@@ -229,7 +229,7 @@ template <typename Layer>
 ggml_tensor * llama_kvq_new_k_rot(ggml_context * ctx, const std::vector<Layer> & layers, int64_t nrot) {
     bool q53 = false;
     for (const auto & l : layers) {
-        q53 = q53 || (l.k != nullptr && l.k->type == GGML_TYPE_Q53_64);
+        q53 = q53 || (l.k != nullptr && ggml_kvq_type_family(l.k->type) == GGML_KVQ_FAMILY_Q53);   // q53_64, q42_64
     }
     return llama_kvq_new_k_rot_tensor(ctx, q53, nrot);
 }
@@ -238,7 +238,7 @@ int llama_kvq_k_rot_skip(const ggml_tensor * k_rot);
 // fills a host K rotation tensor that leaves a stride out and returns true; false for upstream's plain Hadamard
 bool llama_kvq_k_rot_fill(ggml_tensor * k_rot);
 
-// throws when a K cache of a type with CPU kernels only (q53_64) is in a device buffer (CUDA, RPC, ...), where
+// throws when a K cache of a type with CPU kernels only (q53_64, q42_64) is in a device buffer (CUDA, RPC, ...), where
 // writing it would abort in the scheduler: the error names the way out
 void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory_i * mem);
 

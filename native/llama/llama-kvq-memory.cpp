@@ -187,7 +187,7 @@ bool llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors) {
     return std::any_of(tensors.begin(), tensors.end(), [](const ggml_tensor * t) { return t && ggml_is_quantized(t->type); });
 }
 
-// the online K rotation of a cache with q53_64 keys (llama-kvq.h)
+// the online K rotation of a cache with q53_64 / q42_64 keys (llama-kvq.h)
 ggml_tensor * llama_kvq_new_k_rot_tensor(ggml_context * ctx, bool q53, int64_t nrot) {
     int32_t skip = 0;
     if (q53) {
@@ -233,9 +233,11 @@ bool llama_kvq_k_rot_fill(ggml_tensor * k_rot) {
 void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory_i * mem) {
     const auto layers = llama_memory_kvq_layers(mem, model.hparams.n_layer_all);
     for (uint32_t il = 0; il < layers.size(); ++il) {
-        if (layers[il].type_k == GGML_TYPE_Q53_64 && !layers[il].host_k) {
-            throw std::runtime_error(format("layer %u: the q53_64 K cache has CPU kernels only, and this context puts it on "
-                    "a device: keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use another K cache type", il));
+        const ggml_type t = (ggml_type) layers[il].type_k;
+        if (ggml_kvq_type_is_kvq(t) && !ggml_kvq_type_has_cuda(t) && !layers[il].host_k) {
+            throw std::runtime_error(format("layer %u: the %s K cache has CPU kernels only, and this context puts it on "
+                    "a device: keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use another K cache type", il,
+                    ggml_type_name(t)));
         }
     }
 }
@@ -377,9 +379,13 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
         layer.k_scale = ml.kvq_k_scale;
         ++n_prerope;
     }
+    // keys of a halves type (q53_64, q42_64) are turned within each half only (llama_kvq_new_k_rot)
+    const bool halves = std::any_of(layers.begin(), layers.end(), [](const auto & l) {
+        return l.k != nullptr && ggml_kvq_type_family(l.k->type) == GGML_KVQ_FAMILY_Q53; });
     LLAMA_LOG_INFO("%s: pre-RoPE key cache in %u of %zu layers (centred by the file's kvq_k_mean / kvq_k_scale, RoPE applied "
                    "when flash attention reads K; online Hadamard of the centred K %s)%s%s\n", __func__, n_prerope, layers.size(),
-                   attn_rot_k ? "on" : "off", why_not ? "; others post-RoPE: " : "", why_not ? why_not : "");
+                   !attn_rot_k ? "off" : halves ? "on, within each half of the blocks" : "on",
+                   why_not ? "; others post-RoPE: " : "", why_not ? why_not : "");
     return n_prerope;
 }
 

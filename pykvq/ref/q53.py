@@ -1,4 +1,4 @@
-"""q53_64: 4.5 bits/value split unevenly inside a block, the reference rule (numpy).
+"""q53_64: 4.5 bits/value split unevenly inside a block, the reference rule (numpy); q42_64 (3.5 bits) below.
 
 A block of 64 values holds two halves of 32: the first half in 5 bits, the second in 3 bits
 (q5_0's levels with half = 16, and the same levels with half = 4), each with its own f16 scale:
@@ -49,22 +49,30 @@ BITS_PER_VALUE = 8 * TYPE_SIZE / QK
 N_SCALES = scale_search.N_SCALES
 
 
-def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(d5, q5, d3, q3) of the last axis of x (a multiple of 64) as [nb] f16 and [nb, 32] uint8 arrays."""
+def _quantize_halves(x: np.ndarray, bits: tuple, name: str):
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % QK:
-        raise ValueError(f"q53_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
+        raise ValueError(f"{name}: the last dimension {x.shape[-1]} is not a multiple of {QK}")
     b = x.reshape(-1, QK)
-    d5, q5 = scale_search.quantize(b[:, :HALF], 1 << (BITS[0] - 1))
-    d3, q3 = scale_search.quantize(b[:, HALF:], 1 << (BITS[1] - 1))
-    return d5, q5, d3, q3
+    d_hi, q_hi = scale_search.quantize(b[:, :HALF], 1 << (bits[0] - 1))
+    d_lo, q_lo = scale_search.quantize(b[:, HALF:], 1 << (bits[1] - 1))
+    return d_hi, q_hi, d_lo, q_lo
+
+
+def _dequantize_halves(d_hi, q_hi, d_lo, q_lo, bits: tuple) -> np.ndarray:
+    hi = (q_hi.astype(np.float32) - (1 << (bits[0] - 1))) * d_hi.astype(np.float32)[:, None]
+    lo = (q_lo.astype(np.float32) - (1 << (bits[1] - 1))) * d_lo.astype(np.float32)[:, None]
+    return np.concatenate([hi, lo], axis=1)
+
+
+def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d5, q5, d3, q3) of the last axis of x (a multiple of 64) as [nb] f16 and [nb, 32] uint8 arrays."""
+    return _quantize_halves(x, BITS, "q53_64")
 
 
 def dequantize_blocks(d5, q5, d3, q3) -> np.ndarray:
     """[nb, 64] float32."""
-    lo = (q5.astype(np.float32) - 16) * d5.astype(np.float32)[:, None]
-    hi = (q3.astype(np.float32) - 4) * d3.astype(np.float32)[:, None]
-    return np.concatenate([lo, hi], axis=1)
+    return _dequantize_halves(d5, q5, d3, q3, BITS)
 
 
 def roundtrip(x: np.ndarray) -> np.ndarray:
@@ -99,6 +107,58 @@ def unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     qs3, qh3 = a[:, 24:32], np.unpackbits(a[:, 32:36], axis=1, bitorder="little")
     q3 = np.concatenate([(qs3 >> (2 * k)) & 3 for k in range(4)], axis=1) | (qh3 << 2)
     return d5, q5.astype(np.uint8), d3, q3.astype(np.uint8)
+
+
+# q42_64: the same split one bit lower, 3.5 bits/value. The first half in 4 bits (q4_0's levels, half = 8), the
+# second in 2 bits (4 levels, half = 2), each with its own f16 scale by the same rule. Storage (28 bytes):
+#   d4[2] d2[2]  qs4[16]  qs2[8]
+#   qs4 byte j: q4(j) (low nibble), q4(j+16) (high)     (as q4_0)
+#   qs2 byte j: bits 2k..2k+1 = q2(j + 8k), k = 0..3    (as nuq2)
+# Fake quantization of SmolLM2's pre-RoPE keys at 4096 tokens with the window (scripts/longctx_study.py, "mix42"):
+# 0.0045 KLD against 0.0109 for uniform 3-bit keys with the same scale rule (docs/RESULTS.md).
+Q42_BITS = (4, 2)
+HALVES_TYPES = ("q53_64", "q42_64")       # key types whose blocks want the importance layout
+Q42_TYPE_SIZE = 28
+Q42_BITS_PER_VALUE = 8 * Q42_TYPE_SIZE / QK
+
+
+def q42_quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d4, q4, d2, q2) of the last axis of x (a multiple of 64) as [nb] f16 and [nb, 32] uint8 arrays."""
+    return _quantize_halves(x, Q42_BITS, "q42_64")
+
+
+def q42_dequantize_blocks(d4, q4, d2, q2) -> np.ndarray:
+    """[nb, 64] float32."""
+    return _dequantize_halves(d4, q4, d2, q2, Q42_BITS)
+
+
+def q42_roundtrip(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return q42_dequantize_blocks(*q42_quantize_blocks(x)).reshape(x.shape)
+
+
+def q42_pack(d4, q4, d2, q2) -> bytes:
+    nb = q4.shape[0]
+    qs4 = (q4[:, :16] & 15) | ((q4[:, 16:] & 15) << 4)
+    low = (q2 & 3).reshape(nb, 4, 8)
+    qs2 = low[:, 0] | (low[:, 1] << 2) | (low[:, 2] << 4) | (low[:, 3] << 6)
+    parts = [d4.view(np.uint8).reshape(nb, 2), d2.view(np.uint8).reshape(nb, 2), qs4, qs2]
+    out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
+    assert out.shape[1] == Q42_TYPE_SIZE
+    return out.tobytes()
+
+
+def q42_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    a = np.frombuffer(data, dtype=np.uint8)
+    if a.size % Q42_TYPE_SIZE:
+        raise ValueError(f"q42_64: {a.size} bytes is not a whole number of {Q42_TYPE_SIZE}-byte blocks")
+    a = a.reshape(-1, Q42_TYPE_SIZE)
+    d4 = a[:, 0:2].copy().view(np.float16)[:, 0]
+    d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
+    qs4, qs2 = a[:, 4:20], a[:, 20:28]
+    q4 = np.concatenate([qs4 & 15, qs4 >> 4], axis=1)
+    q2 = np.concatenate([(qs2 >> (2 * k)) & 3 for k in range(4)], axis=1)
+    return d4, q4.astype(np.uint8), d2, q2.astype(np.uint8)
 
 
 def importance_layout(importance: np.ndarray) -> np.ndarray:

@@ -438,6 +438,9 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
     if (type == GGML_TYPE_Q53_64) {
         return dequantize_row_q53_64_cpu;
     }
+    if (type == GGML_TYPE_Q42_64) {
+        return dequantize_row_q42_64_cpu;
+    }
     if (ggml_kvq_type_is_nuq(type)) {
         return ggml_kvq_nuq_cpu_impl_to_float(ggml_kvq_nuq_cpu_n_impls() - 1, type);
     }

@@ -1,4 +1,4 @@
-// CPU kernels for q53_64 (native/ggml/q53.c has the reference): quantize (the reference's rows with the SIMD
+// CPU kernels for q53_64 and q42_64 (native/ggml/q53.c has the references): quantize (the reference's rows with the SIMD
 // scale search of cpu/lsq.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
 // half gives one int32 dot product and one float scale, d5·d8 and d3·d8.
 #include "ggml-kvq-cpu.h"
@@ -133,6 +133,52 @@ void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
         const float d5 = ggml_kvq_f16_bytes(x[i].d5), d3 = ggml_kvq_f16_bytes(x[i].d3);
         sum += d5*ggml_kvq_fp16_to_fp32(y[2*i].d)*(float) q53_dot32(v5, y[2*i].qs)
              + d3*ggml_kvq_fp16_to_fp32(y[2*i + 1].d)*(float) q53_dot32(v3, y[2*i + 1].qs);
+    }
+    *s = sum;
+}
+
+// q42_64: the reference's rows with the SIMD scale search; to_float and K·Q scalar (the unpacking is two shifts)
+void quantize_row_q42_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    ggml_kvq_quantize_row_q42_64_with(x, (block_q42_64 *) y, k, ggml_kvq_cpu_lsq_block);
+}
+
+// the 32 values of each half as int8, offsets removed (q4 - 8, q2 - 2)
+static inline void q42_unpack(const block_q42_64 * b, int8_t * v4, int8_t * v2) {
+    for (int j = 0; j < 16; ++j) {
+        v4[j]      = (int8_t) ((b->qs4[j] & 15) - 8);
+        v4[j + 16] = (int8_t) ((b->qs4[j] >> 4) - 8);
+    }
+    for (int j = 0; j < 32; ++j) {
+        v2[j] = (int8_t) (((b->qs2[j % 8] >> (2*(j / 8))) & 3) - 2);
+    }
+}
+
+void dequantize_row_q42_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_q42_64 * x = (const block_q42_64 *) vx;
+    for (int64_t i = 0; i < k / QK_Q42; ++i) {
+        const float d4 = ggml_kvq_f16_bytes(x[i].d4), d2 = ggml_kvq_f16_bytes(x[i].d2);
+        int8_t v[64];
+        q42_unpack(x + i, v, v + 32);
+        float * o = y + i*QK_Q42;
+        for (int j = 0; j < 32; ++j) {
+            o[j]      = (float) v[j]*d4;
+            o[j + 32] = (float) v[j + 32]*d2;
+        }
+    }
+}
+
+void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                              const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    const block_q42_64 * x = (const block_q42_64 *) vx;
+    const q53_q8_0 * y = (const q53_q8_0 *) vy;
+    float sum = 0.0f;
+    for (int i = 0; i < n / QK_Q42; ++i) {
+        int8_t v4[32], v2[32];
+        q42_unpack(x + i, v4, v2);
+        const float d4 = ggml_kvq_f16_bytes(x[i].d4), d2 = ggml_kvq_f16_bytes(x[i].d2);
+        sum += d4*ggml_kvq_fp16_to_fp32(y[2*i].d)*(float) q53_dot32(v4, y[2*i].qs)
+             + d2*ggml_kvq_fp16_to_fp32(y[2*i + 1].d)*(float) q53_dot32(v2, y[2*i + 1].qs);
     }
     *s = sum;
 }
