@@ -218,10 +218,11 @@ std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors
 bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
 
 // The online K Hadamard's input tensor [nrot, nrot] (upstream: nrot = the largest power of two dividing the head
-// size). A q53_64 (q42_64) block's halves hold 5- and 3-bit (4- and 2-bit) values of channels of different importance (pykvq/ref/q53.py),
-// so with any q53_64 K layer the rotation never mixes the halves: within each 32-value half for nrot 64, and for
-// nrot >= 128 the Hadamard without its stride-32 butterfly (ggml_kvq_fa_set_hadamard_skip), which turns the
-// 5-bit halves of nrot/64 blocks together and their 3-bit halves together. That layout is marked in the tensor's
+// size). A q53_64 (q42_64) block's halves hold 5- and 3-bit (4- and 2-bit) values of channels of different
+// importance (pykvq/ref/q53.py), so with any such K layer the rotation never mixes the halves: within each
+// 32-value half for nrot 64, and for nrot >= 128 the Hadamard without its stride-32 butterfly
+// (ggml_kvq_fa_set_hadamard_skip), which turns the wide halves of nrot/64 blocks together and their narrow halves
+// together. That layout is marked in the tensor's
 // op_params (llama_kvq_k_rot_skip) for llama_kvq_k_rot_fill and llama_kvq_prerope_attach.
 #define LLAMA_KVQ_K_ROT_MIN 32
 ggml_tensor * llama_kvq_new_k_rot_tensor(ggml_context * ctx, bool q53, int64_t nrot);
