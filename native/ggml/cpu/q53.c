@@ -137,7 +137,7 @@ void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
     *s = sum;
 }
 
-// q42_64: the reference's rows with the SIMD scale search; to_float and K·Q scalar (the unpacking is two shifts)
+// q42_64: the reference's rows with the SIMD scale search; to_float unpacked in registers (AVX2), K·Q as q53_64's
 void quantize_row_q42_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
     ggml_kvq_quantize_row_q42_64_with(x, (block_q42_64 *) y, k, ggml_kvq_cpu_lsq_block);
 }
@@ -153,17 +153,39 @@ static inline void q42_unpack(const block_q42_64 * b, int8_t * v4, int8_t * v2) 
     }
 }
 
+#if defined(__AVX2__)
+// q42_unpack in registers: the nibbles as q53_64's, the 2-bit values as q53_64's low 3-bit pairs
+static inline void q42_unpack_avx2(const block_q42_64 * b, __m256i * v4, __m256i * v2) {
+    uint64_t qs2;
+    memcpy(&qs2, b->qs2, 8);
+    const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs4);
+    const __m256i q4 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(15));
+    *v4 = _mm256_sub_epi8(q4, _mm256_set1_epi8(8));
+    const uint64_t m2 = 0x0303030303030303ULL;   // value 8k + j: bits 2k..2k+1 of byte j
+    const __m256i q2 = _mm256_set_epi64x((long long) ((qs2 >> 6) & m2), (long long) ((qs2 >> 4) & m2),
+                                         (long long) ((qs2 >> 2) & m2), (long long) (qs2 & m2));
+    *v2 = _mm256_sub_epi8(q2, _mm256_set1_epi8(2));
+}
+#endif
+
 void dequantize_row_q42_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
     const block_q42_64 * x = (const block_q42_64 *) vx;
     for (int64_t i = 0; i < k / QK_Q42; ++i) {
         const float d4 = ggml_kvq_f16_bytes(x[i].d4), d2 = ggml_kvq_f16_bytes(x[i].d2);
+        float * o = y + i*QK_Q42;
+#if defined(__AVX2__)
+        __m256i v4, v2;
+        q42_unpack_avx2(x + i, &v4, &v2);
+        q53_store_scaled(v4, d4, o);
+        q53_store_scaled(v2, d2, o + 32);
+#else
         int8_t v[64];
         q42_unpack(x + i, v, v + 32);
-        float * o = y + i*QK_Q42;
         for (int j = 0; j < 32; ++j) {
             o[j]      = (float) v[j]*d4;
             o[j + 32] = (float) v[j + 32]*d2;
         }
+#endif
     }
 }
 
@@ -175,7 +197,14 @@ void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
     float sum = 0.0f;
     for (int i = 0; i < n / QK_Q42; ++i) {
         int8_t v4[32], v2[32];
+#if defined(__AVX2__)
+        __m256i r4, r2;
+        q42_unpack_avx2(x + i, &r4, &r2);
+        _mm256_storeu_si256((__m256i *) v4, r4);
+        _mm256_storeu_si256((__m256i *) v2, r2);
+#else
         q42_unpack(x + i, v4, v2);
+#endif
         const float d4 = ggml_kvq_f16_bytes(x[i].d4), d2 = ggml_kvq_f16_bytes(x[i].d2);
         sum += d4*ggml_kvq_fp16_to_fp32(y[2*i].d)*(float) q53_dot32(v4, y[2*i].qs)
              + d2*ggml_kvq_fp16_to_fp32(y[2*i + 1].d)*(float) q53_dot32(v2, y[2*i + 1].qs);
