@@ -51,6 +51,16 @@ def c_quantize(name: str, x: np.ndarray) -> tuple[bytes, np.ndarray]:
     return bytes(ffi.buffer(out)), back
 
 
+def exact_dot(kv: np.ndarray, dk: np.ndarray, qb) -> tuple[float, float]:
+    """K·Q from the integers: kv [n/32, 32] the key's levels minus their offsets, dk [n/32] its half scales, qb Q's
+    q8_0 bytes; (the exact sum, the sum of |terms| that float accumulation order may move it by)."""
+    q = np.frombuffer(bytes(ffi.buffer(qb)), np.uint8).reshape(-1, 34)
+    d8 = q[:, :2].copy().view(np.float16).reshape(-1).astype(np.float64)
+    qs = q[:, 2:].copy().view(np.int8).astype(np.int64)
+    terms = (kv * qs).sum(axis=1) * dk * d8
+    return terms.sum(), (np.abs(kv * qs).sum(axis=1) * np.abs(dk * d8)).sum()
+
+
 def test_reference_rule_hand_checked():
     x = np.zeros(64, np.float32)
     x[:32] = np.arange(32) - 15.0            # 5 bits: vmax 16 -> d = -1 (f = 1), q = trunc(16.5 - x) = 16 - x: exact
@@ -146,14 +156,9 @@ def test_cpu_traits_quantize_like_the_reference_and_dot_exactly():
             qf = cache_like(head, 200 + r)
             qb = ffi.new("uint8_t[]", head // 32 * 34)
             L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qf)), qb, head)
-            q = np.frombuffer(bytes(ffi.buffer(qb)), np.uint8).reshape(-1, 34)
-            d8 = q[:, :2].copy().view(np.float16).reshape(-1).astype(np.float64)
-            qs = q[:, 2:].copy().view(np.int8).astype(np.int64)
             d5, q5, d3, q3 = q53.unpack(kb)
             kv = np.concatenate([q5.astype(np.int64) - 16, q3.astype(np.int64) - 4], axis=1).reshape(-1, 32)
-            dk = np.stack([d5, d3], axis=1).reshape(-1).astype(np.float64)
-            terms = (kv * qs).sum(axis=1) * dk * d8
-            want, mag = terms.sum(), (np.abs(kv * qs).sum(axis=1) * np.abs(dk * d8)).sum()
+            want, mag = exact_dot(kv, np.stack([d5, d3], axis=1).reshape(-1).astype(np.float64), qb)
             cpu.vec_dot(head, s, 0, kb, 0, qb, 0, 1)
             assert abs(s[0] - want) <= 1e-5 * (mag or 1.0), (head, r, s[0], want)
 
@@ -328,14 +333,9 @@ def test_q42_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(seed):
         kb = q53.q42_pack(*q53.q42_quantize_blocks(k))
         qb = ffi.new("uint8_t[]", 4 * 34)
         L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qf)), qb, 128)
-        q = np.frombuffer(bytes(ffi.buffer(qb)), np.uint8).reshape(-1, 34)
-        d8 = q[:, :2].copy().view(np.float16).reshape(-1).astype(np.float64)
-        qs = q[:, 2:].copy().view(np.int8).astype(np.int64)
         d4, q4, d2, q2 = q53.q42_unpack(kb)
         kv = np.concatenate([q4.astype(np.int64) - 8, q2.astype(np.int64) - 2], axis=1).reshape(-1, 32)
-        dk = np.stack([d4, d2], axis=1).reshape(-1).astype(np.float64)
-        terms = (kv * qs).sum(axis=1) * dk * d8
-        want_s, mag = terms.sum(), (np.abs(kv * qs).sum(axis=1) * np.abs(dk * d8)).sum()
+        want_s, mag = exact_dot(kv, np.stack([d4, d2], axis=1).reshape(-1).astype(np.float64), qb)
         cpu.vec_dot(128, s, 0, kb, 0, qb, 0, 1)
         assert abs(s[0] - want_s) <= 1e-5 * (mag or 1.0), (r, s[0], want_s)
     # row validation: both scales of every block finite

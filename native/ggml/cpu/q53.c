@@ -114,6 +114,12 @@ static inline int q53_dot32(const int8_t * a, const int8_t * b) {
 #endif
 }
 
+// one block's K·Q: each half's int32 dot with its q8_0 block, times the two scales (q53_64 and q42_64 alike)
+static inline float q53_block_dot(const int8_t * v_hi, const int8_t * v_lo, float d_hi, float d_lo, const q53_q8_0 * y) {
+    return d_hi*ggml_kvq_fp16_to_fp32(y[0].d)*(float) q53_dot32(v_hi, y[0].qs)
+         + d_lo*ggml_kvq_fp16_to_fp32(y[1].d)*(float) q53_dot32(v_lo, y[1].qs);
+}
+
 void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
@@ -130,9 +136,7 @@ void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
 #else
         q53_unpack(x + i, v5, v3);
 #endif
-        const float d5 = ggml_kvq_f16_bytes(x[i].d5), d3 = ggml_kvq_f16_bytes(x[i].d3);
-        sum += d5*ggml_kvq_fp16_to_fp32(y[2*i].d)*(float) q53_dot32(v5, y[2*i].qs)
-             + d3*ggml_kvq_fp16_to_fp32(y[2*i + 1].d)*(float) q53_dot32(v3, y[2*i + 1].qs);
+        sum += q53_block_dot(v5, v3, ggml_kvq_f16_bytes(x[i].d5), ggml_kvq_f16_bytes(x[i].d3), y + 2*i);
     }
     *s = sum;
 }
@@ -205,9 +209,7 @@ void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
 #else
         q42_unpack(x + i, v4, v2);
 #endif
-        const float d4 = ggml_kvq_f16_bytes(x[i].d4), d2 = ggml_kvq_f16_bytes(x[i].d2);
-        sum += d4*ggml_kvq_fp16_to_fp32(y[2*i].d)*(float) q53_dot32(v4, y[2*i].qs)
-             + d2*ggml_kvq_fp16_to_fp32(y[2*i + 1].d)*(float) q53_dot32(v2, y[2*i + 1].qs);
+        sum += q53_block_dot(v4, v2, ggml_kvq_f16_bytes(x[i].d4), ggml_kvq_f16_bytes(x[i].d2), y + 2*i);
     }
     *s = sum;
 }
