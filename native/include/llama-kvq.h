@@ -226,13 +226,19 @@ bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & ten
 // op_params (llama_kvq_k_rot_skip) for llama_kvq_k_rot_fill and llama_kvq_prerope_attach.
 #define LLAMA_KVQ_K_ROT_MIN 32
 ggml_tensor * llama_kvq_new_k_rot_tensor(ggml_context * ctx, bool q53, int64_t nrot);
+// whether any layer's K cache is of a halves type (q53_64, q42_64)
+template <typename Layer>
+bool llama_kvq_halves_k(const std::vector<Layer> & layers) {
+    for (const auto & l : layers) {
+        if (l.k != nullptr && ggml_kvq_type_family(l.k->type) == GGML_KVQ_FAMILY_Q53) {
+            return true;
+        }
+    }
+    return false;
+}
 template <typename Layer>
 ggml_tensor * llama_kvq_new_k_rot(ggml_context * ctx, const std::vector<Layer> & layers, int64_t nrot) {
-    bool q53 = false;
-    for (const auto & l : layers) {
-        q53 = q53 || (l.k != nullptr && ggml_kvq_type_family(l.k->type) == GGML_KVQ_FAMILY_Q53);   // q53_64, q42_64
-    }
-    return llama_kvq_new_k_rot_tensor(ctx, q53, nrot);
+    return llama_kvq_new_k_rot_tensor(ctx, llama_kvq_halves_k(layers), nrot);
 }
 // the butterfly stride the K rotation tensor leaves out (0: none; nullptr: no rotation)
 int llama_kvq_k_rot_skip(const ggml_tensor * k_rot);

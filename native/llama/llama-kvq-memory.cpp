@@ -380,8 +380,7 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
         ++n_prerope;
     }
     // keys of a halves type (q53_64, q42_64) are turned within each half only (llama_kvq_new_k_rot)
-    const bool halves = std::any_of(layers.begin(), layers.end(), [](const auto & l) {
-        return l.k != nullptr && ggml_kvq_type_family(l.k->type) == GGML_KVQ_FAMILY_Q53; });
+    const bool halves = llama_kvq_halves_k(layers);
     LLAMA_LOG_INFO("%s: pre-RoPE key cache in %u of %zu layers (centred by the file's kvq_k_mean / kvq_k_scale, RoPE applied "
                    "when flash attention reads K; online Hadamard of the centred K %s)%s%s\n", __func__, n_prerope, layers.size(),
                    !attn_rot_k ? "off" : halves ? "on, within each half of the blocks" : "on",
