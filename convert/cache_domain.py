@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pykvq.ref.prerope import block_rotate
+
 from .calib import Calib
 from .geometry import Geometry, pair_channels
 from .hadamard import hadamard
@@ -45,6 +47,7 @@ class Domain:
     layout: str = "norm"                  # channel order of the cache: "norm" or "neox"
     rotate_v: bool = False                # baked per-head Hadamard on V
     rot_k: bool = False                   # online Hadamard on K (largest power of two dividing head_dim)
+    rot_k_halves: bool = False            # ... within each 32-value half of its blocks (halves K types)
     rot_v: bool = False                   # online Hadamard on V (blocks of 64)
     v_matrix: tuple | None = None         # learned V transform (A, A^-1), each [n_kv, hd, hd]
     k_prerope: bool = False               # K cached before RoPE (k_mean / k_div below; then rot_k if on)
@@ -52,8 +55,21 @@ class Domain:
     k_div: np.ndarray | None = None       # [n_kv, head_dim] pre-RoPE scale: the cache holds (k - mean) / k_div
 
 
+HALF = 32       # LLAMA_KVQ_K_ROT_MIN: a halves block's half
+
+
 def online_rot_k_size(head_dim: int) -> int:
     return head_dim & -head_dim
+
+
+def online_rot_k(head_dim: int, halves: bool) -> tuple[int, int]:
+    """(size, left-out butterfly stride) of the runtime's online K Hadamard (llama_kvq_new_k_rot_tensor): with any
+    halves K layer (q53_64, q42_64) it never mixes the halves: 32 wide for a 64-wide rotation, wider ones without
+    their stride-32 butterfly."""
+    n = online_rot_k_size(head_dim)
+    if not halves:
+        return n, 0
+    return (min(n, HALF), 0) if n <= 2 * HALF else (n, HALF)
 
 
 def _pairs_scale(x: np.ndarray, s: np.ndarray, mul: bool) -> np.ndarray:
@@ -137,8 +153,8 @@ def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
         k = (k.astype(np.float64) - d.k_mean[None]) / d.k_div[None]
         gk = gk.astype(np.float64) * d.k_div[None]
     if d.rot_k:
-        n = online_rot_k_size(g.head_dim)
-        k, gk = _block_rotate(k, n), _block_rotate(gk, n)
+        n, skip = online_rot_k(g.head_dim, d.rot_k_halves)
+        k, gk = block_rotate(k, n, skip), block_rotate(gk, n, skip)
     return CacheSamples(k.astype(np.float32), (gk.astype(np.float64) ** 2).astype(np.float32))
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pykvq import cache_types
 from pykvq.errors import CacheTypeError
-from pykvq.ref import nuq
 
-# bits/value of the candidate types (ggml blocks: 2-byte scale per 32 for q8_0 / q4_0)
+# the candidate types (bits/value: cache_types; q8_0 / q4_0 with a 2-byte scale per 32)
 DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
 
 
@@ -24,26 +23,24 @@ def bits_per_value(type_name: str) -> float:
         raise ValueError(f"no bits/value known for {type_name!r}") from None
 
 
-def assign(errors: dict, budget: float, ladder=DEFAULT_LADDER) -> dict:
-    """errors: {slot: {type: error}} for every type of the ladder; returns {slot: type} whose
-    mean bits/value is <= budget (at least the cheapest type everywhere)."""
-    types = sorted(ladder, key=bits_per_value)
-    cheapest = types[0]
-    if budget < bits_per_value(cheapest):
-        raise ValueError(f"a budget of {budget} bits/value is below the cheapest type "
-                         f"({cheapest}: {bits_per_value(cheapest)})")
-    choice = {s: cheapest for s in errors}
+def assign(errors: dict, budget: float) -> dict:
+    """errors: {slot: {type: error}} over each slot's own candidates (K and V may have different ladders);
+    returns {slot: type} whose mean bits/value is <= budget (at least each slot's cheapest type)."""
+    choice = {s: min(e, key=bits_per_value) for s, e in errors.items()}
     n = len(errors)
-    spent = bits_per_value(cheapest) * n
+    spent = sum(bits_per_value(t) for t in choice.values())
+    if spent / max(n, 1) > budget + 1e-9:
+        low = ", ".join(sorted({f"{t}: {bits_per_value(t)}" for t in choice.values()}))
+        raise ValueError(f"a budget of {budget} bits/value is below the cheapest types ({low})")
     while True:
         best = None
         for s, cur in choice.items():
             b0, e0 = bits_per_value(cur), errors[s][cur]
-            for t in types:
+            for t, e in errors[s].items():
                 db = bits_per_value(t) - b0
                 if db <= 0 or (spent + db) / n > budget + 1e-9:
                     continue
-                gain = (e0 - errors[s][t]) / db
+                gain = (e0 - e) / db
                 if gain > 0 and (best is None or gain > best[0]):
                     best = (gain, s, t, db)
         if best is None:

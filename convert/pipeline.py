@@ -53,6 +53,7 @@ class Options:
     q_norm: bool = True                  # Q-Norm folded into the codebooks
     kv_bits: float | None = None         # bits/value budget: per-layer K/V types from `ladder`
     ladder: tuple = layer_types.DEFAULT_LADDER
+    ladder_k: tuple | None = None        # K's candidates when they differ from V's (None: `ladder`)
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
     kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
@@ -60,6 +61,17 @@ class Options:
     kv_bits_ctx: int = 0                 # > 0: kv_bits counts that window at this many cells (0: the cache alone)
     budget_weights: str = "window"       # kv_bits' errors per token: "window" (only what the file's window leaves
                                          # quantized: calib.py's backward pass, or window_weights.py), "uniform"
+
+    def ladder_for(self, which: str) -> tuple:
+        """The budget's candidate types for "k" or "v"."""
+        return self.ladder_k if which == "k" and self.ladder_k is not None else self.ladder
+
+    def halves_k(self) -> bool:
+        """Whether the keys may be of a halves type (q53_64, q42_64): the file then lays every head's pairs out by
+        importance, and the runtime turns every layer's keys within each half (llama_kvq_halves_k). A budget whose
+        K ladder holds one is assumed to choose one (_refit_plain_k_codebooks when it does not)."""
+        ks = self.ladder_for("k") if self.kv_bits is not None else (self.resolved_types()[0],)
+        return any(t in q53.HALVES_TYPES for t in ks)
 
     def window_bits(self) -> float:
         """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
@@ -98,7 +110,7 @@ class Options:
     def needs_gradients(self) -> bool:
         """Whether calibration must take the loss's gradients (Fisher codebooks, budgets, the fisher K scale)."""
         return (self.needs_fisher() or self.rotate_v == "learned" or
-                (self.prerope_k and (self.prerope_scale == "fisher" or self.cache_type_k in q53.HALVES_TYPES)))
+                (self.prerope_k and (self.prerope_scale == "fisher" or self.halves_k())))
 
     def check_learning(self) -> None:
         """What the learned transforms cannot do (checked before calibration, to fail fast)."""
@@ -112,12 +124,13 @@ class Options:
             raise ConvertError(f"--learn-k is learned for a quantized K cache type, got {type_k}")
 
     def resolved_types(self) -> tuple[str, str]:
-        default = "bfp4_32" if self.ksort else "q4_0"
+        default = {w: "bfp4_32" if self.ksort else "q4_0" for w in "kv"}
         if self.kv_bits is not None:    # the uniform type nearest the budget from below, for logs / fallbacks
-            fit = [t for t in self.ladder if layer_types.bits_per_value(t) <= self.cache_bits()]
-            default = max(fit or self.ladder, key=layer_types.bits_per_value)
-        k = self.cache_type_k or default
-        v = self.cache_type_v or (default if self.rotate_v != "none" else k)
+            for w in "kv":
+                fit = [t for t in self.ladder_for(w) if layer_types.bits_per_value(t) <= self.cache_bits()]
+                default[w] = max(fit or self.ladder_for(w), key=layer_types.bits_per_value)
+        k = self.cache_type_k or default["k"]
+        v = self.cache_type_v or (default["v"] if self.rotate_v != "none" or self.kv_bits is not None else k)
         for t in (k, v):
             cache_types.resolve(t)
         return k, v
@@ -174,15 +187,20 @@ def check_file(m: GGUFModel, opts: Options, g) -> None:
         raise ConvertError(f"K-sort with {rope_scaling} rope scaling is not supported (its ramp depends on "
                            "the pair's position)")
     type_k, _ = opts.resolved_types()
-    halves = type_k in q53.HALVES_TYPES
-    if halves and not opts.prerope_k:
-        raise ConvertError(f"--cache-type-k {type_k} needs --prerope-k: its wide halves are for the channels the "
+    if not opts.halves_k():
+        return
+    what = f"--cache-type-k {type_k}"
+    if opts.cache_type_k is None and opts.kv_bits is not None:     # a budget's K ladder: name the type in it
+        type_k = next(t for t in opts.ladder_for("k") if t in q53.HALVES_TYPES)
+        what = f"{type_k} in --layer-types-k"
+    if not opts.prerope_k:
+        raise ConvertError(f"{what} needs --prerope-k: its wide halves are for the channels the "
                            "loss reads most, measured in the pre-RoPE key domain")
-    if halves and opts.ksort:
-        raise ConvertError(f"--ksort with --cache-type-k {type_k} is not supported: {type_k} lays the pairs out by "
+    if opts.ksort:
+        raise ConvertError(f"--ksort with {what} is not supported: {type_k} lays the pairs out by "
                            "importance itself")
-    if halves and (g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")):
-        raise ConvertError(f"--cache-type-k {type_k} moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
+    if g.n_rot != g.head_dim or rope_scaling not in ("none", "linear"):
+        raise ConvertError(f"{what} moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
                            f"head {g.head_dim}) and no position-dependent rope scaling ({rope_scaling})")
 
 
@@ -216,7 +234,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             raise ConvertError(f"cache type {t} ({which}) has blocks of {_block(t)}, which do not divide "
                                f"the head size {g.head_dim}")
     # q53_64 / q42_64 keys: every head's pairs laid out by importance (K-sort's machinery, another order)
-    importance = opts.prerope_k and type_k in q53.HALVES_TYPES
+    importance = opts.prerope_k and opts.halves_k()
     key_kind = opts.ksort_key if opts.ksort_key != "auto" else ("calib" if calib is not None else "weight")
     if importance:
         key_kind = "importance"
@@ -231,7 +249,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         raise ConvertError("codebooks and per-layer types need Fisher calibration statistics")
     if opts.prerope_k and opts.prerope_scale == "fisher" and calib.gk is None and calib.km is None:
         raise ConvertError("--prerope-k-scale fisher needs Fisher calibration statistics (the keys' gradients)")
-    for t in opts.ladder if opts.kv_bits is not None else ():
+    for t in {*opts.ladder_for("k"), *opts.ladder_for("v")} if opts.kv_bits is not None else ():
         layer_types.bits_per_value(t)
         if g.head_dim % _block(t):
             raise ConvertError(f"--layer-types: {t} has blocks of {_block(t)}, which do not divide the head size "
@@ -250,6 +268,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         relayout_rows = head_rows(p, g.n_head, hd), head_rows(p, g.n_head_kv, hd)
     gl = g.with_layout("norm") if relayout else g                          # the layout after re-layout
     ch = pair_channels(gl)                                                 # [P, 2]
+    doms = []                                                              # per layer: its cache domain
     for i in progress_bar(range(g.n_layer), desc="transforming layers", enable=progress, unit="layer"):
         if relayout:
             _permute(m, i, *relayout_rows)
@@ -311,7 +330,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         dom = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
                                   k_perm=cp, layout=gl.layout, rotate_v=opts.rotate_v == "hadamard",
                                   v_matrix=None if vr is None else (vr.a, vr.a_inv),
-                                  rot_k=online_rot_k, rot_v=online_rot_v)
+                                  rot_k=online_rot_k, rot_v=online_rot_v, rot_k_halves=importance)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
             k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
             mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk)
@@ -326,6 +345,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             _prerope_stats(rep, mean, std)
         if opts.needs_fisher():
             _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
+        doms.append(dom)
 
         if opts.rotate_v != "none":
             wv, wo = m.tensors[_name(i, "attn_v.weight")], m.tensors[_name(i, "attn_output.weight")]
@@ -361,6 +381,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set(Keys.Calib.SOURCE, calib.source, VT.STRING)
     if opts.kv_bits is not None:
         _assign_layer_types(opts, rep, cb_k, cb_v)
+        if importance and not any(t in q53.HALVES_TYPES for t in rep.layer_types_k):
+            _refit_plain_k_codebooks(calib, g, doms, opts, method, rep, cb_k)
         type_k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
         type_v = max(set(rep.layer_types_v), key=rep.layer_types_v.count)
         m.set(Keys.Cache.LAYER_TYPES_K, rep.layer_types_k, VT.ARRAY, VT.STRING)
@@ -431,7 +453,7 @@ def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> N
     for which, per_layer in (("k", rep.layer_types_k), ("v", rep.layer_types_v)):
         for i, slot in enumerate(per_layer):
             errors[(i, which)] = slot[which]
-    choice = layer_types.assign(errors, opts.cache_bits(), opts.ladder)
+    choice = layer_types.assign(errors, opts.cache_bits())
     n = len(rep.layer_types_k)
     rep.layer_types_k = [choice[(i, "k")] for i in range(n)]
     rep.layer_types_v = [choice[(i, "v")] for i in range(n)]
@@ -442,6 +464,17 @@ def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> N
                 cbs[i] = cbs[i][t]
             else:
                 del cbs[i]
+
+
+def _refit_plain_k_codebooks(calib: Calib, g, doms: list, opts: Options, method: str, rep: Report,
+                             cb_k: dict) -> None:
+    """A budget that chose no halves K type leaves the runtime's K rotation head-wide: the chosen K codebooks were
+    fitted within halves (Domain.rot_k_halves), so fit them again to the keys as that cache holds them."""
+    for i, t in enumerate(rep.layer_types_k):
+        if _is_nuq(t) and method != "none":
+            x = cache_domain.keys(calib, i, g, dataclasses.replace(doms[i], rot_k_halves=False))
+            fit = calib.pos >= opts.exact_positions()
+            cb_k[i] = codebook.fit(x.x[fit], x.fisher[fit], t, method, q_norm=opts.q_norm)
 
 
 def _is_nuq(type_name: str) -> bool:
@@ -463,7 +496,7 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
     for which, samples, uniform_type, out, types in (
             ("k", cache_domain.keys, type_k, cb_k, rep.layer_types_k),
             ("v", cache_domain.values, type_v, cb_v, rep.layer_types_v)):
-        cands = opts.ladder if opts.kv_bits is not None else (uniform_type,)
+        cands = opts.ladder_for(which) if opts.kv_bits is not None else (uniform_type,)
         if not any(_is_nuq(t) for t in cands) and opts.kv_bits is None:
             continue
         x = samples(calib, i, g, dom)

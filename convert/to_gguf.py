@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "0.0118 (Qwen2.5-Coder-1.5B), 0.0226 -> 0.0189 (SmolLM2-135M)")
     p.add_argument("--layer-types", default=",".join(pipeline.layer_types.DEFAULT_LADDER),
                    help="candidate types for --kv-bits (default %(default)s)")
+    p.add_argument("--layer-types-k", default=None, metavar="TYPES",
+                   help="K's candidate types for --kv-bits when they differ from V's (default: --layer-types); "
+                        "with --prerope-k it may hold q42_64 / q53_64, the key types split by importance")
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
                    help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
                         "transform must requantize (auto = q8_0); the others keep their type")
@@ -178,6 +181,10 @@ SCALE_TEXT = {"fisher": f"per-channel std^{1 - 2 * pipeline.prerope.FISHER_POWER
               "absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
               "std": "per-channel std (floored at 1% of the head's median)",
               "pow2": "per-channel std rounded to a power of two", "one": "1 (mean only)"}
+
+
+def _types_list(arg: str) -> tuple:
+    return tuple(t.strip() for t in arg.split(",") if t.strip())
 
 
 def _is_hf_dir(p: Path) -> bool:
@@ -304,19 +311,20 @@ def convert(args) -> dict:
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
                             prerope_scale=args.prerope_k_scale, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
-                            ladder=tuple(t.strip() for t in args.layer_types.split(",") if t.strip()))
+                            ladder=_types_list(args.layer_types),
+                            ladder_k=None if args.layer_types_k is None else _types_list(args.layer_types_k))
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
                            "--calib-seqs 2 or more")
     try:
         opts.resolved_types()
         opts.check_learning()
-        for t in opts.ladder:
+        for t in (*opts.ladder_for("k"), *opts.ladder_for("v")):
             pipeline.layer_types.bits_per_value(t)
         if args.kv_bits_ctx < 0:
             raise ValueError(f"--kv-bits-ctx must be >= 0, got {args.kv_bits_ctx}")
         if opts.kv_bits is not None:
-            low = min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder)
+            low = sum(min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder_for(w)) for w in "kv") / 2
             if opts.cache_bits() < low:
                 win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
                        f"{opts.cache_bits():.3f} for the cache)" if opts.window_bits() else "")
@@ -345,7 +353,7 @@ def convert(args) -> dict:
         forward = args.sensitivity == "forward"
         stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
                                               or opts.learn_k or opts.needs_fisher()
-                                              or opts.resolved_types()[0] in pipeline.q53.HALVES_TYPES))
+                                              or opts.halves_k()))
         # an architecture outside the converter's table: only the pre-RoPE statistics, whose layout the runtime's
         # graph tells (checked against the file's rope dimension count after calibration)
         g = geometry(m, layout="norm" if forward and stats_only else None)

@@ -2,6 +2,8 @@
 and the calibration domain (K/V as the cache holds them)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,37 @@ def test_layer_budget_upgrades_where_error_drops_most():
     assert layer_types.mean_bits(mid) <= (2.625 + 8.5) / 2
     with pytest.raises(ValueError, match="below the cheapest"):
         layer_types.assign(errors, 2.0)
+
+
+def test_layer_budget_takes_each_slots_own_candidates():
+    """K and V with different ladders: each slot starts at its own cheapest type and upgrades within its own
+    candidates (K's q42_64 at 3.5 bits next to V's nuq3 at 3.5 bits)."""
+    errors = {(0, "k"): {"nuq2o": 10.0, "q42_64": 2.0, "q53_64": 1.0},
+              (0, "v"): {"nuq2o": 3.0, "nuq3": 2.5, "nuq4": 1.0}}
+    assert layer_types.assign(errors, 2.625) == {(0, "k"): "nuq2o", (0, "v"): "nuq2o"}
+    # 0.875 more bits: K's upgrade buys 8 / 0.875, V's 0.5 / 0.875
+    assert layer_types.assign(errors, (3.5 + 2.625) / 2) == {(0, "k"): "q42_64", (0, "v"): "nuq2o"}
+    assert layer_types.assign(errors, 4.5) == {(0, "k"): "q53_64", (0, "v"): "nuq4"}
+
+
+@pytest.mark.parametrize("hd, want", [(64, (32, 0)), (128, (128, 32)), (96, (32, 0))])
+def test_online_k_rotation_never_mixes_the_halves_of_a_halves_type(hd, want):
+    """With a q53_64 / q42_64 K layer the runtime turns every layer's keys within each 32-value half
+    (llama_kvq_new_k_rot_tensor): the converter's key samples the same way, so a key in one half stays there."""
+    assert cache_domain.online_rot_k(hd, False) == (cache_domain.online_rot_k_size(hd), 0)
+    assert cache_domain.online_rot_k(hd, True) == want
+    from convert.calib import Calib
+    T = 4
+    k = np.zeros((T, 1, hd), np.float32)
+    k[:, :, :32] = np.random.default_rng(0).standard_normal((T, 1, 32))
+    c = Calib([None], [k], np.arange(T), "test", [k], [k], [k])
+    mean, div = np.zeros((1, hd)), np.ones((1, hd))
+    d = cache_domain.Domain(rot_k=True, rot_k_halves=True, k_prerope=True, k_mean=mean, k_div=div)
+    x = cache_domain.keys(c, 0, _geom(hd=hd), d).x
+    assert not x[:, :, 32:64].any() and np.abs(x[:, :, :32]).sum() > 0
+    np.testing.assert_allclose(np.linalg.norm(x, axis=-1), np.linalg.norm(k, axis=-1), rtol=1e-5)
+    plain = cache_domain.keys(c, 0, _geom(hd=hd), dataclasses.replace(d, rot_k_halves=False)).x
+    assert hd % 64 or np.abs(plain[:, :, 32:64]).sum() > 0      # a 64-wide turn mixes them
 
 
 def _geom(layout="norm", hd=64):

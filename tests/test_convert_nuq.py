@@ -115,6 +115,35 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert not bad.exists()
 
 
+def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, tmp_path):
+    """--layer-types-k: K's candidates apart from V's, here with q42_64 / q53_64 (the key types split by importance).
+    The file lays every head's pairs out by importance, K's per-layer types come from K's ladder and V's from V's,
+    and the runtime turns every layer's keys within each half (the domain the K codebooks were fitted in).
+    Measured (4 x 512 calibration, 2 x 4096 WikiText-2, KLD vs f16): 0.0189 -> see docs/RESULTS.md."""
+    from conftest import run_tool
+    out = tmp_path / "smol-hk.gguf"
+    k_ladder = ("nuq2o", "q42_64", "q53_64", "q8_0")
+    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "3.5", "--kv-bits-ctx", "4096",
+                "--layer-types-k", ",".join(k_ladder), *CALIB)
+    m = read_gguf(out)
+    tk, tv = _layer_types(m, "k"), _layer_types(m, "v")
+    assert set(tk) <= set(k_ladder) and {"q42_64", "q53_64"} & set(tk), tk
+    assert set(tv) <= {"nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0"}, tv
+    assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
+    for i, t in enumerate(tk):          # a K codebook for the nuq layers alone
+        assert (Tensors.CODEBOOK_K.format(bid=i) in m.tensors) == (t in nuq.FORMATS)
+    text = tmp_path / "wiki.txt"
+    from pykvq.data import wikitext_test
+    text.write_text(wikitext_test()[:20000])
+    r = run_tool("llama-perplexity", "-m", out, "-fa", "on", "-c", "128", "--chunks", "1", "-f", text, "-v")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "online Hadamard of the centred K on, within each half of the blocks" in r.stderr, r.stderr[-3000:]
+    res = run_convert(smollm2, "-o", tmp_path / "x.gguf", "--kv-bits", "3.5", "--layer-types-k", ",".join(k_ladder),
+                      *CALIB, check=False)
+    assert res.returncode == 2 and "q42_64 in --layer-types-k needs --prerope-k" in res.stderr
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def test_key_codebooks_leave_out_the_positions_the_runtime_keeps_exact(smollm2, tmp_path):
     """The sinks a --prerope-k file keeps in f16 by default are left out of its K codebooks' fit: the same conversion
     with --kv-sinks 0 fits the same V codebooks and other K codebooks."""
