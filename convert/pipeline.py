@@ -10,6 +10,7 @@ measured in the resulting layout and stored beside the weights (prerope.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,9 +26,11 @@ from pykvq.ref import q53
 from . import (cache_domain, codebook, hadamard, invariant, ksort, layer_types, learn_k, learn_v, prerope, rows, smooth,
                window_weights)
 from .calib import Calib
-from .geometry import head_rows, pair_channels, pair_perms_to_channels
+from .geometry import SUPPORTED_ARCHS, head_rows, pair_channels, pair_perms_to_channels
 from .gguf_io import ConvertError, GGUFModel, Tensor
 from .rope_layout import neox_to_norm
+
+log = logging.getLogger("pykvq.convert")
 
 VERSION = "0.1.0"
 
@@ -54,6 +57,7 @@ class Options:
     kv_bits: float | None = None         # bits/value budget: per-layer K/V types from `ladder`
     ladder: tuple = layer_types.DEFAULT_LADDER
     ladder_k: tuple | None = None        # K's candidates when they differ from V's (None: `ladder`)
+    ladder_k_auto: bool = False          # ladder_k is the pre-RoPE default: dropped where halves types cannot apply
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
     kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
@@ -188,6 +192,12 @@ def check_file(m: GGUFModel, opts: Options, g) -> None:
                            "the pair's position)")
     type_k, _ = opts.resolved_types()
     if not opts.halves_k():
+        return
+    if opts.ladder_k_auto and (opts.ksort or g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")
+                               or g.arch not in SUPPORTED_ARCHS):
+        log.info("keys split by importance (q42_64 / q53_64) left out of the budget's K types: they need a known "
+                 "architecture, full rotary, no position-dependent rope scaling and no --ksort")
+        opts.ladder_k, opts.ladder_k_auto = None, False
         return
     what = f"--cache-type-k {type_k}"
     if opts.cache_type_k is None and opts.kv_bits is not None:     # a budget's K ladder: name the type in it

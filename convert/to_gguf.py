@@ -160,11 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention it gets from them), so the layers that look far back get the bits; uniform: "
                         "every token's error alike. At 3.5 bits with --kv-bits-ctx 4096: KLD vs f16 0.0153 -> "
                         "0.0118 (Qwen2.5-Coder-1.5B), 0.0226 -> 0.0189 (SmolLM2-135M)")
-    p.add_argument("--layer-types", default=",".join(pipeline.layer_types.DEFAULT_LADDER),
-                   help="candidate types for --kv-bits (default %(default)s)")
+    p.add_argument("--layer-types", default=None, metavar="TYPES",
+                   help="candidate types for --kv-bits (default " + ",".join(pipeline.layer_types.DEFAULT_LADDER) + ")")
     p.add_argument("--layer-types-k", default=None, metavar="TYPES",
-                   help="K's candidate types for --kv-bits when they differ from V's (default: --layer-types); "
-                        "with --prerope-k it may hold q42_64 / q53_64, the key types split by importance")
+                   help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
+                        "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
+                        "keys split by importance, CPU kernels only; on a GPU keep such a cache on the CPU, -nkvo, "
+                        "or give --layer-types-k without them); else --layer-types")
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
                    help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
                         "transform must requantize (auto = q8_0); the others keep their type")
@@ -185,6 +187,13 @@ SCALE_TEXT = {"fisher": f"per-channel std^{1 - 2 * pipeline.prerope.FISHER_POWER
 
 def _types_list(arg: str) -> tuple:
     return tuple(t.strip() for t in arg.split(",") if t.strip())
+
+
+def _key_ladder(args) -> tuple | None:
+    """K's candidates: --layer-types-k, else the pre-RoPE default when nothing names a ladder, else V's (None)."""
+    if args.layer_types_k is not None:
+        return _types_list(args.layer_types_k)
+    return pipeline.layer_types.PREROPE_K_LADDER if args.prerope_k and args.layer_types is None else None
 
 
 def _is_hf_dir(p: Path) -> bool:
@@ -311,8 +320,9 @@ def convert(args) -> dict:
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
                             prerope_scale=args.prerope_k_scale, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
-                            ladder=_types_list(args.layer_types),
-                            ladder_k=None if args.layer_types_k is None else _types_list(args.layer_types_k))
+                            ladder=_types_list(args.layer_types or ",".join(pipeline.layer_types.DEFAULT_LADDER)),
+                            ladder_k=_key_ladder(args),
+                            ladder_k_auto=args.layer_types_k is None and _key_ladder(args) is not None)
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
                            "--calib-seqs 2 or more")
@@ -447,6 +457,11 @@ def main(argv=None) -> int:
         for w in ("k", "v"):
             c = Counter(s[f"layer_types_{w}"])
             print(f"{w.upper()} cache per layer: " + ", ".join(f"{t} x{n}" for t, n in c.most_common()))
+        from pykvq.cache_types import KVQ_TYPES
+        cpu_only = sorted({t for t in s["layer_types_k"] + s["layer_types_v"] if t in KVQ_TYPES and not KVQ_TYPES[t].cuda})
+        if cpu_only:
+            print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
+                  "convert with --layer-types-k " + ",".join(pipeline.layer_types.DEFAULT_LADDER))
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")

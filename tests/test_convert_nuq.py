@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from convert.gguf_io import read_gguf
-from pykvq import Model
+from convert.layer_types import DEFAULT_LADDER, PREROPE_K_LADDER
+from pykvq import Model, cache_types
 from pykvq.keys import Keys, Tensors, suffix
 from pykvq.ref import nuq
 
@@ -102,13 +103,17 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     out = tmp_path / "smol-3.6-at-4096.gguf"
     res = run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "3.6", "--kv-bits-ctx", "4096", *CALIB)
     m = read_gguf(out)
-    bits = [8.5 if t == "q8_0" else nuq.FORMATS[t].bits_per_value
-            for which in ("k", "v") for t in _layer_types(m, which)]
+    bits = [cache_types.bits_per_value(t) for which in ("k", "v") for t in _layer_types(m, which)]
     window = 16 * (4 + 64 + 1) / 4096
     assert np.mean(bits) <= 3.6 - window + 1e-9
     assert np.mean(bits) > 3.6 - window - 0.5          # the budget is spent, not left idle
     assert "the window's 0.270 at 4096 cells" in res.stdout
     assert "counts the errors of reads the window leaves quantized" in res.stdout     # the default budget
+    # a pre-RoPE file's keys may be split by importance by default (CPU kernels only, said so); V's ladder as before
+    assert set(_layer_types(m, "k")) <= set(PREROPE_K_LADDER) and set(_layer_types(m, "v")) <= set(DEFAULT_LADDER)
+    assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
+    if {"q42_64", "q53_64"} & set(_layer_types(m, "k")):
+        assert "have CPU kernels only" in res.stdout
     bad = tmp_path / "x.gguf"
     res = run_convert(smollm2, "-o", bad, "--prerope-k", "--kv-bits", "3.0", "--kv-bits-ctx", "512", *CALIB, check=False)
     assert res.returncode == 2 and "below the cheapest" in res.stderr and "for the cache" in res.stderr
