@@ -124,6 +124,14 @@ def wikitext() -> str:
 
 
 @pytest.fixture(scope="session")
+def wiki_file(wikitext, tmp_path_factory) -> Path:
+    """20k characters of WikiText-2 test in a file, for the llama.cpp tools' -f."""
+    p = tmp_path_factory.mktemp("text") / "wiki.txt"
+    p.write_text(wikitext[:20000])
+    return p
+
+
+@pytest.fixture(scope="session")
 def passage(wikitext) -> str:
     return wikitext[:PASSAGE_CHARS]
 

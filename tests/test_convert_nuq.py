@@ -120,7 +120,7 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert not bad.exists()
 
 
-def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, tmp_path):
+def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, wiki_file, tmp_path):
     """--layer-types-k: K's candidates apart from V's, here with q42_64 / q53_64 (the key types split by importance).
     The file lays every head's pairs out by importance, K's per-layer types come from K's ladder and V's from V's,
     and the runtime turns every layer's keys within each half (the domain the K codebooks were fitted in).
@@ -137,16 +137,27 @@ def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, tmp
     assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     for i, t in enumerate(tk):          # a K codebook for the nuq layers alone
         assert (Tensors.CODEBOOK_K.format(bid=i) in m.tensors) == (t in nuq.FORMATS)
-    text = tmp_path / "wiki.txt"
-    from pykvq.data import wikitext_test
-    text.write_text(wikitext_test()[:20000])
-    r = run_tool("llama-perplexity", "-m", out, "-fa", "on", "-c", "128", "--chunks", "1", "-f", text, "-v")
+    r = run_tool("llama-perplexity", "-m", out, "-fa", "on", "-c", "128", "--chunks", "1", "-f", wiki_file, "-v")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "online Hadamard of the centred K on, within each half of the blocks" in r.stderr, r.stderr[-3000:]
     res = run_convert(smollm2, "-o", tmp_path / "x.gguf", "--kv-bits", "3.5", "--layer-types-k", ",".join(k_ladder),
                       *CALIB, check=False)
     assert res.returncode == 2 and "q42_64 in --layer-types-k needs --prerope-k" in res.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_budget_that_picks_no_halves_type_leaves_the_rotation_head_wide(smollm2, wiki_file, tmp_path):
+    """A pre-RoPE budget at its cheapest (nuq2o everywhere) takes no q42_64 / q53_64 key: the runtime turns the keys
+    head-wide, and the file's K codebooks were fitted again for that rotation (the halves rotation they were first
+    fitted in is not what the cache holds; SmolLM2 at 4096 tokens, see docs/RESULTS.md)."""
+    from conftest import run_tool
+    out = tmp_path / "smol-2.625.gguf"
+    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "2.625", *CALIB)
+    m = read_gguf(out)
+    assert set(_layer_types(m, "k")) == {"nuq2o"} and str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
+    r = run_tool("llama-perplexity", "-m", out, "-fa", "on", "-c", "128", "--chunks", "1", "-f", wiki_file, "-v")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "online Hadamard of the centred K on" in r.stderr and "within each half" not in r.stderr
 
 
 def test_key_codebooks_leave_out_the_positions_the_runtime_keeps_exact(smollm2, tmp_path):

@@ -234,26 +234,19 @@ def test_q53_keys_beat_q4_0_keys_at_the_same_size(smol_q53, smollm2_prerope, f16
 
 
 @pytest.mark.parametrize("t", [T, "q42_64"])
-def test_tools_take_the_q53_type(smol_q53, tmp_path, t):
+def test_tools_take_the_q53_type(smol_q53, wiki_file, t):
     """llama-perplexity and llama-bench take the type name and run a q53_64 file (the -fit probe, which loads the
     model without its weights, builds the graph of a pair-sorted pre-RoPE file too); q42_64 keys on the same
     layout, turned within each half as q53_64's are (a 64-wide Hadamard across the halves: SmolLM2 at 4096 tokens
     0.033 KLD instead of 0.0084)."""
     from conftest import run_tool
     r = run_tool("llama-perplexity", "-m", smol_q53, "-ctk", t, "-ctv", "f16", "-fa", "on", "-c", "128",
-                 "--chunks", "1", "-f", str(_text_file(tmp_path)), "-v")
+                 "--chunks", "1", "-f", wiki_file, "-v")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Final estimate: PPL" in r.stdout + r.stderr
     assert "online Hadamard of the centred K on, within each half of the blocks" in r.stderr, r.stderr[-3000:]
     r = run_tool("llama-bench", "-m", smol_q53, "-ctk", t, "-ctv", "f16", "-fa", "1", "-p", "0", "-n", "4", "-r", "1")
     assert r.returncode == 0 and t in r.stdout, r.stderr[-2000:]
-
-
-def _text_file(tmp_path):
-    from pykvq.data import wikitext_test
-    p = tmp_path / "wiki.txt"
-    p.write_text(wikitext_test()[:20000])
-    return p
 
 
 # ---- the CPU kernels in every variant, built standalone ------------------------------------------------------
