@@ -190,15 +190,17 @@ def check_file(m: GGUFModel, opts: Options, g) -> None:
     if opts.ksort and rope_scaling not in ("none", "linear"):
         raise ConvertError(f"K-sort with {rope_scaling} rope scaling is not supported (its ramp depends on "
                            "the pair's position)")
-    type_k, _ = opts.resolved_types()
     if not opts.halves_k():
         return
     if opts.ladder_k_auto and (opts.ksort or g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")
-                               or g.arch not in SUPPORTED_ARCHS):
+                               or g.arch not in SUPPORTED_ARCHS or any(g.head_dim % _block(t) for t in opts.ladder_k)):
         log.info("keys split by importance (q42_64 / q53_64) left out of the budget's K types: they need a known "
-                 "architecture, full rotary, no position-dependent rope scaling and no --ksort")
+                 "architecture, full rotary, a head size their blocks divide, no position-dependent rope scaling "
+                 "and no --ksort")
         opts.ladder_k, opts.ladder_k_auto = None, False
-        return
+        if not opts.halves_k():
+            return
+    type_k, _ = opts.resolved_types()
     what = f"--cache-type-k {type_k}"
     if opts.cache_type_k is None and opts.kv_bits is not None:     # a budget's K ladder: name the type in it
         type_k = next(t for t in opts.ladder_for("k") if t in q53.HALVES_TYPES)

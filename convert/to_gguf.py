@@ -193,7 +193,8 @@ def _key_ladder(args) -> tuple | None:
     """K's candidates: --layer-types-k, else the pre-RoPE default when nothing names a ladder, else V's (None)."""
     if args.layer_types_k is not None:
         return _types_list(args.layer_types_k)
-    return pipeline.layer_types.PREROPE_K_LADDER if args.prerope_k and args.layer_types is None else None
+    auto = args.prerope_k and args.kv_bits is not None and args.layer_types is None
+    return pipeline.layer_types.PREROPE_K_LADDER if auto else None
 
 
 def _is_hf_dir(p: Path) -> bool:

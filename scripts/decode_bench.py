@@ -4,6 +4,7 @@
     python scripts/decode_bench.py FILE [--depths 8192,16384] [--caches f16,q4_0:post,q4_0:centred,q53_64/q4_0,q4_0:auto:stock,q4_0:auto::0+0]
                                         [--rounds 8] [--tokens 16] [--prefill 512] [--threads 2]
 
+A cache `file` runs the file's own (per-layer) types; `CACHE@PATH` runs CACHE on another file (same tokenizer).
 llama-bench runs one cache after another; on a shared machine whole runs then move by 20% and a ratio
 of two runs says little. Here every cache (K[/V][:K_DOMAIN[:ENCODER[:S+W]]], V of K's type when not given; Model(k_domain=,
 encoder=, kv_sinks=S, kv_window=W): ENCODER stock / lsq sets how q4_0 / q5_0 rows are written, S+W the exact sinks and
@@ -54,14 +55,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
-    caches = [[f or None for f in (c.split(":") + [None] * 3)[:4]] for c in args.caches.split(",")]
+    specs = [c.partition("@") for c in args.caches.split(",")]     # CACHE[@OTHER_FILE]
+    caches = [[f or None for f in (c.split(":") + [None] * 3)[:4]] for c, _, _ in specs]
     caches = [((t.split("/") + [t])[:2], dom, enc, win) for t, dom, enc, win in caches]   # [K, V], V = K unless given
+    files = [path or args.file for _, _, path in specs]
     n_ctx = max(depths) + max(args.tokens, args.prefill) + 16
 
     models = []
-    for (k, v), dom, enc, win in caches:
+    for ((k, v), dom, enc, win), path in zip(caches, files):
         sinks, window = (int(x) for x in win.split("+")) if win else (None, None)
-        models.append(Model(args.file, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True,
+        k, v = (None if t == "file" else t for t in (k, v))
+        models.append(Model(path, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True,
                             n_threads=args.threads, k_domain=dom, encoder=enc, n_batch=512,
                             kv_sinks=sinks, kv_window=window))
     toks = models[0].tokenize(wikitext_test())
@@ -69,7 +73,8 @@ def main() -> None:
     if len(toks) < need:
         raise SystemExit(f"the text has {len(toks)} tokens, need {need}")
     names = [(k if k == v else f"{k}/{v}") + (f" {dom}" if dom else "") + (f" {enc}" if enc else "")
-             + (f" win {win}" if win else "") for (k, v), dom, enc, win in caches]
+             + (f" win {win}" if win else "") + (f" {Path(p).stem}" if p != args.file else "")
+             for ((k, v), dom, enc, win), p in zip(caches, files)]
     print(f"{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds x {args.tokens} tokens per cache")
     filled = 0
     for d in depths:
