@@ -253,14 +253,15 @@ def test_tools_take_the_q53_type(smol_q53, wiki_file, t):
 Q53_BUILDS = {
     "x86-scalar": ("gcc", ["-march=x86-64"], None),          # what a pre-AVX2 x86 build runs
     "x86-avx2": ("gcc", ["-march=haswell"], None),
-    "arm64-scalar": ("aarch64-linux-gnu-gcc", ["-march=armv8-a"], "qemu-aarch64"),   # no NEON path: scalar
+    "arm64-neon": ("aarch64-linux-gnu-gcc", ["-march=armv8-a"], "qemu-aarch64"),
+    "arm64-neon-dotprod": ("aarch64-linux-gnu-gcc", ["-march=armv8.2-a+dotprod"], "qemu-aarch64"),
 }
 
 
 @pytest.mark.parametrize("build", list(Q53_BUILDS))
 def test_cpu_kernels_match_the_reference_in_every_variant(build, tmp_path):
-    """native/tests/q53_check.c: the CPU quantizer's bytes and to_float's bits equal the reference's, and K·Q is
-    within 1e-5 of the exact integer dot product, for the scalar and the AVX2 code alike."""
+    """native/tests/q53_check.c: for q53_64 and q42_64 the CPU quantizer's bytes and to_float's bits equal the
+    reference's, and K·Q is within 1e-5 of the exact integer dot product, for the scalar, AVX2 and NEON code alike."""
     from native_build import run_check
     cc, flags, runner = Q53_BUILDS[build]
     run_check("q53_check", cc, flags, runner, tmp_path)

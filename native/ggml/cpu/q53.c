@@ -1,12 +1,16 @@
 // CPU kernels for q53_64 and q42_64 (native/ggml/q53.c has the references): quantize (the reference's rows with the SIMD
 // scale search of cpu/lsq.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
-// half gives one int32 dot product and one float scale, d5·d8 and d3·d8.
+// half gives one int32 dot product and one float scale, d5·d8 and d3·d8. The unpack to int8 runs in registers on AVX2
+// and on aarch64 NEON, scalar elsewhere.
 #include "ggml-kvq-cpu.h"
 
 #include <string.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define Q53_NEON 1
 #endif
 
 // ggml's block_q8_0 (ggml-common.h), restated so this file builds standalone in the tests
@@ -74,6 +78,73 @@ static inline void q53_store_scaled(__m256i v, float d, float * o) {
 }
 #endif
 
+#if defined(Q53_NEON)
+// 32 bits of w as 2 x 16 bytes, 0xFF where the bit is set (byte j: bit j)
+static inline void q53_bits_to_bytes_neon(uint32_t w, uint8x16_t * lo, uint8x16_t * hi) {
+    static const uint8_t bits[16] = { 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128 };
+    const uint8x16_t bit = vld1q_u8(bits);
+    *lo = vtstq_u8(vcombine_u8(vdup_n_u8((uint8_t) w), vdup_n_u8((uint8_t) (w >> 8))), bit);
+    *hi = vtstq_u8(vcombine_u8(vdup_n_u8((uint8_t) (w >> 16)), vdup_n_u8((uint8_t) (w >> 24))), bit);
+}
+
+// the 32 low bits of a half of 2-bit fields (value 8k + j: bits 2k..2k+1 of byte j) as 2 x 16 bytes 0..3
+static inline void q53_pairs_neon(const uint8_t * qs, uint8x16_t * lo, uint8x16_t * hi) {
+    const uint8x8_t b = vld1_u8(qs), m = vdup_n_u8(3);
+    *lo = vcombine_u8(vand_u8(b, m), vand_u8(vshr_n_u8(b, 2), m));
+    *hi = vcombine_u8(vand_u8(vshr_n_u8(b, 4), m), vshr_n_u8(b, 6));
+}
+
+// q53_unpack in registers: v5[0..1] values 0..31 (q5 - 16), v3[0..1] values 32..63 (q3 - 4)
+static inline void q53_unpack_neon(const block_q53_64 * b, int8x16_t * v5, int8x16_t * v3) {
+    uint32_t qh5, qh3;
+    memcpy(&qh5, b->qh5, 4);
+    memcpy(&qh3, b->qh3, 4);
+    const uint8x16_t nib = vld1q_u8(b->qs5);
+    uint8x16_t h0, h1, l0, l1;
+    q53_bits_to_bytes_neon(qh5, &h0, &h1);
+    const uint8x16_t m16 = vdupq_n_u8(16), m4 = vdupq_n_u8(4);
+    v5[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(nib, vdupq_n_u8(15)), vandq_u8(h0, m16))), vdupq_n_s8(16));
+    v5[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(nib, 4), vandq_u8(h1, m16))), vdupq_n_s8(16));
+    q53_bits_to_bytes_neon(qh3, &h0, &h1);
+    q53_pairs_neon(b->qs3, &l0, &l1);
+    v3[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, vandq_u8(h0, m4))), vdupq_n_s8(4));
+    v3[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, vandq_u8(h1, m4))), vdupq_n_s8(4));
+}
+
+// q42_unpack in registers: v4[0..1] (q4 - 8), v2[0..1] (q2 - 2)
+static inline void q42_unpack_neon(const block_q42_64 * b, int8x16_t * v4, int8x16_t * v2) {
+    const uint8x16_t nib = vld1q_u8(b->qs4);
+    uint8x16_t l0, l1;
+    v4[0] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(nib, vdupq_n_u8(15))), vdupq_n_s8(8));
+    v4[1] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(nib, 4)), vdupq_n_s8(8));
+    q53_pairs_neon(b->qs2, &l0, &l1);
+    v2[0] = vsubq_s8(vreinterpretq_s8_u8(l0), vdupq_n_s8(2));
+    v2[1] = vsubq_s8(vreinterpretq_s8_u8(l1), vdupq_n_s8(2));
+}
+
+// 16 int8 lanes times d into 16 floats (each an exact conversion and one product: the reference's bits)
+static inline void q53_store_scaled_neon(int8x16_t v, float d, float * o) {
+    const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
+    vst1q_f32(o +  0, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), d));
+    vst1q_f32(o +  4, vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(lo)), d));
+    vst1q_f32(o +  8, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), d));
+    vst1q_f32(o + 12, vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(hi)), d));
+}
+
+// a block's four int8x16 registers (hi half, then lo half) to floats
+static inline void q53_store_block_neon(const int8x16_t * hi, const int8x16_t * lo, float d_hi, float d_lo, float * o) {
+    q53_store_scaled_neon(hi[0], d_hi, o);
+    q53_store_scaled_neon(hi[1], d_hi, o + 16);
+    q53_store_scaled_neon(lo[0], d_lo, o + 32);
+    q53_store_scaled_neon(lo[1], d_lo, o + 48);
+}
+
+static inline void q53_store_int8_neon(const int8x16_t * v, int8_t * o) {
+    vst1q_s8(o, v[0]);
+    vst1q_s8(o + 16, v[1]);
+}
+#endif
+
 // flash attention's K tiles: the reference's values (the same float products (q - half)*d), unpacked in registers
 void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
     const block_q53_64 * x = (const block_q53_64 *) vx;
@@ -85,6 +156,10 @@ void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
         q53_unpack_avx2(x + i, &v5, &v3);
         q53_store_scaled(v5, d5, o);
         q53_store_scaled(v3, d3, o + 32);
+#elif defined(Q53_NEON)
+        int8x16_t v5[2], v3[2];
+        q53_unpack_neon(x + i, v5, v3);
+        q53_store_block_neon(v5, v3, d5, d3, o);
 #else
         int8_t v[64];
         q53_unpack(x + i, v, v + 32);
@@ -105,6 +180,18 @@ static inline int q53_dot32(const int8_t * a, const int8_t * b) {
     r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
     r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
     return _mm_cvtsi128_si32(r);
+#elif defined(Q53_NEON)
+    const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16), b0 = vld1q_s8(b), b1 = vld1q_s8(b + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), a0, b0), a1, b1));
+#else
+    // |a*b| <= 16*128: each int16 product exact, pairwise-widened to int32
+    int32x4_t acc = vpaddlq_s16(vmull_s8(vget_low_s8(a0), vget_low_s8(b0)));
+    acc = vpadalq_s16(acc, vmull_high_s8(a0, b0));
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a1), vget_low_s8(b1)));
+    acc = vpadalq_s16(acc, vmull_high_s8(a1, b1));
+    return vaddvq_s32(acc);
+#endif
 #else
     int s = 0;
     for (int j = 0; j < 32; ++j) {
@@ -133,6 +220,11 @@ void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
         q53_unpack_avx2(x + i, &r5, &r3);
         _mm256_storeu_si256((__m256i *) v5, r5);
         _mm256_storeu_si256((__m256i *) v3, r3);
+#elif defined(Q53_NEON)
+        int8x16_t r5[2], r3[2];
+        q53_unpack_neon(x + i, r5, r3);
+        q53_store_int8_neon(r5, v5);
+        q53_store_int8_neon(r3, v3);
 #else
         q53_unpack(x + i, v5, v3);
 #endif
@@ -182,6 +274,10 @@ void dequantize_row_q42_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
         q42_unpack_avx2(x + i, &v4, &v2);
         q53_store_scaled(v4, d4, o);
         q53_store_scaled(v2, d2, o + 32);
+#elif defined(Q53_NEON)
+        int8x16_t v4[2], v2[2];
+        q42_unpack_neon(x + i, v4, v2);
+        q53_store_block_neon(v4, v2, d4, d2, o);
 #else
         int8_t v[64];
         q42_unpack(x + i, v, v + 32);
@@ -206,6 +302,11 @@ void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
         q42_unpack_avx2(x + i, &r4, &r2);
         _mm256_storeu_si256((__m256i *) v4, r4);
         _mm256_storeu_si256((__m256i *) v2, r2);
+#elif defined(Q53_NEON)
+        int8x16_t r4[2], r2[2];
+        q42_unpack_neon(x + i, r4, r2);
+        q53_store_int8_neon(r4, v4);
+        q53_store_int8_neon(r2, v2);
 #else
         q42_unpack(x + i, v4, v2);
 #endif
