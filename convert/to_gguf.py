@@ -322,8 +322,8 @@ def convert(args) -> dict:
                             prerope_scale=args.prerope_k_scale, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
                             ladder=_types_list(args.layer_types or ",".join(pipeline.layer_types.DEFAULT_LADDER)),
-                            ladder_k=_key_ladder(args),
-                            ladder_k_auto=args.layer_types_k is None and _key_ladder(args) is not None)
+                            ladder_k=_key_ladder(args))
+    opts.ladder_k_auto = args.layer_types_k is None and opts.ladder_k is not None     # the default: may drop
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
                            "--calib-seqs 2 or more")
