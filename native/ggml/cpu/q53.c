@@ -48,22 +48,26 @@ static inline __m256i q53_bits_to_bytes(uint32_t w) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
 }
 
+// the 32 2-bit fields of a half (value 8k + j: bits 2k..2k+1 of byte j) as 32 bytes 0..3
+static inline __m256i q53_pairs_avx2(const uint8_t * qs) {
+    uint64_t w;
+    memcpy(&w, qs, 8);
+    const uint64_t m2 = 0x0303030303030303ULL;
+    return _mm256_set_epi64x((long long) ((w >> 6) & m2), (long long) ((w >> 4) & m2),
+                             (long long) ((w >> 2) & m2), (long long) (w & m2));
+}
+
 // the two halves as 32 int8 each, offsets removed (q5 - 16 in [-16, 15], q3 - 4 in [-4, 3]): q53_unpack in registers
 static inline void q53_unpack_avx2(const block_q53_64 * b, __m256i * v5, __m256i * v3) {
     uint32_t qh5, qh3;
-    uint64_t qs3;
     memcpy(&qh5, b->qh5, 4);
     memcpy(&qh3, b->qh3, 4);
-    memcpy(&qs3, b->qs3, 8);
     const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs5);
     const __m256i lo4 = _mm256_set1_epi8(15);
     const __m256i q5 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), lo4);    // values 0..15 | 16..31
     *v5 = _mm256_sub_epi8(_mm256_or_si256(q5, _mm256_and_si256(q53_bits_to_bytes(qh5), _mm256_set1_epi8(16))),
                           _mm256_set1_epi8(16));
-    const uint64_t m2 = 0x0303030303030303ULL;   // value 8k + j: bits 2k..2k+1 of byte j
-    const __m256i q3 = _mm256_set_epi64x((long long) ((qs3 >> 6) & m2), (long long) ((qs3 >> 4) & m2),
-                                         (long long) ((qs3 >> 2) & m2), (long long) (qs3 & m2));
-    *v3 = _mm256_sub_epi8(_mm256_or_si256(q3, _mm256_and_si256(q53_bits_to_bytes(qh3), _mm256_set1_epi8(4))),
+    *v3 = _mm256_sub_epi8(_mm256_or_si256(q53_pairs_avx2(b->qs3), _mm256_and_si256(q53_bits_to_bytes(qh3), _mm256_set1_epi8(4))),
                           _mm256_set1_epi8(4));
 }
 
@@ -207,6 +211,23 @@ static inline float q53_block_dot(const int8_t * v_hi, const int8_t * v_lo, floa
          + d_lo*ggml_kvq_fp16_to_fp32(y[1].d)*(float) q53_dot32(v_lo, y[1].qs);
 }
 
+// q53_unpack with whichever unpack this build has (K·Q's int8 operands)
+static inline void q53_unpack_int8(const block_q53_64 * b, int8_t * v5, int8_t * v3) {
+#if defined(__AVX2__)
+    __m256i r5, r3;
+    q53_unpack_avx2(b, &r5, &r3);
+    _mm256_storeu_si256((__m256i *) v5, r5);
+    _mm256_storeu_si256((__m256i *) v3, r3);
+#elif defined(Q53_NEON)
+    int8x16_t r5[2], r3[2];
+    q53_unpack_neon(b, r5, r3);
+    q53_store_int8_neon(r5, v5);
+    q53_store_int8_neon(r3, v3);
+#else
+    q53_unpack(b, v5, v3);
+#endif
+}
+
 void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
@@ -215,25 +236,13 @@ void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
     float sum = 0.0f;
     for (int i = 0; i < n / QK_Q53; ++i) {
         int8_t v5[32], v3[32];
-#if defined(__AVX2__)
-        __m256i r5, r3;
-        q53_unpack_avx2(x + i, &r5, &r3);
-        _mm256_storeu_si256((__m256i *) v5, r5);
-        _mm256_storeu_si256((__m256i *) v3, r3);
-#elif defined(Q53_NEON)
-        int8x16_t r5[2], r3[2];
-        q53_unpack_neon(x + i, r5, r3);
-        q53_store_int8_neon(r5, v5);
-        q53_store_int8_neon(r3, v3);
-#else
-        q53_unpack(x + i, v5, v3);
-#endif
+        q53_unpack_int8(x + i, v5, v3);
         sum += q53_block_dot(v5, v3, ggml_kvq_f16_bytes(x[i].d5), ggml_kvq_f16_bytes(x[i].d3), y + 2*i);
     }
     *s = sum;
 }
 
-// q42_64: the reference's rows with the SIMD scale search; to_float unpacked in registers (AVX2), K·Q as q53_64's
+// q42_64: the reference's rows with the SIMD scale search; to_float and K·Q as q53_64's
 void quantize_row_q42_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
     ggml_kvq_quantize_row_q42_64_with(x, (block_q42_64 *) y, k, ggml_kvq_cpu_lsq_block);
 }
@@ -252,15 +261,10 @@ static inline void q42_unpack(const block_q42_64 * b, int8_t * v4, int8_t * v2) 
 #if defined(__AVX2__)
 // q42_unpack in registers: the nibbles as q53_64's, the 2-bit values as q53_64's low 3-bit pairs
 static inline void q42_unpack_avx2(const block_q42_64 * b, __m256i * v4, __m256i * v2) {
-    uint64_t qs2;
-    memcpy(&qs2, b->qs2, 8);
     const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs4);
     const __m256i q4 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(15));
     *v4 = _mm256_sub_epi8(q4, _mm256_set1_epi8(8));
-    const uint64_t m2 = 0x0303030303030303ULL;   // value 8k + j: bits 2k..2k+1 of byte j
-    const __m256i q2 = _mm256_set_epi64x((long long) ((qs2 >> 6) & m2), (long long) ((qs2 >> 4) & m2),
-                                         (long long) ((qs2 >> 2) & m2), (long long) (qs2 & m2));
-    *v2 = _mm256_sub_epi8(q2, _mm256_set1_epi8(2));
+    *v2 = _mm256_sub_epi8(q53_pairs_avx2(b->qs2), _mm256_set1_epi8(2));
 }
 #endif
 
@@ -289,6 +293,23 @@ void dequantize_row_q42_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
     }
 }
 
+// q42_unpack with whichever unpack this build has
+static inline void q42_unpack_int8(const block_q42_64 * b, int8_t * v4, int8_t * v2) {
+#if defined(__AVX2__)
+    __m256i r4, r2;
+    q42_unpack_avx2(b, &r4, &r2);
+    _mm256_storeu_si256((__m256i *) v4, r4);
+    _mm256_storeu_si256((__m256i *) v2, r2);
+#elif defined(Q53_NEON)
+    int8x16_t r4[2], r2[2];
+    q42_unpack_neon(b, r4, r2);
+    q53_store_int8_neon(r4, v4);
+    q53_store_int8_neon(r2, v2);
+#else
+    q42_unpack(b, v4, v2);
+#endif
+}
+
 void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
@@ -297,19 +318,7 @@ void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
     float sum = 0.0f;
     for (int i = 0; i < n / QK_Q42; ++i) {
         int8_t v4[32], v2[32];
-#if defined(__AVX2__)
-        __m256i r4, r2;
-        q42_unpack_avx2(x + i, &r4, &r2);
-        _mm256_storeu_si256((__m256i *) v4, r4);
-        _mm256_storeu_si256((__m256i *) v2, r2);
-#elif defined(Q53_NEON)
-        int8x16_t r4[2], r2[2];
-        q42_unpack_neon(x + i, r4, r2);
-        q53_store_int8_neon(r4, v4);
-        q53_store_int8_neon(r2, v2);
-#else
-        q42_unpack(x + i, v4, v2);
-#endif
+        q42_unpack_int8(x + i, v4, v2);
         sum += q53_block_dot(v4, v2, ggml_kvq_f16_bytes(x[i].d4), ggml_kvq_f16_bytes(x[i].d2), y + 2*i);
     }
     *s = sum;
