@@ -199,14 +199,15 @@ def roundtrip(x: np.ndarray, fmt: str | NUQFormat, cb=None) -> np.ndarray:
 
 # --- ggml byte layout -------------------------------------------------------
 
-def _pack_low2(idx: np.ndarray) -> np.ndarray:
-    """[nb, block] 2-bit fields: byte j holds idx(j + k*block/4) & 3 at bits 2k."""
+def pack_low2(idx: np.ndarray) -> np.ndarray:
+    """[nb, block] 2-bit fields: byte j holds idx(j + k*block/4) & 3 at bits 2k (nuq2 / nuq3 and the low
+    halves of q53_64 / q42_64)."""
     q = (idx & 3).astype(np.uint8)
     g = q.reshape(q.shape[0], 4, -1)            # [nb, k, j]
     return (g[:, 0] | (g[:, 1] << 2) | (g[:, 2] << 4) | (g[:, 3] << 6)).astype(np.uint8)
 
 
-def _unpack_low2(qs: np.ndarray) -> np.ndarray:
+def unpack_low2(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([(qs >> (2 * k)) & 3 for k in range(4)], axis=1).astype(np.uint8)
 
 
@@ -219,7 +220,7 @@ def pack(b: Blocks) -> bytes:
         h = f.block // 2
         parts.append((b.idx[:, :h] | (b.idx[:, h:] << 4)).astype(np.uint8))
     else:
-        parts.append(_pack_low2(b.idx))
+        parts.append(pack_low2(b.idx))
         if f.bits == 3:
             parts.append(np.packbits((b.idx >> 2).astype(np.uint8), axis=1, bitorder="little"))
     out = np.concatenate(parts, axis=1)
@@ -243,7 +244,7 @@ def unpack(data: bytes, fmt: str | NUQFormat) -> Blocks:
         qs = a[:, o:o + f.block // 2]
         idx = np.concatenate([qs & 15, qs >> 4], axis=1)
     else:
-        idx = _unpack_low2(a[:, o:o + f.block // 4])
+        idx = unpack_low2(a[:, o:o + f.block // 4])
         if f.bits == 3:
             qh = np.unpackbits(a[:, o + f.block // 4:], axis=1, bitorder="little")
             idx = idx | (qh << 2)

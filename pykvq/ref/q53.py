@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import scale_search
+from .nuq import pack_low2, unpack_low2
 
 QK = 64
 HALF = 32
@@ -85,8 +86,7 @@ def pack(d5, q5, d3, q3) -> bytes:
     nb = q5.shape[0]
     qh5 = np.packbits((q5 >> 4).astype(np.uint8), axis=1, bitorder="little")
     qs5 = (q5[:, :16] & 15) | ((q5[:, 16:] & 15) << 4)
-    low = (q3 & 3).reshape(nb, 4, 8)
-    qs3 = low[:, 0] | (low[:, 1] << 2) | (low[:, 2] << 4) | (low[:, 3] << 6)
+    qs3 = pack_low2(q3)
     qh3 = np.packbits((q3 >> 2).astype(np.uint8), axis=1, bitorder="little")
     parts = [d5.view(np.uint8).reshape(nb, 2), d3.view(np.uint8).reshape(nb, 2), qh5, qs5, qs3, qh3]
     out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
@@ -105,7 +105,7 @@ def unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     qs5 = a[:, 8:24]
     q5 = np.concatenate([qs5 & 15, qs5 >> 4], axis=1) | (qh5 << 4)
     qs3, qh3 = a[:, 24:32], np.unpackbits(a[:, 32:36], axis=1, bitorder="little")
-    q3 = np.concatenate([(qs3 >> (2 * k)) & 3 for k in range(4)], axis=1) | (qh3 << 2)
+    q3 = unpack_low2(qs3) | (qh3 << 2)
     return d5, q5.astype(np.uint8), d3, q3.astype(np.uint8)
 
 
@@ -140,8 +140,7 @@ def q42_roundtrip(x: np.ndarray) -> np.ndarray:
 def q42_pack(d4, q4, d2, q2) -> bytes:
     nb = q4.shape[0]
     qs4 = (q4[:, :16] & 15) | ((q4[:, 16:] & 15) << 4)
-    low = (q2 & 3).reshape(nb, 4, 8)
-    qs2 = low[:, 0] | (low[:, 1] << 2) | (low[:, 2] << 4) | (low[:, 3] << 6)
+    qs2 = pack_low2(q2)
     parts = [d4.view(np.uint8).reshape(nb, 2), d2.view(np.uint8).reshape(nb, 2), qs4, qs2]
     out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
     assert out.shape[1] == Q42_TYPE_SIZE
@@ -157,7 +156,7 @@ def q42_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
     qs4, qs2 = a[:, 4:20], a[:, 20:28]
     q4 = np.concatenate([qs4 & 15, qs4 >> 4], axis=1)
-    q2 = np.concatenate([(qs2 >> (2 * k)) & 3 for k in range(4)], axis=1)
+    q2 = unpack_low2(qs2)
     return d4, q4.astype(np.uint8), d2, q2.astype(np.uint8)
 
 
