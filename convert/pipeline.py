@@ -192,28 +192,28 @@ def check_file(m: GGUFModel, opts: Options, g) -> None:
                            "the pair's position)")
     if not opts.halves_k():
         return
-    if opts.ladder_k_auto and (opts.ksort or g.n_rot != g.head_dim or rope_scaling not in ("none", "linear")
-                               or g.arch not in SUPPORTED_ARCHS or any(g.head_dim % _block(t) for t in opts.ladder_k)):
-        log.info("keys split by importance (q42_64 / q53_64) left out of the budget's K types: they need a known "
-                 "architecture, full rotary, a head size their blocks divide, no position-dependent rope scaling "
-                 "and no --ksort")
-        opts.ladder_k, opts.ladder_k_auto = None, False
-        if not opts.halves_k():
-            return
     type_k, _ = opts.resolved_types()
     what = f"--cache-type-k {type_k}"
     if opts.cache_type_k is None and opts.kv_bits is not None:     # a budget's K ladder: name the type in it
         type_k = next(t for t in opts.ladder_for("k") if t in q53.HALVES_TYPES)
         what = f"{type_k} in --layer-types-k"
+    why = None
     if not opts.prerope_k:
-        raise ConvertError(f"{what} needs --prerope-k: its wide halves are for the channels the "
-                           "loss reads most, measured in the pre-RoPE key domain")
-    if opts.ksort:
-        raise ConvertError(f"--ksort with {what} is not supported: {type_k} lays the pairs out by "
-                           "importance itself")
-    if g.n_rot != g.head_dim or rope_scaling not in ("none", "linear"):
-        raise ConvertError(f"{what} moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, "
-                           f"head {g.head_dim}) and no position-dependent rope scaling ({rope_scaling})")
+        why = (f"{what} needs --prerope-k: its wide halves are for the channels the loss reads most, measured in the "
+               "pre-RoPE key domain")
+    elif opts.ksort:
+        why = f"--ksort with {what} is not supported: {type_k} lays the pairs out by importance itself"
+    elif g.n_rot != g.head_dim or rope_scaling not in ("none", "linear"):
+        why = (f"{what} moves rotary pairs, which needs full rotary (n_rot {g.n_rot}, head {g.head_dim}) and no "
+               f"position-dependent rope scaling ({rope_scaling})")
+    elif opts.ladder_k_auto and (g.arch not in SUPPORTED_ARCHS or any(g.head_dim % _block(t) for t in opts.ladder_k)):
+        why = f"{type_k} needs an architecture in the converter's table and a head size its blocks divide"
+    if why and opts.ladder_k_auto:      # the default ladder: leave the split types out, not the conversion
+        log.info("keys split by importance (q42_64 / q53_64) left out of the budget's K types: %s", why)
+        opts.ladder_k, opts.ladder_k_auto = None, False
+        check_file(m, opts, g)
+    elif why:
+        raise ConvertError(why)
 
 
 def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | None = None,
