@@ -93,6 +93,9 @@ def test_bad_budget_and_types_are_refused(smollm2, tmp_path):
     assert res.returncode == 2 and "below the cheapest" in res.stderr
     res = run_convert(smollm2, "-o", out, "--kv-bits", "4", "--layer-types", "nuq3,bogus", check=False)
     assert res.returncode == 2 and "bogus" in res.stderr
+    res = run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "4", "--layer-types-k", "q42_64,bogus", *CALIB,
+                      check=False)
+    assert res.returncode == 2 and "bogus" in res.stderr
     assert not out.exists()
 
 
