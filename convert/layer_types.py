@@ -14,7 +14,7 @@ from pykvq.errors import CacheTypeError
 
 # the candidate types (bits/value: cache_types; q8_0 / q4_0 with a 2-byte scale per 32)
 DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
-# a pre-RoPE file's keys add the types split by importance (q42_64 at 3.5 bits, q53_64 at 4.5; CPU kernels only):
+# a pre-RoPE file's keys add the types split by importance (q42_64 at 3.5 bits, q53_64 at 4.5):
 # SmolLM2 / Qwen2.5-Coder-1.5B at 3.5 bits and 4096 tokens, KLD 0.0189 -> 0.0141 / 0.0118 -> 0.0093
 PREROPE_K_LADDER = ("nuq2o", "nuq3", "q42_64", "nuq3o", "nuq4", "q53_64", "q8_0")
 

@@ -165,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-types-k", default=None, metavar="TYPES",
                    help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
                         "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
-                        "keys split by importance, CPU kernels only; on a GPU keep such a cache on the CPU, -nkvo, "
-                        "or give --layer-types-k without them); else --layer-types")
+                        "keys split by importance); else --layer-types")
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
                    help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
                         "transform must requantize (auto = q8_0); the others keep their type")

@@ -38,8 +38,8 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("nuq2", 48, 32, "nuq", "q8_0", True, 4, False, 2.5),
     KVQType("nuq3o", 49, 64, "nuq", "q8_0", True, 8, True, 3.625),
     KVQType("nuq2o", 50, 64, "nuq", "q8_0", True, 4, True, 2.625),
-    KVQType("q53_64", 51, 64, "q53", "q8_0", False, 0, False, 4.5),
-    KVQType("q42_64", 52, 64, "q53", "q8_0", False, 0, False, 3.5),
+    KVQType("q53_64", 51, 64, "q53", "q8_0", True, 0, False, 4.5),
+    KVQType("q42_64", 52, 64, "q53", "q8_0", True, 0, False, 3.5),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

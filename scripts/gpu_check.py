@@ -61,7 +61,7 @@ KVQ_RE = "bfp|nuq"
 FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
 THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
-PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3"]
+PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0"]
 DRY_RUN = False
 # a pre-RoPE file's CUDA-held layers stay post-RoPE unless asked (their pre-RoPE reads are wrong across batches,
 # 2026-11-27); the prerope step asks, through the tools' environment fallback of --kv-domain

@@ -319,14 +319,19 @@ NEON = {"arm64-neon": ["-march=armv8-a"], "arm64-dotprod": ["-march=armv8.2-a+do
 
 # ---- q53_64 ----------------------------------------------------------------------------------
 
-def check_q53(x: np.ndarray) -> None:
-    """q53_64 (4.5-bit keys: 5-bit and 3-bit halves): numpy, the C reference and the CPU kernels agree bit for bit;
-    NaN reads as 0 and +-inf as +-FLT_MAX; blocks are independent; nothing decodes to inf or NaN; K·Q is within
-    1e-5 of the exact sum of the decoded values times Q in q8_0 where that sum is below 1e37."""
+_HALVES = {"q53_64": (q53.quantize_blocks, q53.dequantize_blocks, q53.pack, q53.unpack),
+           "q42_64": (q53.q42_quantize_blocks, q53.q42_dequantize_blocks, q53.q42_pack, q53.q42_unpack)}
+
+
+def check_q53(name: str, x: np.ndarray, codec) -> None:
+    """q53_64 / q42_64 (keys in halves of 5 + 3 / 4 + 2 bits): numpy, the C reference, the CPU kernels and the CUDA
+    codec agree bit for bit; NaN reads as 0 and +-inf as +-FLT_MAX; blocks are independent; nothing decodes to inf
+    or NaN; K·Q is within 1e-5 of the exact sum of the decoded values times Q in q8_0 where that sum is below 1e37."""
+    quantize_blocks, dequantize_blocks, pack, unpack = _HALVES[name]
     L = lib()
-    t = cache_types.resolve("q53_64")
-    want = q53.pack(*q53.quantize_blocks(x))
-    y = q53.dequantize_blocks(*q53.unpack(want)).reshape(-1)
+    t = cache_types.resolve(name)
+    want = pack(*quantize_blocks(x))
+    y = dequantize_blocks(*unpack(want)).reshape(-1)
     tr = L.ggml_get_type_traits(t)
     out = ffi.new("uint8_t[]", len(want))
     tr.from_float_ref(_fp(x), out, x.size)
@@ -338,10 +343,13 @@ def check_q53(x: np.ndarray) -> None:
     np.testing.assert_array_equal(bits(got), bits(y), err_msg="C dequantize")
     L.ggml_kvq_cpu_to_float_k(t)(want, _fp(got), x.size)
     np.testing.assert_array_equal(bits(got), bits(y), err_msg="CPU K-tile dequantize")
+    cq, cy = _cuda(codec, name, x, want, None)
+    assert cq == want, "CUDA codec quantize"
+    np.testing.assert_array_equal(bits(cy), bits(y), err_msg="CUDA codec dequantize")
     assert np.isfinite(y).all()
     clean = np.clip(np.nan_to_num(x, nan=0.0, posinf=FLT_MAX, neginf=-FLT_MAX), -FLT_MAX, FLT_MAX)
-    assert q53.pack(*q53.quantize_blocks(clean.astype(np.float32))) == want
-    assert b"".join(q53.pack(*q53.quantize_blocks(x[i:i + 64])) for i in range(0, x.size, 64)) == want
+    assert pack(*quantize_blocks(clean.astype(np.float32))) == want
+    assert b"".join(pack(*quantize_blocks(x[i:i + 64])) for i in range(0, x.size, 64)) == want
     q = np.random.default_rng(x.size).standard_normal(x.size).astype(np.float32)
     qb = ffi.new("uint8_t[]", x.size // 32 * 34)
     L.quantize_row_q8_0_ref(_fp(q), qb, x.size)
@@ -356,17 +364,19 @@ def check_q53(x: np.ndarray) -> None:
         assert np.isfinite(s[0]) and abs(s[0] - terms.sum()) <= 1e-5 * mag + x.size * 2.0 ** -149, (s[0], terms.sum())
 
 
+@pytest.mark.parametrize("name", list(_HALVES))
 @FAST
 @given(x=ROWS)
-def test_q53_edge_inputs(x):
-    check_q53(x)
+def test_q53_edge_inputs(name, x, cuda_codec):
+    check_q53(name, x, cuda_codec)
 
 
+@pytest.mark.parametrize("name", list(_HALVES))
 @pytest.mark.soak
 @SOAK
 @given(x=ROWS)
-def test_q53_edge_inputs_soak(x):
-    check_q53(x)
+def test_q53_edge_inputs_soak(name, x, cuda_codec):
+    check_q53(name, x, cuda_codec)
 
 
 @pytest.fixture(scope="module", params=list(NEON))

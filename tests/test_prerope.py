@@ -108,14 +108,16 @@ def test_decode_matches_reference(kt, vt, mode, rot):
     assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("kt,vt", [("nuq4", "nuq4"), ("f16", "f16")])
+@pytest.mark.parametrize("kt,vt,D,rot,skip", [("nuq4", "nuq4", 64, 64, 0), ("f16", "f16", 64, 64, 0),
+                                              ("q53_64", "q4_0", 128, 128, 32), ("q42_64", "nuq3", 64, 32, 0)])
 @pytest.mark.parametrize("N", [1, 3])
-def test_reference_mode_reads_prerope(kt, vt, N):
+def test_reference_mode_reads_prerope(kt, vt, D, rot, skip, N):
     """The CPU backend in reference mode (use_ref: what test-backend-ops holds every GPU kernel against) still
     reads a pre-RoPE cache with pykvq's kernel: upstream's per-row loop ignores src[5..8] and would attend to the
-    raw cached values. That is what made every pre-RoPE CUDA case 'fail' on the H100 (2026-11-24)."""
+    raw cached values. That is what made every pre-RoPE CUDA case 'fail' on the H100 (2026-11-24). Keys in halves
+    with the Hadamard that leaves out a stride: the reference test-backend-ops holds the CUDA kernels to."""
     for use_ref in (False, True):
-        out, ref = run_prerope_fa(kt, vt, mode=prerope.NORM, n_dims=64, N=N, S=2, rot=64, use_ref=use_ref)
+        out, ref = run_prerope_fa(kt, vt, mode=prerope.NORM, n_dims=D, D=D, N=N, S=2, rot=rot, skip=skip, use_ref=use_ref)
         assert rel_err(out, ref) < 1e-4, use_ref
 
 

@@ -75,15 +75,15 @@ def test_prerope_cache_runs_over_rpc(smollm2_prerope, workers, domain, window):
     assert "[kvq_k_pos" in inputs and "[kvq_rope_freqs-0" in inputs, inputs[:2000]
 
 
-def test_q53_64_keys_on_a_worker_are_refused_by_name(smollm2_prerope, workers):
-    """q53_64 has CPU kernels only and the client does not place CPU-only types on an RPC device: a clear refusal
-    (the layer, the type, the ways out), not an abort in the scheduler."""
-    res = run_tool("llama-completion", "-m", smollm2_prerope, "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv",
-                   "-fa", "on", "-c", "512", "-t", "2", "-ctk", "q53_64", "-ctv", "q4_0", "--rpc", workers, "-ngl", "99",
-                   timeout=300)
-    assert res.returncode != 0
-    assert "layer 0: the q53_64 K cache has CPU kernels only" in res.stderr, res.stderr[-3000:]
-    assert "-nkvo" in res.stderr
+@pytest.mark.parametrize("kt,vt", [("q53_64", "q4_0"), ("q42_64", "nuq3")])
+def test_keys_in_halves_run_over_rpc(smollm2_prerope, workers, kt, vt):
+    """Keys split in halves (q53_64 / q42_64: the Hadamard without its stride-32 butterfly on a 128 head, 32 wide on
+    SmolLM2's 64) on two CPU workers: the layers and their caches go there and the answer is the local one."""
+    local, _ = complete(smollm2_prerope, "-ctk", kt, "-ctv", vt)
+    remote, log = complete(smollm2_prerope, "-ctk", kt, "-ctv", vt, rpc=workers)
+    assert remote == local and len(local) > len(PROMPT) + 20
+    assert len(set(re.findall(r"- (RPC\d) \(127\.0\.0\.1:\d+\) \|", log))) == 2, log[-3000:]
+    assert "offloaded 31/31 layers" in log and kt in log, log[-3000:]
 
 
 class _CapsProxy:

@@ -24,8 +24,8 @@
     X(nuq2,    NUQ2,    48, 32, NUQ, q8_0,    Q8_0,    1,  4, 0, 2500, __VA_ARGS__)     \
     X(nuq3o,   NUQ3O,   49, 64, NUQ, q8_0,    Q8_0,    1,  8, 1, 3625, __VA_ARGS__)     \
     X(nuq2o,   NUQ2O,   50, 64, NUQ, q8_0,    Q8_0,    1,  4, 1, 2625, __VA_ARGS__)     \
-    X(q53_64,  Q53_64,  51, 64, Q53, q8_0,    Q8_0,    0,  0, 0, 4500, __VA_ARGS__)     \
-    X(q42_64,  Q42_64,  52, 64, Q53, q8_0,    Q8_0,    0,  0, 0, 3500, __VA_ARGS__)
+    X(q53_64,  Q53_64,  51, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 4500, __VA_ARGS__)     \
+    X(q42_64,  Q42_64,  52, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3500, __VA_ARGS__)
 
 // what the rows expand to in the upstream files the patches touch (one macro use each)
 #define GGML_KVQ_CASE(name, NAME, ...)       case GGML_TYPE_##NAME:

@@ -245,8 +245,8 @@ int llama_kvq_k_rot_skip(const ggml_tensor * k_rot);
 // fills a host K rotation tensor that leaves a stride out and returns true; false for upstream's plain Hadamard
 bool llama_kvq_k_rot_fill(ggml_tensor * k_rot);
 
-// throws when a K cache of a type with CPU kernels only (q53_64, q42_64) is in a device buffer (CUDA, RPC, ...), where
-// writing it would abort in the scheduler: the error names the way out
+// throws when a K cache of a type with CPU kernels only (cuda = 0 in ggml-kvq-types.h; none at present) is in a device
+// buffer (CUDA, RPC, ...), where writing it would abort in the scheduler: the error names the way out
 void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory_i * mem);
 
 // logs what a context's caches hold: types per layer when they differ, bits/value, codebook sources

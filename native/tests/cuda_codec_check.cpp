@@ -149,13 +149,15 @@ static void check_lsq(const char * name, void (*ref_q)(const float *, void *, in
     }
 }
 
-// the bfp reference functions have the ggml trait signature; adapt them
+// the bfp / q53 reference functions have the ggml trait signature; adapt them
 #define BFP_ADAPT(name, block_t)                                                                              \
     static void q_##name(const float * x, void * y, int64_t k, const int8_t *) { quantize_row_##name##_ref(x, (block_t *) y, k); } \
     static void dq_##name(const void * x, float * y, int64_t k, const int8_t *) { dequantize_row_##name((const block_t *) x, y, k); }
 BFP_ADAPT(bfp4_32, block_bfp4_32)
 BFP_ADAPT(bfp4_64, block_bfp4_64)
 BFP_ADAPT(bfp8_32, block_bfp8_32)
+BFP_ADAPT(q53_64, block_q53_64)
+BFP_ADAPT(q42_64, block_q42_64)
 
 static void random_codebook(int8_t * cb, int n) {
     for (;;) {
@@ -208,7 +210,8 @@ static void lib_dequantize(const uint8_t * q, int n, const int8_t * cb, float * 
 }
 
 #define KVQ_LIB_TYPES(X) X(GGML_TYPE_BFP4_32) X(GGML_TYPE_BFP4_64) X(GGML_TYPE_BFP8_32) X(GGML_TYPE_NUQ4) \
-                         X(GGML_TYPE_NUQ3) X(GGML_TYPE_NUQ2) X(GGML_TYPE_NUQ3O) X(GGML_TYPE_NUQ2O)
+                         X(GGML_TYPE_NUQ3) X(GGML_TYPE_NUQ2) X(GGML_TYPE_NUQ3O) X(GGML_TYPE_NUQ2O) \
+                         X(GGML_TYPE_Q53_64) X(GGML_TYPE_Q42_64)
 
 // 0 on success, -1 for a type the codec does not have
 extern "C" int kvq_codec_quantize(int type, const float * x, int n, const int8_t * cb, uint8_t * out) {
@@ -236,6 +239,8 @@ int main() {
     check_nuq<GGML_TYPE_NUQ2>("nuq2", quantize_row_nuq2_ref_cb, dequantize_row_nuq2_cb);
     check_nuq<GGML_TYPE_NUQ3O>("nuq3o", quantize_row_nuq3o_ref_cb, dequantize_row_nuq3o_cb);
     check_nuq<GGML_TYPE_NUQ2O>("nuq2o", quantize_row_nuq2o_ref_cb, dequantize_row_nuq2o_cb);
+    check_type<GGML_TYPE_Q53_64>("q53_64", nullptr, q_q53_64, dq_q53_64);
+    check_type<GGML_TYPE_Q42_64>("q42_64", nullptr, q_q42_64, dq_q42_64);
     check_lsq<GGML_TYPE_Q4_0>("q4_0 least squares", quantize_row_q4_0_lsq);
     check_lsq<GGML_TYPE_Q5_0>("q5_0 least squares", quantize_row_q5_0_lsq);
     printf("checks %d failures %d\n", checks, failures);

@@ -80,6 +80,8 @@ static void encode_row(ggml_type t, const float * x, int n, const int8_t * cb, u
         case GGML_TYPE_NUQ2:    quantize_row_nuq2_ref_cb (x, out, n, cb); dequantize_row_nuq2_cb (out, deq, n, cb); return;
         case GGML_TYPE_NUQ3O:   quantize_row_nuq3o_ref_cb(x, out, n, cb); dequantize_row_nuq3o_cb(out, deq, n, cb); return;
         case GGML_TYPE_NUQ2O:   quantize_row_nuq2o_ref_cb(x, out, n, cb); dequantize_row_nuq2o_cb(out, deq, n, cb); return;
+        case GGML_TYPE_Q53_64:  quantize_row_q53_64_ref(x, (block_q53_64 *) out, n); dequantize_row_q53_64((const block_q53_64 *) out, deq, n); return;
+        case GGML_TYPE_Q42_64:  quantize_row_q42_64_ref(x, (block_q42_64 *) out, n); dequantize_row_q42_64((const block_q42_64 *) out, deq, n); return;
         default: abort();
     }
 }
@@ -92,6 +94,8 @@ static size_t row_bytes(ggml_type t, int n) {
         case GGML_TYPE_BFP4_32: return sizeof(block_bfp4_32)*(size_t) (n/QK_BFP32);
         case GGML_TYPE_BFP4_64: return sizeof(block_bfp4_64)*(size_t) (n/QK_BFP64);
         case GGML_TYPE_BFP8_32: return sizeof(block_bfp8_32)*(size_t) (n/QK_BFP32);
+        case GGML_TYPE_Q53_64:  return sizeof(block_q53_64)*(size_t) (n/QK_Q53);
+        case GGML_TYPE_Q42_64:  return sizeof(block_q42_64)*(size_t) (n/QK_Q42);
         default:                return ggml_kvq_nuq_type_size(t)*(size_t) (n/ggml_kvq_nuq_block(t));
     }
 }
@@ -116,6 +120,7 @@ struct Pre {
     float mscale;
     bool  per_head;     // per-KV-head frequency factors (K-sort)
     int   pos0;         // first position (large: float angles lose digits)
+    int   h_skip;       // a butterfly stride the Hadamard leaves out (keys in halves: 32 on a 128 head); 0: none
 };
 
 // the read path's inputs for n_head_kv heads of size D and n_seq streams of n_kv cells
@@ -152,13 +157,15 @@ static PreData make_pre(const Pre & P, int D, int n_head_kv, int n_kv, int n_seq
     d.args.pos = d.pos.data(); d.args.mean = d.mean.data(); d.args.scale = d.scale.data(); d.args.freqs = d.w.data();
     d.args.pos_stride = n_kv;
     d.args.n_dims = P.n_dims; d.args.neox = P.neox; d.args.n_rot_h = P.n_rot_h;
-    d.args.h_norm = P.n_rot_h ? (float) (1.0/sqrt((double) P.n_rot_h)) : 1.0f;
+    d.args.h_skip = P.h_skip;
+    d.args.h_norm = P.n_rot_h ? (float) (1.0/sqrt((double) (P.h_skip ? P.n_rot_h/2 : P.n_rot_h))) : 1.0f;
     d.args.mscale = P.mscale;
     return d;
 }
 
 // one cached row c (what the cache decodes to) of KV head kvh at position pos -> the post-RoPE key:
-// Hadamard per block (Sylvester order, orthonormal: its own inverse), c*scale + mean, rotation by pos*w.
+// Hadamard per block (Sylvester order, orthonormal: its own inverse; with a skip, the identity over that index bit:
+// ggml_kvq_fa_set_hadamard_skip's matrix), c*scale + mean, rotation by pos*w.
 // float_angle: the angle rounded as ggml's rope computes it, (float) pos * w in float; else exact.
 static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre & P, const PreData & d, double * out,
                             bool float_angle = false) {
@@ -167,14 +174,15 @@ static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre 
         x[i] = c[i];
     }
     if (P.n_rot_h) {
-        const int n = P.n_rot_h;
+        const int n = P.n_rot_h, skip = P.h_skip;
         for (int b = 0; b < D; b += n) {
             for (int i = 0; i < n; ++i) {
                 double acc = 0.0;
                 for (int j = 0; j < n; ++j) {
-                    acc += (__builtin_popcount(i & j) & 1 ? -1.0 : 1.0)*c[b + j];
+                    if ((i ^ j) & skip) continue;
+                    acc += (__builtin_popcount(i & j & ~skip) & 1 ? -1.0 : 1.0)*c[b + j];
                 }
-                x[b + i] = acc/sqrt((double) n);
+                x[b + i] = acc/sqrt((double) (skip ? n/2 : n));
             }
         }
     }
@@ -704,6 +712,14 @@ int main() {
     run_rows<256, GGML_TYPE_BFP8_32>("bfp8_32", neox256,   1,  60, 1, tol);
     run_rows< 64, GGML_TYPE_NUQ2   >("nuq2",    far_norm,  2,  60, 2, tol_far);
     run_rows<128, GGML_TYPE_F16    >("f16",     far_neox,  2,  60, 1, tol_far);
+    // keys in halves (q53_64 / q42_64): on a 128 head the Hadamard leaves out its stride-32 butterfly
+    const Pre neox_q53  = { 128, true,  128, 1.0f, false,    7, 32 };
+    const Pre norm_q53  = { 128, false, 128, 1.0f, true,     7, 32 };
+    const Pre neox64_32 = {  64, true,   32, 1.0f, false,    7 };
+    run_rows<128, GGML_TYPE_Q53_64 >("q53_64",  neox_q53,  2, 100, 2, tol);
+    run_rows<128, GGML_TYPE_Q42_64 >("q42_64",  norm_q53,  2, 100, 1, tol);
+    run_rows< 64, GGML_TYPE_Q53_64 >("q53_64",  neox64_32, 2,  70, 1, tol);
+    run_rows<256, GGML_TYPE_Q42_64 >("q42_64",  neox_q53,  1,  60, 1, tol);
 
     //                          kvh gqa  n_kv seq split  mask   sinks  softcap alibi ne33
     const Case pre_streams = {  2,  3,  300,  2,  128, true,  false, 0.0f,  0.0f,  2 };
@@ -716,6 +732,9 @@ int main() {
     run_case< 64, GGML_TYPE_BFP8_32, GGML_TYPE_BFP8_32, true>("bfp8_32/bfp8_32", pre_streams, &far_norm,  tol);
     run_case<128, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_streams, &neox_part, tol);   // pre-RoPE only pairs
     run_case< 64, GGML_TYPE_NUQ4,    GGML_TYPE_F16,     true>("nuq4/f16",        pre_gqa8,    &norm_h16, tol);
+    run_case<128, GGML_TYPE_Q53_64,  GGML_TYPE_Q4_0,    true>("q53_64/q4_0",     pre_streams, &neox_q53,  tol);
+    run_case<128, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ3,    true>("q42_64/nuq3",     pre_gqa8,    &norm_q53,  tol);
+    run_case< 64, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ2O,   true>("q42_64/nuq2o",    pre_streams, &neox64_32, tol);
     // exact window: the decode kernel reads a cell's row when the query's planes say so; prefill's stand-in
     const Win win_q   = { 40, true  };
     const Win win_all = { 24, false };

@@ -319,6 +319,33 @@ KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) 
                 y[1 + j] = (uint8_t) (lo | (hi << 4));
             }
         }
+    } else if constexpr (T == GGML_TYPE_Q53_64 || T == GGML_TYPE_Q42_64) {
+        // two least-squares halves (native/ggml/q53.c): 5 + 3 bits (q53_64) or 4 + 2 (q42_64)
+        constexpr bool q53 = T == GGML_TYPE_Q53_64;
+        uint8_t qa[32], qb[32];
+        kvq_lsq_block(x,      q53 ? 16 : 8, y,     qa);   // d5 / d4
+        kvq_lsq_block(x + 32, q53 ?  4 : 2, y + 2, qb);   // d3 / d2
+        if constexpr (q53) {
+            block_q53_64 * b = (block_q53_64 *) y;
+            uint32_t qh5 = 0;
+            for (int j = 0; j < 16; ++j) {
+                b->qs5[j] = (uint8_t) ((qa[j] & 15) | ((qa[j + 16] & 15) << 4));
+            }
+            for (int j = 0; j < 32; ++j) {
+                qh5 |= (uint32_t) (qa[j] >> 4) << j;
+            }
+            for (int j = 0; j < 4; ++j) {
+                b->qh5[j] = (uint8_t) (qh5 >> (8*j));
+            }
+            kvq_pack_low2(qb, 32, b->qs3);   // byte j, bits 2k: value j + 8k (nuq3's layout)
+            kvq_pack_high(qb, 32, b->qh3);
+        } else {
+            block_q42_64 * b = (block_q42_64 *) y;
+            for (int j = 0; j < 16; ++j) {
+                b->qs4[j] = (uint8_t) (qa[j] | (qa[j + 16] << 4));
+            }
+            kvq_pack_low2(qb, 32, b->qs2);
+        }
     } else {
         constexpr int n_codes = kvq_traits<T>::ncodes;
         constexpr bool outl   = kvq_traits<T>::outl;
@@ -381,6 +408,42 @@ KVQ_UNROLL
 KVQ_UNROLL
             for (int l = 0; l < N; ++l) {
                 out[l] = d * (float) (int8_t) b[2 + j + l];
+            }
+        } else if constexpr (T == GGML_TYPE_Q53_64) {
+            const block_q53_64 * q = (const block_q53_64 *) b;   // N values lie in one half (N divides 32)
+            if (j < 32) {
+                const float d = kvq_f16_bytes(q->d5);
+KVQ_UNROLL
+                for (int l = 0; l < N; ++l) {
+                    const int jj = j + l;
+                    const int lo = jj < 16 ? q->qs5[jj] & 15 : q->qs5[jj - 16] >> 4;
+                    out[l] = (float) ((lo | (((q->qh5[jj / 8] >> (jj % 8)) & 1) << 4)) - 16)*d;
+                }
+            } else {
+                const float d = kvq_f16_bytes(q->d3);
+KVQ_UNROLL
+                for (int l = 0; l < N; ++l) {
+                    const int jj = j - 32 + l;
+                    const int v  = ((q->qs3[jj % 8] >> (2*(jj / 8))) & 3) | (((q->qh3[jj / 8] >> (jj % 8)) & 1) << 2);
+                    out[l] = (float) (v - 4)*d;
+                }
+            }
+        } else if constexpr (T == GGML_TYPE_Q42_64) {
+            const block_q42_64 * q = (const block_q42_64 *) b;
+            if (j < 32) {
+                const float d = kvq_f16_bytes(q->d4);
+KVQ_UNROLL
+                for (int l = 0; l < N; ++l) {
+                    const int jj = j + l;
+                    out[l] = (float) ((jj < 16 ? q->qs4[jj] & 15 : q->qs4[jj - 16] >> 4) - 8)*d;
+                }
+            } else {
+                const float d = kvq_f16_bytes(q->d2);
+KVQ_UNROLL
+                for (int l = 0; l < N; ++l) {
+                    const int jj = j - 32 + l;
+                    out[l] = (float) (((q->qs2[jj % 8] >> (2*(jj / 8))) & 3) - 2)*d;
+                }
             }
         } else if constexpr (T == GGML_TYPE_NUQ4) {
             const float d  = kvq_f16_bytes(b);

@@ -185,7 +185,8 @@ static bool kvq_fa_prerope_args(const ggml_tensor * op, kvq_prerope_args * p) {
     p->n_dims     = n_dims;
     p->neox       = mode == GGML_ROPE_TYPE_NEOX;
     p->n_rot_h    = n_rot_h;
-    p->h_norm     = n_rot_h ? (float) (1.0/sqrt((double) n_rot_h)) : 1.0f;
+    p->h_skip     = n_rot_h ? ggml_kvq_fa_get_hadamard_skip(op) : 0;
+    p->h_norm     = n_rot_h ? (float) (1.0/sqrt((double) (p->h_skip ? n_rot_h/2 : n_rot_h))) : 1.0f;
     p->mscale     = mscale;
     return true;
 }
@@ -237,9 +238,6 @@ static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
     if (ggml_kvq_fa_is_centred(op)) {   // no CUDA kernel adds the mean's scores yet (llama refuses the setting)
         return false;
     }
-    if (ggml_kvq_fa_get_hadamard_skip(op) != 0) {   // only q53_64 keys (CPU kernels only) leave a stride out
-        return false;
-    }
     const ggml_tensor * K = op->src[1];
     const ggml_tensor * pos = op->src[5];
     if (pos->type != GGML_TYPE_I32 || pos->nb[0] != sizeof(int32_t) || pos->ne[0] < K->ne[1] || pos->ne[1] != K->ne[3]) {
@@ -251,7 +249,7 @@ static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
         }
     }
     return (mode == GGML_ROPE_TYPE_NORMAL || mode == GGML_ROPE_TYPE_NEOX) &&
-           kvq_prerope_fits((int) K->ne[0], n_dims, mode == GGML_ROPE_TYPE_NEOX, n_rot_h) &&
+           kvq_prerope_fits((int) K->ne[0], n_dims, mode == GGML_ROPE_TYPE_NEOX, n_rot_h, ggml_kvq_fa_get_hadamard_skip(op)) &&
            (ggml_kvq_type_has_cuda(K->type) || K->type == GGML_TYPE_F16 || K->type == GGML_TYPE_Q8_0 ||
             K->type == GGML_TYPE_Q4_0);
 }

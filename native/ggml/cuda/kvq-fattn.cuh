@@ -450,8 +450,16 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_F16)                  \
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_Q8_0)
 
-// Pairs compiled for a pre-RoPE K only: stock K / V types (upstream's kernels take them post-RoPE)
-// and quantized K with f16 V.
+// the V types a pre-RoPE file's budget pairs with keys split in halves (convert/layer_types.py), and q4_0
+#define KVQ_FA_HALVES_K(X, D, TK)                    \
+    X(D, TK, GGML_TYPE_Q4_0)                         \
+    X(D, TK, GGML_TYPE_NUQ4)                         \
+    X(D, TK, GGML_TYPE_NUQ3O)                        \
+    X(D, TK, GGML_TYPE_NUQ3)                         \
+    X(D, TK, GGML_TYPE_NUQ2O)
+
+// Pairs compiled for a pre-RoPE K only: stock K / V types (upstream's kernels take them post-RoPE),
+// quantized K with f16 V, and the keys split in halves (laid out for them by a pre-RoPE conversion).
 #define KVQ_FA_PRE_PAIRS(X, D)                             \
     X(D, GGML_TYPE_Q8_0,    GGML_TYPE_Q8_0)                \
     X(D, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0)                \
@@ -460,7 +468,9 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     X(D, GGML_TYPE_Q8_0,    GGML_TYPE_F16)                 \
     X(D, GGML_TYPE_NUQ4,    GGML_TYPE_F16)                 \
     X(D, GGML_TYPE_NUQ3,    GGML_TYPE_F16)                 \
-    X(D, GGML_TYPE_BFP4_32, GGML_TYPE_F16)
+    X(D, GGML_TYPE_BFP4_32, GGML_TYPE_F16)                 \
+    KVQ_FA_HALVES_K(X, D, GGML_TYPE_Q53_64)                \
+    KVQ_FA_HALVES_K(X, D, GGML_TYPE_Q42_64)
 
 #define KVQ_FA_CASE(D, TK, TV)                                                      \
     if (tk == TK && tv == TV) {                                                     \

@@ -3,7 +3,7 @@
 // A warp holds one decoded K row, lane l the D/32 consecutive channels l*EPL .. l*EPL+EPL-1
 // (the decode kernel's layout). kvq_prerope_row turns it into the post-RoPE key attention uses:
 // inverse Walsh-Hadamard per block of n_rot_h channels (in-lane butterflies below EPL, xor
-// shuffles above), k = c*scale + mean, and ggml_rope_ext's rotation at the cell's own position
+// shuffles above; the one at stride h_skip left out for keys split in halves, q53_64 / q42_64), k = c*scale + mean, and ggml_rope_ext's rotation at the cell's own position
 // (angle pos*w in float as upstream's rope kernel computes it, sin/cos per pair). NORM pairs are
 // in-lane; NEOX pairs (i, i + n_dims/2) are one shuffle apart when n_dims/2 is a multiple of EPL,
 // the only NEOX layout these kernels take (kvq_prerope_fits). Used by the decode kernel once per
@@ -21,16 +21,20 @@ struct kvq_prerope_args {
     int     n_dims;             // rotated channels (partial rotary: < D)
     int     neox;               // 0: NORM, 1: NEOX
     int     n_rot_h;            // 0: no Hadamard, else its size (a power of two dividing D)
-    float   h_norm;             // 1/sqrt(n_rot_h): the orthonormal Hadamard's factor
+    int     h_skip;             // a butterfly stride the Hadamard leaves out (0: none; ggml_kvq_fa_set_hadamard_skip)
+    float   h_norm;             // the orthonormal Hadamard's factor: 1/sqrt(n_rot_h), 1/sqrt(n_rot_h/2) with a skip
     float   mscale;             // multiplies cos and sin
 };
 
 // true when the kernels below compute this layout (else the op is declined: the CPU runs it)
-static inline bool kvq_prerope_fits(int D, int n_dims, bool neox, int n_rot_h) {
+static inline bool kvq_prerope_fits(int D, int n_dims, bool neox, int n_rot_h, int h_skip) {
     if (!(D == 64 || D == 128 || D == 256) || n_dims <= 0 || n_dims > D || n_dims % 2 != 0) {
         return false;
     }
     if (n_rot_h != 0 && (n_rot_h < 2 || n_rot_h > D || (n_rot_h & (n_rot_h - 1)) != 0)) {
+        return false;
+    }
+    if (h_skip != 0 && (n_rot_h == 0 || h_skip < 1 || h_skip >= n_rot_h || (h_skip & (h_skip - 1)) != 0)) {
         return false;
     }
     return !neox || (n_dims/2) % (D/32) == 0;
@@ -81,7 +85,7 @@ static __device__ __forceinline__ void kvq_prerope_row(float (&x)[EPL], const in
         // H is its own inverse: the butterflies of the fast Walsh-Hadamard transform, Sylvester order
 #pragma unroll
         for (int s = 1; s < EPL; s <<= 1) {
-            if (s < p.n_rot_h) {
+            if (s < p.n_rot_h && s != p.h_skip) {
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) {
                     if (!(e & s)) {
@@ -93,6 +97,9 @@ static __device__ __forceinline__ void kvq_prerope_row(float (&x)[EPL], const in
             }
         }
         for (int m = 1; m*EPL < p.n_rot_h; m <<= 1) {
+            if (m*EPL == p.h_skip) {
+                continue;
+            }
             const bool hi = lane & m;
 #pragma unroll
             for (int e = 0; e < EPL; ++e) {
