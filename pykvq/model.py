@@ -78,7 +78,7 @@ class Model(Generation, Evaluation):
     sequence a stream of its own, n_ctx / n_seq_max cells.
     k_domain: where a file converted with --prerope-k has its quantized keys cached, for this context:
     None/"auto" as the file asks (pre-RoPE), "post" plain post-RoPE, "centred" post-RoPE minus the file's
-    mean rotated with them (CPU only; docs/prerope.md), "pre" every layer pre-RoPE.
+    mean rotated with them (docs/prerope.md), "pre" every layer pre-RoPE.
     encoder: how q4_0 / q5_0 cache rows are written, for this context: None/"auto" least-squares block
     scales for a pykvq-converted file and ggml's stock encoder for any other, "stock" or "lsq" to force one.
     The format is the stock one either way (docs/FORMATS.md, "Least-squares scales").

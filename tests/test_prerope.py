@@ -121,6 +121,15 @@ def test_reference_mode_reads_prerope(kt, vt, D, rot, skip, N):
         assert rel_err(out, ref) < 1e-4, use_ref
 
 
+@pytest.mark.parametrize("N", [1, 3])
+def test_reference_mode_reads_centred(N):
+    """test-backend-ops' CPU reference (use_ref) reads a centred cache with pykvq's kernel too: what the CUDA centred
+    cases are held against."""
+    for use_ref in (False, True):
+        out, ref = run_centred_fa("q4_0", "q4_0", mode=prerope.NEOX, n_dims=64, D=64, N=N, S=2, rot=64, use_ref=use_ref)
+        assert rel_err(out, ref) < 1e-4, use_ref
+
+
 @pytest.mark.parametrize("D,n_dims,rot", [(64, 64, 64), (128, 128, 128), (128, 128, 64), (128, 96, 32), (64, 64, 0),
                                           (64, 40, 0)])
 @pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
@@ -166,7 +175,7 @@ def test_prefill_partial_rotary_per_head_freqs(mode):
 
 
 def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, skip=0, seed=0, start=None, pairs=None, n_threads=2):
+                   rot=0, skip=0, seed=0, start=None, pairs=None, n_threads=2, use_ref=None):
     """FA over a centred post-RoPE cache (ggml_kvq_fa_set_centred) against attention over H R(p)k rebuilt in
     float64 (prerope.centred): the stored rows plus the mean's kept pairs rotated at each cell's position.
     pairs: the pairs with a mean (default: 40% of them at random)."""
@@ -192,7 +201,10 @@ def run_centred_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
                                     g.tensor("f32", n_dims // 2, Hkv, data=w), n_dims, mode, mscale, rot)
         g.L.ggml_kvq_fa_set_hadamard_skip(fa, skip)
         assert g.L.ggml_kvq_fa_is_centred(fa) and g.L.ggml_kvq_fa_get_hadamard_skip(fa) == skip
-        g.compute(fa, n_threads=n_threads)
+        if use_ref is None:
+            g.compute(fa, n_threads=n_threads)
+        else:
+            g.compute_cpu_backend(fa, n_threads=n_threads, use_ref=use_ref)
         out = g.f32(fa).reshape(S, N, H, D)
     finally:
         g.close()

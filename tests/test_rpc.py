@@ -152,7 +152,8 @@ class _CapsProxy:
 @pytest.mark.parametrize("domain,mark", [("pre", 0x82), ("centred", 0x92)])
 def test_prerope_cache_is_refused_on_worker_without_kernels(smollm2_prerope, workers, domain, mark):
     """A pykvq worker whose HELLO says its backend has no kernels for this key domain (0x82: none; 0x92:
-    pre-RoPE only, as a CUDA worker says) gets no pre-RoPE / centred cache: a clear refusal before anything runs."""
+    pre-RoPE only, as a CUDA worker said before it had centred kernels) gets no pre-RoPE / centred cache: a clear
+    refusal before anything runs."""
     proxy = _CapsProxy(workers.split(",")[0], mark)
     try:
         res = run_tool("llama-completion", "-m", smollm2_prerope, "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv",
@@ -162,7 +163,7 @@ def test_prerope_cache_is_refused_on_worker_without_kernels(smollm2_prerope, wor
         proxy.close()
     assert res.returncode != 0
     want = ("the pre-RoPE key cache has kernels for CPU and CUDA only, not for this RPC worker's backend"
-            if domain == "pre" else "the centred key cache (--kv-domain centred) has CPU kernels only, not this RPC")
+            if domain == "pre" else "the centred key cache (--kv-domain centred) has kernels for CPU and CUDA only, not for this RPC")
     assert want in res.stderr, res.stderr[-3000:]
     assert "-nkvo" in res.stderr
 

@@ -40,7 +40,7 @@ uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
         return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED | GGML_KVQ_RPC_WINDOW;
     }
     if (strcmp(name, "CUDA") == 0) {
-        return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_WINDOW;   // the centred domain has CPU kernels only
+        return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED | GGML_KVQ_RPC_WINDOW;
     }
     if (strcmp(name, "RPC") == 0) {   // an RPC device's description is its worker's endpoint
         const int caps = ggml_kvq_rpc_worker_caps(ggml_backend_dev_description(dev));

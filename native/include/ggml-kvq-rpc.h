@@ -19,7 +19,7 @@
 #define GGML_KVQ_RPC_MARK     0x82   // pykvq, node-parameter layout 2 (layout 1 had no capability bits)
 #define GGML_KVQ_RPC_CAPS     0x70
 #define GGML_KVQ_RPC_PREROPE  0x10   // pre-RoPE keys in flash attention (CPU, CUDA)
-#define GGML_KVQ_RPC_CENTRED  0x20   // centred post-RoPE keys (CPU)
+#define GGML_KVQ_RPC_CENTRED  0x20   // centred post-RoPE keys (CPU, CUDA)
 #define GGML_KVQ_RPC_WINDOW   0x40   // exact-window rows in pre-RoPE flash attention (CPU, CUDA): without it a layer keeps none
 
 #ifdef __cplusplus
@@ -28,7 +28,7 @@ extern "C" {
 
 // worker side: the HELLO padding byte for a worker computing on these backends
 GGML_API uint8_t ggml_kvq_rpc_hello_mark(const ggml_backend_t * backends, size_t n_backends);
-// what a device runs (GGML_KVQ_RPC_* bits): CPU pre-RoPE, centred and the window, CUDA pre-RoPE, an RPC device
+// what a device runs (GGML_KVQ_RPC_* bits): CPU and CUDA pre-RoPE, centred and the window, an RPC device
 // what its worker's HELLO said (0 before it), any other none. The worker's mark and the client's check both use it.
 GGML_API uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev);
 

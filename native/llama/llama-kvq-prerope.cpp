@@ -42,7 +42,7 @@ std::string llama_kvq_prerope_device_unsupported(ggml_backend_dev_t dev, bool ce
         backend = "this RPC worker's backend";
     }
     if (centred && !(caps & GGML_KVQ_RPC_CENTRED)) {
-        return std::string("the centred key cache (--kv-domain centred) has CPU kernels only, not ") + backend + " (device " +
+        return std::string("the centred key cache (--kv-domain centred) has kernels for CPU and CUDA only, not for ") + backend + " (device " +
                ggml_backend_dev_name(dev) + "): keep the KV cache on the CPU (-nkvo / offload_kqv = false), or use --kv-domain pre";
     }
     if (!centred && !(caps & GGML_KVQ_RPC_PREROPE)) {

@@ -121,6 +121,7 @@ struct Pre {
     bool  per_head;     // per-KV-head frequency factors (K-sort)
     int   pos0;         // first position (large: float angles lose digits)
     int   h_skip;       // a butterfly stride the Hadamard leaves out (keys in halves: 32 on a 128 head); 0: none
+    bool  centred;      // a centred post-RoPE K (--kv-domain centred): the cache holds H R(p)(k - mean)
 };
 
 // the read path's inputs for n_head_kv heads of size D and n_seq streams of n_kv cells
@@ -160,6 +161,7 @@ static PreData make_pre(const Pre & P, int D, int n_head_kv, int n_kv, int n_seq
     d.args.h_skip = P.h_skip;
     d.args.h_norm = P.n_rot_h ? (float) (1.0/sqrt((double) (P.h_skip ? P.n_rot_h/2 : P.n_rot_h))) : 1.0f;
     d.args.mscale = P.mscale;
+    d.args.centred = P.centred;
     return d;
 }
 
@@ -169,6 +171,36 @@ static PreData make_pre(const Pre & P, int D, int n_head_kv, int n_kv, int n_seq
 // float_angle: the angle rounded as ggml's rope computes it, (float) pos * w in float; else exact.
 static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre & P, const PreData & d, double * out,
                             bool float_angle = false) {
+    if (P.centred) {   // the cached row plus H R(p) mean: the key turned by H, as Q is (ggml-kvq.h, centred)
+        std::vector<double> m(D), hm(D);
+        for (int i = 0; i < D; ++i) m[i] = i < P.n_dims ? d.mean[(size_t) kvh*D + i] : 0.0;   // the rotary pairs' mean
+        const int half = P.n_dims/2;
+        for (int i = 0; i < half; ++i) {
+            const int a = P.neox ? i : 2*i, b = P.neox ? i + half : 2*i + 1;
+            const float  w  = d.w[(size_t) kvh*half + i];
+            const double th = float_angle ? (double) ((float) pos*w) : (double) pos*w;
+            const double co = cos(th)*P.mscale, si = sin(th)*P.mscale;
+            const double ma = m[a], mb = m[b];
+            m[a] = ma*co - mb*si;
+            m[b] = ma*si + mb*co;
+        }
+        hm = m;
+        if (P.n_rot_h) {
+            const int n = P.n_rot_h, skip = P.h_skip;
+            for (int b = 0; b < D; b += n) {
+                for (int i = 0; i < n; ++i) {
+                    double acc = 0.0;
+                    for (int j = 0; j < n; ++j) {
+                        if ((i ^ j) & skip) continue;
+                        acc += (__builtin_popcount(i & j & ~skip) & 1 ? -1.0 : 1.0)*m[b + j];
+                    }
+                    hm[b + i] = acc/sqrt((double) (skip ? n/2 : n));
+                }
+            }
+        }
+        for (int i = 0; i < D; ++i) out[i] = c[i] + hm[i];
+        return;
+    }
     std::vector<double> x(D);
     for (int i = 0; i < D; ++i) {
         x[i] = c[i];
@@ -720,6 +752,15 @@ int main() {
     run_rows<128, GGML_TYPE_Q42_64 >("q42_64",  norm_q53,  2, 100, 1, tol);
     run_rows< 64, GGML_TYPE_Q53_64 >("q53_64",  neox64_32, 2,  70, 1, tol);
     run_rows<256, GGML_TYPE_Q42_64 >("q42_64",  neox_q53,  1,  60, 1, tol);
+    // centred post-RoPE K (--kv-domain centred): the mean rotated at each position and turned by H, added back
+    const Pre cen_norm  = {  64, false,  64, 1.0f, true,     7, 0, true };
+    const Pre cen_neox  = { 128, true,  128, 1.2f, false,    7, 0, true };
+    const Pre cen_part  = {  96, true,   32, 1.0f, true,     7, 0, true };
+    const Pre cen_q53   = { 128, true,  128, 1.0f, false,    7, 32, true };
+    run_rows< 64, GGML_TYPE_BFP4_32>("bfp4_32 centred", cen_norm, 2, 100, 2, tol);
+    run_rows<128, GGML_TYPE_NUQ4   >("nuq4 centred",   cen_neox, 2, 100, 1, tol);
+    run_rows<128, GGML_TYPE_Q8_0   >("q8_0 centred",   cen_part, 2,  80, 1, tol);
+    run_rows<128, GGML_TYPE_Q53_64 >("q53_64 centred", cen_q53,  1,  80, 1, tol);
 
     //                          kvh gqa  n_kv seq split  mask   sinks  softcap alibi ne33
     const Case pre_streams = {  2,  3,  300,  2,  128, true,  false, 0.0f,  0.0f,  2 };
@@ -735,6 +776,9 @@ int main() {
     run_case<128, GGML_TYPE_Q53_64,  GGML_TYPE_Q4_0,    true>("q53_64/q4_0",     pre_streams, &neox_q53,  tol);
     run_case<128, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ3,    true>("q42_64/nuq3",     pre_gqa8,    &norm_q53,  tol);
     run_case< 64, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ2O,   true>("q42_64/nuq2o",    pre_streams, &neox64_32, tol);
+    run_case< 64, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0 centred", pre_streams, &cen_norm, tol);
+    run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4,    true>("nuq4/nuq4 centred", pre_gqa8,    &cen_neox, tol);
+    run_case<128, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ3O,   true>("q8_0/nuq3o centred", pre_streams, &cen_part, tol);
     // exact window: the decode kernel reads a cell's row when the query's planes say so; prefill's stand-in
     const Win win_q   = { 40, true  };
     const Win win_all = { 24, false };

@@ -11,7 +11,7 @@
 //                             upstream's f16 flash attention runs on them. A pre-RoPE K cache
 //                             (ggml-kvq.h) is turned into post-RoPE keys on the way: per K row
 //                             in the decode kernel, per converted row in the prefill path
-//                             (kvq-prerope.cuh)
+//                             (kvq-prerope.cuh); a centred one gets its rotated mean back there
 // Everything else that touches a pykvq type is declined in supports_op, so the scheduler
 // never sees a claim it cannot honour.
 #include "common.cuh"
@@ -188,6 +188,7 @@ static bool kvq_fa_prerope_args(const ggml_tensor * op, kvq_prerope_args * p) {
     p->h_skip     = n_rot_h ? ggml_kvq_fa_get_hadamard_skip(op) : 0;
     p->h_norm     = n_rot_h ? (float) (1.0/sqrt((double) (p->h_skip ? n_rot_h/2 : n_rot_h))) : 1.0f;
     p->mscale     = mscale;
+    p->centred    = ggml_kvq_fa_is_centred(op);
     return true;
 }
 
@@ -234,9 +235,6 @@ static bool kvq_fa_prerope_supported(const ggml_tensor * op) {
     int n_dims, mode, n_rot_h;
     if (!ggml_kvq_fa_get_prerope(op, &n_dims, &mode, nullptr, &n_rot_h)) {
         return true;
-    }
-    if (ggml_kvq_fa_is_centred(op)) {   // no CUDA kernel adds the mean's scores yet (llama refuses the setting)
-        return false;
     }
     const ggml_tensor * K = op->src[1];
     const ggml_tensor * pos = op->src[5];

@@ -3,11 +3,14 @@
 // A warp holds one decoded K row, lane l the D/32 consecutive channels l*EPL .. l*EPL+EPL-1
 // (the decode kernel's layout). kvq_prerope_row turns it into the post-RoPE key attention uses:
 // inverse Walsh-Hadamard per block of n_rot_h channels (in-lane butterflies below EPL, xor
-// shuffles above; the one at stride h_skip left out for keys split in halves, q53_64 / q42_64), k = c*scale + mean, and ggml_rope_ext's rotation at the cell's own position
-// (angle pos*w in float as upstream's rope kernel computes it, sin/cos per pair). NORM pairs are
-// in-lane; NEOX pairs (i, i + n_dims/2) are one shuffle apart when n_dims/2 is a multiple of EPL,
-// the only NEOX layout these kernels take (kvq_prerope_fits). Used by the decode kernel once per
-// K row for the whole GQA group and by the prefill path's K -> f16 conversion (kvq-rows.cuh).
+// shuffles above; the one at stride h_skip left out for keys split in halves, q53_64 / q42_64),
+// k = c*scale + mean, and ggml_rope_ext's rotation at the cell's own position (angle pos*w in float
+// as upstream's rope kernel computes it, sin/cos per pair). NORM pairs are in-lane; NEOX pairs
+// (i, i + n_dims/2) are one shuffle apart when n_dims/2 is a multiple of EPL, the only NEOX layout
+// these kernels take (kvq_prerope_fits). A centred post-RoPE K (--kv-domain centred) takes the same
+// pieces the other way round: the cached row plus the mean rotated at the cell's position and then
+// turned by H, since K and Q were both turned by H. Used by the decode kernel once per K row for the
+// whole GQA group and by the prefill path's K -> f16 conversion (kvq-rows.cuh).
 #pragma once
 
 #include "kvq-codec.cuh"
@@ -24,6 +27,7 @@ struct kvq_prerope_args {
     int     h_skip;             // a butterfly stride the Hadamard leaves out (0: none; ggml_kvq_fa_set_hadamard_skip)
     float   h_norm;             // the orthonormal Hadamard's factor: 1/sqrt(n_rot_h), 1/sqrt(n_rot_h/2) with a skip
     float   mscale;             // multiplies cos and sin
+    int     centred;            // 1: a centred post-RoPE K (ggml_kvq_fa_set_centred): the cache holds H R(p)(k - mean)
 };
 
 // true when the kernels below compute this layout (else the op is declined: the CPU runs it)
@@ -75,47 +79,46 @@ static __device__ __forceinline__ void kvq_prerope_lane_init(kvq_prerope_lane<EP
     }
 }
 
-// x: the lane's EPL values of one cached row -> the post-RoPE key at position pos.
-// Every lane of the warp must call it (shuffles).
+// the inverse Walsh-Hadamard of a warp-held row (H is its own inverse: the butterflies of the fast transform,
+// Sylvester order, the one at stride h_skip left out), normalized. Every lane must call it (shuffles).
 template <int EPL>
-static __device__ __forceinline__ void kvq_prerope_row(float (&x)[EPL], const int pos, const kvq_prerope_lane<EPL> & L,
-                                                       const kvq_prerope_args & p) {
+static __device__ __forceinline__ void kvq_prerope_hadamard(float (&x)[EPL], const kvq_prerope_args & p) {
     const int lane = threadIdx.x;
-    if (p.n_rot_h) {
-        // H is its own inverse: the butterflies of the fast Walsh-Hadamard transform, Sylvester order
 #pragma unroll
-        for (int s = 1; s < EPL; s <<= 1) {
-            if (s < p.n_rot_h && s != p.h_skip) {
+    for (int s = 1; s < EPL; s <<= 1) {
+        if (s < p.n_rot_h && s != p.h_skip) {
 #pragma unroll
-                for (int e = 0; e < EPL; ++e) {
-                    if (!(e & s)) {
-                        const float a = x[e], b = x[e + s];
-                        x[e]     = a + b;
-                        x[e + s] = a - b;
-                    }
+            for (int e = 0; e < EPL; ++e) {
+                if (!(e & s)) {
+                    const float a = x[e], b = x[e + s];
+                    x[e]     = a + b;
+                    x[e + s] = a - b;
                 }
             }
         }
-        for (int m = 1; m*EPL < p.n_rot_h; m <<= 1) {
-            if (m*EPL == p.h_skip) {
-                continue;
-            }
-            const bool hi = lane & m;
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                const float o = __shfl_xor_sync(0xFFFFFFFF, x[e], m, WARP_SIZE);
-                x[e] = hi ? o - x[e] : x[e] + o;
-            }
+    }
+    for (int m = 1; m*EPL < p.n_rot_h; m <<= 1) {
+        if (m*EPL == p.h_skip) {
+            continue;
         }
+        const bool hi = lane & m;
 #pragma unroll
         for (int e = 0; e < EPL; ++e) {
-            x[e] *= p.h_norm;
+            const float o = __shfl_xor_sync(0xFFFFFFFF, x[e], m, WARP_SIZE);
+            x[e] = hi ? o - x[e] : x[e] + o;
         }
     }
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
-        x[e] = x[e]*L.scale[e] + L.mean[e];
+        x[e] *= p.h_norm;
     }
+}
+
+// ggml_rope_ext's rotation of a warp-held row at position pos (cos and sin times mscale; channels from n_dims on
+// unchanged). Every lane must call it (NEOX: shuffles).
+template <int EPL>
+static __device__ __forceinline__ void kvq_prerope_rotate(float (&x)[EPL], const int pos, const kvq_prerope_lane<EPL> & L,
+                                                          const kvq_prerope_args & p) {
     const float fp = (float) pos;
     if (!p.neox) {
 #pragma unroll
@@ -141,4 +144,36 @@ static __device__ __forceinline__ void kvq_prerope_row(float (&x)[EPL], const in
             }
         }
     }
+}
+
+// x: the lane's EPL values of one cached row -> the key attention reads at position pos: pre-RoPE, the post-RoPE key
+// (inverse Hadamard, c*scale + mean, rotation); centred, the cached H R(p)(k - mean) plus H R(p) mean (Q is H q).
+// Every lane of the warp must call it (shuffles).
+template <int EPL>
+static __device__ __forceinline__ void kvq_prerope_row(float (&x)[EPL], const int pos, const kvq_prerope_lane<EPL> & L,
+                                                       const kvq_prerope_args & p) {
+    if (p.centred) {
+        float m[EPL];   // the rotary pairs' mean only, as the CPU kernel reads it (ggml-kvq.h)
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            m[e] = L.c0 + e < p.n_dims ? L.mean[e] : 0.0f;
+        }
+        kvq_prerope_rotate<EPL>(m, pos, L, p);
+        if (p.n_rot_h) {
+            kvq_prerope_hadamard<EPL>(m, p);
+        }
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            x[e] += m[e];
+        }
+        return;
+    }
+    if (p.n_rot_h) {
+        kvq_prerope_hadamard<EPL>(x, p);
+    }
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        x[e] = x[e]*L.scale[e] + L.mean[e];
+    }
+    kvq_prerope_rotate<EPL>(x, pos, L, p);
 }
