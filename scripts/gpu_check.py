@@ -36,8 +36,8 @@ Steps (each writes $OUT or results/gpu/):
             as a ratio to f16 in the same run; the issue's targets are checked and printed
   prerope   the model converted with --prerope-k (or --prerope-model), fully offloaded: the log
             must show every quantized-K layer pre-RoPE and the graph splits equal f16's (no CPU
-            fallback); KLD GPU vs CPU (same bound as kld) and, for reference, the post-RoPE cache's
-            (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
+            fallback); KLD GPU vs CPU (same bound as kld; q53_64 keys and q4_0 in the centred domain
+            too) and, for reference, the post-RoPE cache's (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
             as a ratio to post-RoPE of the same type and to f16 (issue 20: decode >= 0.95x post,
             >= 1.0x f16; prefill >= 0.9x f16), printed, not failed on
 """
@@ -65,7 +65,8 @@ PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0
 DRY_RUN = False
 # a pre-RoPE file's CUDA-held layers stay post-RoPE unless asked (their pre-RoPE reads are wrong across batches,
 # 2026-11-27); the prerope step asks, through the tools' environment fallback of --kv-domain
-DOMAIN_ENV = {"pre": {"PYKVQ_K_DOMAIN": "pre"}, "post": {"PYKVQ_K_DOMAIN": "post"}}
+DOMAIN_ENV = {"pre": {"PYKVQ_K_DOMAIN": "pre"}, "post": {"PYKVQ_K_DOMAIN": "post"},
+              "centred": {"PYKVQ_K_DOMAIN": "centred"}}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -275,20 +276,23 @@ def _kld(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False) -> dict:
+def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False, domain: str | None = None,
+                 base_tag: str | None = None) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
     prerope: a pre-RoPE file, its keys forced pre-RoPE (PYKVQ_K_DOMAIN=pre); the GPU runs once more with batches of 32
     (ubatches that reuse a graph: wrong on the H200 of 2026-11-27, a race on the positions' GPU memory fixed since by
-    patch 0019, not yet run on a GPU), and once with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported."""
+    patch 0019, not yet run on a GPU), and once with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported.
+    domain: another key domain for both runs (centred); base_tag: reuse that comparison's base logits."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
-    base = Path(a.out) / f"kld-base-{tag}.bin"
+    base = Path(a.out) / f"kld-base-{base_tag or tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
-    r = run([exe, *common, "-ngl", "0", "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", base], timeout=1800)
-    if r.returncode != 0:
-        a.failures.append(f"kld {tag}: base run failed: " + r.stderr[-2000:])
-        return {}
+    if base_tag is None:
+        r = run([exe, *common, "-ngl", "0", "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", base], timeout=1800)
+        if r.returncode != 0:
+            a.failures.append(f"kld {tag}: base run failed: " + r.stderr[-2000:])
+            return {}
     # (name, -ngl, extra arguments, environment); every GPU run but the post-RoPE one must match the CPU's
-    pre = DOMAIN_ENV["pre"] if prerope else None
+    pre = DOMAIN_ENV["pre"] if prerope else DOMAIN_ENV[domain] if domain else None
     runs = [("cpu", "0", [], pre), ("gpu", "99", [], pre)]
     if prerope:
         runs += [("gpu_ub32", "99", ["-b", "512", "-ub", "32"], pre), ("gpu_post", "99", [], DOMAIN_ENV["post"])]
@@ -411,6 +415,8 @@ def step_prerope(a) -> dict:
             if not o["prerope_layers"] or o["prerope_layers"][0] != o["prerope_layers"][1]:
                 a.failures.append(f"prerope {s}: pre-RoPE layers {o['prerope_layers']} (expected all)")
     out["kld"] = _kld_compare(a, model, PREROPE_SETTINGS, "prerope", prerope=True)
+    # the centred domain (CUDA kernels since 2026-11-28, emulated only before this): q4_0 on CPU and GPU
+    out["kld_centred"] = _kld_compare(a, model, ["q4_0"], "centred", domain="centred", base_tag="prerope")
     out["bench"] = _prerope_bench(a, model)
     return out
 

@@ -147,9 +147,11 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     # CUDA-held layers stay post-RoPE unless asked: every pre-RoPE run asks (the tools' --kv-domain environment)
     assert all(c.startswith("PYKVQ_K_DOMAIN=pre") for c in completion)
     kld = [c for c in cmds if "llama-perplexity" in c]
-    assert len(kld) == 1 + 4*n                                # base, then CPU, GPU, GPU in batches of 32, GPU post-RoPE
-    assert sum("-ngl 0" in c for c in kld) == 1 + n and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
+    # base, then CPU, GPU, GPU in batches of 32, GPU post-RoPE; then q4_0 centred on CPU and GPU against the same base
+    assert len(kld) == 1 + 4*n + 2
+    assert sum("-ngl 0" in c for c in kld) == 1 + n + 1 and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
     assert sum("-ub 32" in c for c in kld) == n and sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*n
+    assert sum(c.startswith("PYKVQ_K_DOMAIN=centred") for c in kld) == 2
     bench = [c for c in cmds if "llama-bench" in c]
     assert len(bench) == 1 + 2*n and all(str(pre) in c for c in bench)
     assert sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in bench) == n and sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in bench) == n
