@@ -134,9 +134,22 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         cbv[tid] = (float) a.cb_v[tid];
     }
 
+    // the heads' ALiBi slopes in shared memory and their mask rows as offsets from one base: registers are what
+    // limits this kernel's blocks per SM (ptxas: 135-255 per thread), and these are read once per tile
+    __shared__ float sh_slope[G];
+    if (tid < G) {
+        const int h = h0 + (tid < ng ? tid : 0);
+        float sl = 1.0f;
+        if (a.max_bias > 0.0f) {
+            const float base = (uint32_t) h < a.n_head_log2 ? a.m0 : a.m1;
+            const int   exph = (uint32_t) h < a.n_head_log2 ? h + 1 : 2*(h - (int) a.n_head_log2) + 1;
+            sl = powf(base, exph);
+        }
+        sh_slope[tid] = sl;
+    }
+    const char * mbase = a.mask ? a.mask + (seq % a.ne33)*a.nb33 : nullptr;
+
     float q[G][EPL];
-    float slope[G];
-    const half * mrow[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const int h = h0 + (g < ng ? g : 0);
@@ -145,13 +158,6 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
         for (int e = 0; e < EPL; ++e) {
             q[g][e] = g < ng ? qp[e]*a.scale : 0.0f;
         }
-        slope[g] = 1.0f;
-        if (a.max_bias > 0.0f) {
-            const float base = (uint32_t) h < a.n_head_log2 ? a.m0 : a.m1;
-            const int   exph = (uint32_t) h < a.n_head_log2 ? h + 1 : 2*(h - (int) a.n_head_log2) + 1;
-            slope[g] = powf(base, exph);
-        }
-        mrow[g] = a.mask ? (const half *) (a.mask + (seq % a.ne33)*a.nb33 + (h % a.ne32)*a.nb32) : nullptr;
     }
     __syncthreads();
 
@@ -276,8 +282,9 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
                     if (a.softcap != 0.0f) {
                         s = a.softcap*tanhf(s);
                     }
-                    if (mrow[g]) {
-                        s += slope[g]*__half2float(mrow[g][k0 + lane]);
+                    if (mbase) {
+                        const half * mrow = (const half *) (mbase + ((h0 + g) % a.ne32)*a.nb32);
+                        s += sh_slope[g]*__half2float(mrow[k0 + lane]);
                     }
                 }
                 const float mt = warp_reduce_max(s);
