@@ -396,9 +396,10 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
     std::vector<float2> meta((size_t) c.n_seq*n_heads*a.n_split);
     a.part = part.data(); a.meta = meta.data();
 
-    const unsigned n_hb = (unsigned) ((c.gqa + KVQ_FA_G - 1)/KVQ_FA_G);
+    const int      G    = kvq_fattn_vec_g(c.gqa);   // as the launch picks it: 4 or 8 heads per block
+    const unsigned n_hb = (unsigned) ((c.gqa + G - 1)/G);
     emu::launch({ (unsigned) c.n_kv_heads*n_hb, (unsigned) a.n_split, (unsigned) c.n_seq }, { WARP_SIZE, KVQ_FA_NWARPS, 1 },
-                [&] { kvq_fattn_vec<D, TK, TV, PRE>(a); });
+                [&] { if (G == 4) kvq_fattn_vec<D, TK, TV, PRE, 4>(a); else kvq_fattn_vec<D, TK, TV, PRE, KVQ_FA_G>(a); });
     std::vector<float> out((size_t) c.n_seq*n_heads*D, NAN);
     emu::launch({ (unsigned) n_heads, (unsigned) c.n_seq, 1 }, { D, 1, 1 },
                 [&] { kvq_fattn_combine<D>(part.data(), meta.data(), c.sinks ? sinks.data() : nullptr, out.data(), n_heads, a.n_split); });

@@ -474,7 +474,8 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
     const int n_kv_heads = (int) K->ne[2];
     const int n_seq      = (int) Q->ne[3];
     const int nsm        = ggml_cuda_info().devices[ggml_cuda_get_device()].nsm;
-    const int blocks     = n_kv_heads*((a.gqa + KVQ_FA_G - 1)/KVQ_FA_G)*n_seq;
+    const int g_block    = kvq_fattn_vec_g(a.gqa);
+    const int blocks     = n_kv_heads*((a.gqa + g_block - 1)/g_block)*n_seq;
     const int step       = WARP_SIZE*KVQ_FA_NWARPS;
     const int max_split  = (a.ne11 + step - 1)/step;
     int n_split = (2*nsm + blocks - 1)/blocks;

@@ -22,7 +22,7 @@
 #include "kvq-window.cuh"
 
 #define KVQ_FA_NWARPS 4
-#define KVQ_FA_G      8      // query heads per block (the K·Q reduction below is written for 8)
+#define KVQ_FA_G      8      // query heads per block at most (kvq_fa_reduce_heads: 4 or 8; 4 where the GQA group has <= 4)
 
 struct kvq_fattn_args {
     const char  * Q;
@@ -107,15 +107,49 @@ static __device__ __forceinline__ void kvq_fa_load_window_rows(const kvq_window_
     }
 }
 
-template <int D, ggml_type TK, ggml_type TV, bool PRE>
+// the G sums of every lane reduced over the warp together: each butterfly step halves the values a lane keeps
+// (G/2 + ... + 1 shuffles, then one per lane bit left: 9 for G = 8 instead of 8 x 5); lane l ends with the sum of
+// head l / (32/G)
+template <int G>
+static __device__ __forceinline__ float kvq_fa_reduce_heads(const float (&v)[G], const int lane) {
+    static_assert((G == 4 || G == 8) && WARP_SIZE == 32, "the K·Q butterfly reduces 4 or 8 heads over 32 lanes");
+    float v2[2];
+    if constexpr (G == 8) {
+        float v4[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const bool hi = lane & 16;
+            v4[j] = (hi ? v[j + 4] : v[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v[j] : v[j + 4], 16, WARP_SIZE);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const bool hi = lane & 8;
+            v2[j] = (hi ? v4[j + 2] : v4[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v4[j] : v4[j + 2], 8, WARP_SIZE);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const bool hi = lane & 16;
+            v2[j] = (hi ? v[j + 2] : v[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v[j] : v[j + 2], 16, WARP_SIZE);
+        }
+    }
+    constexpr int o1 = G == 8 ? 4 : 8;   // the last halving step's lane bit
+    const bool hi = lane & o1;
+    float v1 = (hi ? v2[1] : v2[0]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v2[0] : v2[1], o1, WARP_SIZE);
+#pragma unroll
+    for (int o = o1/2; o >= 1; o /= 2) {
+        v1 += __shfl_xor_sync(0xFFFFFFFF, v1, o, WARP_SIZE);
+    }
+    return v1;
+}
+
+template <int D, ggml_type TK, ggml_type TV, bool PRE, int G>
 __launch_bounds__(WARP_SIZE*KVQ_FA_NWARPS, 2)
 static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
-    constexpr int G   = KVQ_FA_G;
     constexpr int NW  = KVQ_FA_NWARPS;
     constexpr int EPL = D / WARP_SIZE;     // values per lane
     constexpr int U   = EPL >= 8 ? 2 : 8;  // K / V rows in flight per lane (registers: U*EPL)
     static_assert(D % (2*WARP_SIZE) == 0, "D must be a multiple of 64");
-    static_assert(G == 8 && WARP_SIZE == 32, "the K·Q butterfly reduces 8 heads over 32 lanes");
 
     const int lane  = threadIdx.x;
     const int warp  = threadIdx.y;
@@ -234,25 +268,9 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
                 }
             }
             if (ng > 2) {
-                // the 8 sums reduced together: each butterfly step halves the values a lane
-                // keeps (4 + 2 + 1 + 1 + 1 shuffles instead of 8 x 5); lane l ends with head (l >> 2) & 7
-                float v4[4], v2[2];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const bool hi = lane & 16;
-                    v4[j] = (hi ? v[j + 4] : v[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v[j] : v[j + 4], 16, WARP_SIZE);
-                }
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const bool hi = lane & 8;
-                    v2[j] = (hi ? v4[j + 2] : v4[j]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v4[j] : v4[j + 2], 8, WARP_SIZE);
-                }
-                const bool hi = lane & 4;
-                float v1 = (hi ? v2[1] : v2[0]) + __shfl_xor_sync(0xFFFFFFFF, hi ? v2[0] : v2[1], 4, WARP_SIZE);
-                v1 += __shfl_xor_sync(0xFFFFFFFF, v1, 2, WARP_SIZE);
-                v1 += __shfl_xor_sync(0xFFFFFFFF, v1, 1, WARP_SIZE);
-                if ((lane & 3) == 0) {
-                    sh_s[warp][(lane >> 2) & (G - 1)][i] = v1;
+                const float v1 = kvq_fa_reduce_heads<G>(v, lane);
+                if ((lane & (WARP_SIZE/G - 1)) == 0) {
+                    sh_s[warp][(lane / (WARP_SIZE/G)) & (G - 1)][i] = v1;
                 }
             } else {
 #pragma unroll
@@ -401,12 +419,23 @@ static __global__ void kvq_fattn_combine(const float * part, const float2 * meta
     }
 }
 
+// query heads per block: 4 for GQA groups of up to 4 (half the q / acc registers of 8, so more blocks per SM:
+// ptxas puts head 64's kernels at a median 128 registers instead of 162), else 8
+static inline int kvq_fattn_vec_g(const int gqa) {
+    return gqa <= 4 ? 4 : KVQ_FA_G;
+}
+
 #ifdef __CUDACC__   // launches (the kernels above also build for tests/test_cuda.py's host emulator)
 template <int D, ggml_type TK, ggml_type TV, bool PRE>
 static void kvq_fattn_vec_launch(const kvq_fattn_args & a, const int n_kv_heads, const int n_seq, cudaStream_t stream) {
-    const dim3 grid(n_kv_heads*((a.gqa + KVQ_FA_G - 1)/KVQ_FA_G), a.n_split, n_seq);
+    const int  G = kvq_fattn_vec_g(a.gqa);
+    const dim3 grid(n_kv_heads*((a.gqa + G - 1)/G), a.n_split, n_seq);
     const dim3 block(WARP_SIZE, KVQ_FA_NWARPS, 1);
-    kvq_fattn_vec<D, TK, TV, PRE><<<grid, block, 0, stream>>>(a);
+    if (G == 4) {
+        kvq_fattn_vec<D, TK, TV, PRE, 4><<<grid, block, 0, stream>>>(a);
+    } else {
+        kvq_fattn_vec<D, TK, TV, PRE, KVQ_FA_G><<<grid, block, 0, stream>>>(a);
+    }
     CUDA_CHECK(cudaGetLastError());
 }
 
