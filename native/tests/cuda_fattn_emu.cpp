@@ -165,72 +165,58 @@ static PreData make_pre(const Pre & P, int D, int n_head_kv, int n_kv, int n_seq
     return d;
 }
 
-// one cached row c (what the cache decodes to) of KV head kvh at position pos -> the post-RoPE key:
-// Hadamard per block (Sylvester order, orthonormal: its own inverse; with a skip, the identity over that index bit:
-// ggml_kvq_fa_set_hadamard_skip's matrix), c*scale + mean, rotation by pos*w.
-// float_angle: the angle rounded as ggml's rope computes it, (float) pos * w in float; else exact.
-static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre & P, const PreData & d, double * out,
-                            bool float_angle = false) {
-    if (P.centred) {   // the cached row plus H R(p) mean: the key turned by H, as Q is (ggml-kvq.h, centred)
-        std::vector<double> m(D), hm(D);
-        for (int i = 0; i < D; ++i) m[i] = i < P.n_dims ? d.mean[(size_t) kvh*D + i] : 0.0;   // the rotary pairs' mean
-        const int half = P.n_dims/2;
-        for (int i = 0; i < half; ++i) {
-            const int a = P.neox ? i : 2*i, b = P.neox ? i + half : 2*i + 1;
-            const float  w  = d.w[(size_t) kvh*half + i];
-            const double th = float_angle ? (double) ((float) pos*w) : (double) pos*w;
-            const double co = cos(th)*P.mscale, si = sin(th)*P.mscale;
-            const double ma = m[a], mb = m[b];
-            m[a] = ma*co - mb*si;
-            m[b] = ma*si + mb*co;
-        }
-        hm = m;
-        if (P.n_rot_h) {
-            const int n = P.n_rot_h, skip = P.h_skip;
-            for (int b = 0; b < D; b += n) {
-                for (int i = 0; i < n; ++i) {
-                    double acc = 0.0;
-                    for (int j = 0; j < n; ++j) {
-                        if ((i ^ j) & skip) continue;
-                        acc += (__builtin_popcount(i & j & ~skip) & 1 ? -1.0 : 1.0)*m[b + j];
-                    }
-                    hm[b + i] = acc/sqrt((double) (skip ? n/2 : n));
-                }
-            }
-        }
-        for (int i = 0; i < D; ++i) out[i] = c[i] + hm[i];
+// Hadamard per block of P.n_rot_h (Sylvester order, orthonormal: its own inverse; with a skip, the identity over that
+// index bit: ggml_kvq_fa_set_hadamard_skip's matrix) of x [D] in place; none when n_rot_h is 0
+static void ref_hadamard(std::vector<double> & x, int D, const Pre & P) {
+    if (!P.n_rot_h) {
         return;
     }
-    std::vector<double> x(D);
-    for (int i = 0; i < D; ++i) {
-        x[i] = c[i];
-    }
-    if (P.n_rot_h) {
-        const int n = P.n_rot_h, skip = P.h_skip;
-        for (int b = 0; b < D; b += n) {
-            for (int i = 0; i < n; ++i) {
-                double acc = 0.0;
-                for (int j = 0; j < n; ++j) {
-                    if ((i ^ j) & skip) continue;
-                    acc += (__builtin_popcount(i & j & ~skip) & 1 ? -1.0 : 1.0)*c[b + j];
-                }
-                x[b + i] = acc/sqrt((double) (skip ? n/2 : n));
+    const std::vector<double> in = x;
+    const int n = P.n_rot_h, skip = P.h_skip;
+    for (int b = 0; b < D; b += n) {
+        for (int i = 0; i < n; ++i) {
+            double acc = 0.0;
+            for (int j = 0; j < n; ++j) {
+                if ((i ^ j) & skip) continue;
+                acc += (__builtin_popcount(i & j & ~skip) & 1 ? -1.0 : 1.0)*in[b + j];
             }
+            x[b + i] = acc/sqrt((double) (skip ? n/2 : n));
         }
     }
-    for (int i = 0; i < D; ++i) {
-        x[i] = x[i]*d.scale[(size_t) kvh*D + i] + d.mean[(size_t) kvh*D + i];
-        out[i] = x[i];
-    }
+}
+
+// RoPE of x [D] (KV head kvh) at position pos, cos and sin times mscale; channels from n_dims on unchanged.
+// float_angle: the angle rounded as ggml's rope computes it, (float) pos * w in float; else exact.
+static void ref_rope(std::vector<double> & x, int kvh, int pos, const Pre & P, const PreData & d, bool float_angle) {
     const int half = P.n_dims/2;
     for (int i = 0; i < half; ++i) {
         const int a = P.neox ? i : 2*i, b = P.neox ? i + half : 2*i + 1;
         const float  w  = d.w[(size_t) kvh*half + i];
         const double th = float_angle ? (double) ((float) pos*w) : (double) pos*w;
         const double co = cos(th)*P.mscale, si = sin(th)*P.mscale;
-        out[a] = x[a]*co - x[b]*si;
-        out[b] = x[a]*si + x[b]*co;
+        const double xa = x[a], xb = x[b];
+        x[a] = xa*co - xb*si;
+        x[b] = xa*si + xb*co;
     }
+}
+
+// one cached row c (what the cache decodes to) of KV head kvh at position pos -> the key attention reads: pre-RoPE,
+// the Hadamard, c*scale + mean, rotation by pos*w; centred, c plus H R(p) mean (the key turned by H, as Q is)
+static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre & P, const PreData & d, double * out,
+                            bool float_angle = false) {
+    std::vector<double> x(D);
+    if (P.centred) {
+        for (int i = 0; i < D; ++i) x[i] = i < P.n_dims ? d.mean[(size_t) kvh*D + i] : 0.0;   // the rotary pairs' mean
+        ref_rope(x, kvh, pos, P, d, float_angle);
+        ref_hadamard(x, D, P);
+        for (int i = 0; i < D; ++i) out[i] = c[i] + x[i];
+        return;
+    }
+    for (int i = 0; i < D; ++i) x[i] = c[i];
+    ref_hadamard(x, D, P);
+    for (int i = 0; i < D; ++i) x[i] = x[i]*d.scale[(size_t) kvh*D + i] + d.mean[(size_t) kvh*D + i];
+    ref_rope(x, kvh, pos, P, d, float_angle);
+    for (int i = 0; i < D; ++i) out[i] = x[i];
 }
 
 // PRE: a pre-RoPE K cache (P): the cache holds c ~ N(0, 1); the reference attends to the post-RoPE
