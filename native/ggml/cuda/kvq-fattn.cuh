@@ -4,8 +4,8 @@
 // group has at most 4, for fewer registers): every K and V row is read and decoded once for all
 // query heads of its block (upstream's vec kernel reads it once per query head). 4 warps; a warp
 // takes tiles of 32 keys: the K·Q dot of each key is spread over the 32 lanes (D/32 values each,
-// f32), the G heads' sums reduced together by a halving butterfly (9 shuffles for 8), the scores parked in shared memory so that lane i takes
-// key i: the tile's softmax needs one exp per lane and head, and the V rows are accumulated
+// f32), the G heads' sums reduced together by a halving butterfly (9 shuffles for 8), the scores
+// parked in shared memory so that lane i takes key i: the tile's softmax needs one exp per lane and head, and the V rows are accumulated
 // with the probabilities read back from shared memory as broadcasts. The warps, then the splits, are
 // merged with the usual (max, sum) rescaling; attention sinks enter at the split merge.
 // Codebooks (nuq K / V) come in the kernel arguments, so CUDA graphs replay them as they are.
