@@ -292,10 +292,10 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False,
             a.failures.append(f"kld {tag}: base run failed: " + r.stderr[-2000:])
             return {}
     # (name, -ngl, extra arguments, environment); every GPU run but the post-RoPE one must match the CPU's
-    pre = DOMAIN_ENV["pre"] if prerope else DOMAIN_ENV[domain] if domain else None
-    runs = [("cpu", "0", [], pre), ("gpu", "99", [], pre)]
+    env = DOMAIN_ENV["pre"] if prerope else DOMAIN_ENV[domain] if domain else None
+    runs = [("cpu", "0", [], env), ("gpu", "99", [], env)]
     if prerope:
-        runs += [("gpu_ub32", "99", ["-b", "512", "-ub", "32"], pre), ("gpu_post", "99", [], DOMAIN_ENV["post"])]
+        runs += [("gpu_ub32", "99", ["-b", "512", "-ub", "32"], env), ("gpu_post", "99", [], DOMAIN_ENV["post"])]
     checked = [dev for dev, *_ in runs if dev not in ("cpu", "gpu_post")]
     out = {}
     for s in settings:
