@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
                    help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
                         "transform must requantize (auto = q8_0); the others keep their type")
+    p.add_argument("--dequantize", action="store_true",
+                   help="GGUF input: write every weight as f32 (about 4 bytes per parameter). A quantized model "
+                        "rounds its activations to 8 bits before each matmul, which turns any last-bit change in "
+                        "attention into a KLD of ~0.003 (SmolLM2 Q4_1 at 4096 tokens, about stock q8_0's whole "
+                        "figure); with exact matmuls a KLD against an f16 cache measures the cache's error alone. "
+                        "For measurements (pykvq eval --weights f32), not for use. Transforms then store what they "
+                        "requantize as f32 too, as they do for an input whose weights are all f32")
     p.add_argument("--hf-dir", default=None,
                    help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
                         "cached under $PYKVQ_CACHE/hf)")
@@ -241,6 +248,31 @@ def _cast_weights(m: GGUFModel, outtype: str) -> None:
             m.tensors[name] = rows.from_f32(name, t.data, outtype)
 
 
+def _weights_all_f32(m: GGUFModel) -> bool:
+    """Every matrix of the model is f32 (a dequantized file: matmuls do not round their activations)."""
+    mats = [t for t in m.tensors.values() if t.data.ndim >= 2]
+    return bool(mats) and all(t.qtype.name == "F32" for t in mats)
+
+
+def _n_values(t) -> int:
+    if not t.quantized:
+        return int(t.data.size)
+    from gguf import GGML_QUANT_SIZES
+    block, size = GGML_QUANT_SIZES[t.qtype]
+    return int(t.data.size) // size * block
+
+
+def _dequantize_weights(m: GGUFModel) -> int:
+    """--dequantize: every tensor that is not f32 becomes f32 (values unchanged: quantized blocks decoded)."""
+    from convert import rows
+    n = 0
+    for name, t in list(m.tensors.items()):
+        if t.qtype.name != "F32":
+            m.tensors[name] = rows.from_f32(name, rows.to_f32(t), "f32")
+            n += 1
+    return n
+
+
 def _calibration_hf_dir(src: Path, args) -> Path:
     if args.hf_dir:
         return Path(args.hf_dir)
@@ -249,16 +281,19 @@ def _calibration_hf_dir(src: Path, args) -> Path:
     return hf_checkpoint(src)
 
 
-def _check_resources(gguf_path: Path, out: Path, runtime: bool) -> None:
-    """Fail before any work when the output's disk cannot take about the input's size, or (runtime
-    calibration) memory cannot hold about the model: the message says how much is there and how much is needed."""
+def _check_resources(gguf_path: Path, out: Path, runtime: bool, out_bytes: int | None = None) -> None:
+    """Fail before any work when the output's disk cannot take about the input's size (out_bytes: what the
+    output will take, where that differs), or (runtime calibration) memory cannot hold about the model: the
+    message says how much is there and how much is needed."""
     import shutil
     need = gguf_path.stat().st_size
     where = out.parent if out.parent.exists() else Path(".")
     free = shutil.disk_usage(where).free
-    if free < need * 1.02 + (64 << 20):
+    out_need = need if out_bytes is None else out_bytes
+    if free < out_need * 1.02 + (64 << 20):
+        what = "the input's size" if out_bytes is None else "every weight in f32"
         raise ConvertError(f"not enough disk for {out.name}: {free / 2**30:.2f} GiB free in {where}, the output "
-                           f"needs about {need / 2**30:.2f} GiB (the input's size)")
+                           f"needs about {out_need / 2**30:.2f} GiB ({what})")
     if runtime:
         avail = None
         try:
@@ -345,16 +380,22 @@ def convert(args) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None, prefix=".pykvq-conv-") as tmp:
         hf = _is_hf_dir(src)
+        if hf and args.dequantize:
+            raise ConvertError("--dequantize takes a GGUF input; an HF checkpoint's weights are written as --outtype "
+                               "(f32 for exact ones)")
         if hf:
             _check_safetensors(src)
             gguf_path = _hf_to_f32_gguf(src, Path(tmp))
             opts.requant_type = "f32"
         elif src.is_file():
             gguf_path = src
-            opts.requant_type = "q8_0" if args.outtype == "auto" else args.outtype
         else:
             raise ConvertError(f"{src} is neither a GGUF file nor an HF checkpoint directory (no config.json)")
         m = read_gguf(gguf_path)
+        if not hf:
+            # auto: q8_0, but an exact model stays exact (an f32 input, or one this run dequantizes)
+            exact = args.dequantize or _weights_all_f32(m)
+            opts.requant_type = ("f32" if exact else "q8_0") if args.outtype == "auto" else args.outtype
         if args.sensitivity is None:
             # an HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets
             # compare errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder
@@ -369,7 +410,8 @@ def convert(args) -> dict:
         g = geometry(m, layout="norm" if forward and stats_only else None)
         unknown_arch = g.arch not in SUPPORTED_ARCHS
         pipeline.check_file(m, opts, g)     # what the metadata rules out, before minutes of calibration
-        _check_resources(gguf_path, out, forward and not hf)
+        _check_resources(gguf_path, out, forward and not hf,
+                         4 * sum(_n_values(t) for t in m.tensors.values()) if args.dequantize else None)
         log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot,
                  "from the runtime's graph" if unknown_arch else g.layout)
@@ -395,6 +437,9 @@ def convert(args) -> dict:
         rep = pipeline.apply(m, opts, calib, progress=progress, geometry=g)
         if hf:
             _cast_weights(m, "f16" if args.outtype == "auto" else args.outtype)
+        if args.dequantize:
+            n_deq = _dequantize_weights(m)
+            log.info("dequantized %d weight tensors to f32 (--dequantize)", n_deq)
         total = sum(t.data.nbytes for t in m.tensors.values())
         from pykvq.progress import progress_bar
         bar = progress_bar(iter(()), desc=f"writing {out.name}", enable=progress, total=total, unit="B")

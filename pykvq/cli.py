@@ -226,6 +226,10 @@ def cmd_eval(args) -> int:
     from .suite import quality, report
     from .suite.settings import matrix
     name, src = _suite_model(args)
+    if args.weights == "f32":
+        from .suite.converted import converted
+        src, _ = converted(src, "f32w", ["--dequantize"])
+        name += "-f32w"
     settings = matrix(args.settings)
     text, text_name = eval_text(args.file)
     out, _ = _suite_dirs(args)
@@ -380,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text to evaluate (default: WikiText-2 test, else the KJV Bible fetched from Debian)")
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=16, help="chunks to evaluate (default 16)")
+    p.add_argument("--weights", choices=("file", "f32"), default="file",
+                   help="f32: evaluate the model with every weight dequantized to f32 (made once with the "
+                        "converter's --dequantize and cached; ~4 bytes per parameter). A quantized model rounds "
+                        "its activations before each matmul, so any change to attention costs it a KLD of ~0.003 "
+                        "(SmolLM2 Q4_1, 4096 tokens), most of stock q8_0's figure; exact weights show the "
+                        "cache's own error. Results go to eval_<model>-f32w.json (default: file, the model as is)")
     _suite_out_args(p)
     p.set_defaults(func=cmd_eval)
 

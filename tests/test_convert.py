@@ -392,3 +392,39 @@ def test_stock_round_trips_match_ggml_reference(smollm2, name):
     w = rows.to_f32(read_gguf(smollm2).tensors["blk.0.attn_k.weight"])
     ref = quants.dequantize(quants.quantize(w, QT[name.upper()]), QT[name.upper()])
     np.testing.assert_array_equal(roundtrip(w, name), ref)
+
+
+def _cache_kld(path, tokens, k, v):
+    """KLD of a k/v cache against an f16 cache on the same file (flash attention, as llama-perplexity)."""
+    out = {}
+    for kt, vt in (("f16", "f16"), (k, v)):
+        with Model(path, n_ctx=512, cache_type_k=kt, cache_type_v=vt, flash_attn=True) as m:
+            out[kt, vt] = log_softmax(m.eval_logits(tokens).astype(np.float64))
+    la, lb = out["f16", "f16"], out[k, v]
+    return float((np.exp(la) * (la - lb)).sum(-1).mean())
+
+
+def test_dequantize_writes_the_same_values_in_f32_and_exposes_the_cache_error(smollm2, eval_tokens, tmp_path):
+    """--dequantize: every tensor f32 with the values gguf-py decodes from the input, nothing else changed; a
+    q8_0 cache's KLD against f16 on that file is the cache's own, far below the quantized file's, whose q8_1
+    activations turn any last-bit change into ~4e-3 (measured on these 256 tokens: Q4_1 3.9e-3, f32 1.4e-4)."""
+    out = tmp_path / "f32w.gguf"
+    res = run_convert(smollm2, "-o", out, "--dequantize")
+    assert "dequantized" in res.stderr and "--dequantize" in res.stderr
+    src, got = read_gguf(smollm2), read_gguf(out)
+    assert list(got.tensors) == list(src.tensors)
+    from gguf import quants
+    for name, t in src.tensors.items():
+        g = got.tensors[name]
+        assert g.qtype.name == "F32", name
+        want = t.data if t.qtype.name == "F32" else quants.dequantize(np.asarray(t.data), t.qtype)
+        assert np.array_equal(g.data, np.asarray(want, np.float32).reshape(g.data.shape)), name
+    quantized, exact = _cache_kld(smollm2, eval_tokens, "q8_0", "q8_0"), _cache_kld(out, eval_tokens, "q8_0", "q8_0")
+    assert exact < 0.2 * quantized, (exact, quantized)
+    print(f"q8_0 cache KLD: quantized file {quantized:.2e}, dequantized {exact:.2e}")
+    # an HF checkpoint has its own way (--outtype f32)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    res = run_convert(hf, "-o", tmp_path / "x.gguf", "--dequantize", check=False)
+    assert res.returncode == 2 and "--dequantize takes a GGUF input" in res.stderr, res.stderr

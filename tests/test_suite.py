@@ -115,6 +115,16 @@ def test_suite_help_explains_settings(capsys):
     assert "K[/V][@TRANSFORM]" in out and "kvbits-B" in out
 
 
+def test_eval_with_exact_weights(tmp_path):
+    """--weights f32 evaluates the dequantized model (made once by the converter, cached) into its own file: a
+    q8_0 cache's KLD there is its own error, not the quantized file's activation-rounding floor (~3e-3)."""
+    assert main(["eval", "--weights", "f32", "-s", "q8_0", "--n-ctx", "256", "--chunks", "1",
+                 "--out", str(tmp_path), "--docs", str(tmp_path / "docs")]) == 0
+    res = _load(tmp_path / "eval_smollm2-135m-f32w.json")
+    assert res["meta"]["config"]["model"].endswith(".f32w.gguf")
+    assert res["rows"]["q8_0"]["mean_kld"] < 1e-3, res["rows"]["q8_0"]
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     """`pykvq results --quick` into a temporary directory (runs once for the module)."""
