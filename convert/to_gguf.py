@@ -250,7 +250,7 @@ def _cast_weights(m: GGUFModel, outtype: str) -> None:
 
 def _weights_all_f32(m: GGUFModel) -> bool:
     """Every matrix of the model is f32 (a dequantized file: matmuls do not round their activations)."""
-    mats = [t for t in m.tensors.values() if t.data.ndim >= 2]
+    mats = [t for t in m.tensors.values() if t.data.ndim >= 2 and not t.qtype.name.startswith("I")]
     return bool(mats) and all(t.qtype.name == "F32" for t in mats)
 
 
@@ -263,11 +263,12 @@ def _n_values(t) -> int:
 
 
 def _dequantize_weights(m: GGUFModel) -> int:
-    """--dequantize: every tensor that is not f32 becomes f32 (values unchanged: quantized blocks decoded)."""
+    """--dequantize: every floating-point or block-quantized tensor that is not f32 becomes f32 (values unchanged:
+    quantized blocks decoded); integer tensors (the I8 nuq codebooks) keep their type, which the runtime reads."""
     from convert import rows
     n = 0
     for name, t in list(m.tensors.items()):
-        if t.qtype.name != "F32":
+        if t.qtype.name != "F32" and not t.qtype.name.startswith("I"):
             m.tensors[name] = rows.from_f32(name, rows.to_f32(t), "f32")
             n += 1
     return n

@@ -428,3 +428,17 @@ def test_dequantize_writes_the_same_values_in_f32_and_exposes_the_cache_error(sm
     (hf / "config.json").write_text("{}")
     res = run_convert(hf, "-o", tmp_path / "x.gguf", "--dequantize", check=False)
     assert res.returncode == 2 and "--dequantize takes a GGUF input" in res.stderr, res.stderr
+
+
+def test_dequantize_keeps_integer_tensors(smollm2):
+    """The runtime reads a nuq codebook as I8: --dequantize leaves integer tensors as they are."""
+    from convert.gguf_io import Tensor
+    from convert.to_gguf import _dequantize_weights, _weights_all_f32
+    from gguf import GGMLQuantizationType as QT
+    m = read_gguf(smollm2)
+    cb = np.arange(-8, 8, dtype=np.int8) * 15
+    m.tensors["blk.0.kvq_codebook_v"] = Tensor("blk.0.kvq_codebook_v", QT.I8, cb)
+    assert not _weights_all_f32(m)
+    assert _dequantize_weights(m) > 0
+    assert m.tensors["blk.0.kvq_codebook_v"].qtype == QT.I8 and np.array_equal(m.tensors["blk.0.kvq_codebook_v"].data, cb)
+    assert _weights_all_f32(m)
