@@ -105,6 +105,7 @@ _SCALARS = {VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2", 
             VT.FLOAT32: "<f4", VT.BOOL: "?", VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8"}
 _TENSOR_DTYPES = {QT.F16: np.float16, QT.F32: np.float32, QT.F64: np.float64, QT.I8: np.int8, QT.I16: np.int16,
                   QT.I32: np.int32, QT.I64: np.int64}
+INT_TYPES = (QT.I8, QT.I16, QT.I32, QT.I64)   # integer tensors (nuq codebooks): values, not weights to decode
 
 
 class _Bad(Exception):

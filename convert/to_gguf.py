@@ -28,7 +28,7 @@ if __package__ in (None, ""):             # run as a script: make `convert` and 
 from convert import calib as calib_mod                         # noqa: E402
 from convert import pipeline                                   # noqa: E402
 from convert.geometry import SUPPORTED_ARCHS, geometry        # noqa: E402
-from convert.gguf_io import ConvertError, GGUFModel, read_gguf, write_gguf  # noqa: E402
+from convert.gguf_io import INT_TYPES, ConvertError, GGUFModel, read_gguf, write_gguf  # noqa: E402
 from pykvq.keys import Tensors, suffix                          # noqa: E402
 
 log = logging.getLogger("pykvq.convert")
@@ -250,7 +250,7 @@ def _cast_weights(m: GGUFModel, outtype: str) -> None:
 
 def _weights_all_f32(m: GGUFModel) -> bool:
     """Every matrix of the model is f32 (a dequantized file: matmuls do not round their activations)."""
-    mats = [t for t in m.tensors.values() if t.data.ndim >= 2 and not t.qtype.name.startswith("I")]
+    mats = [t for t in m.tensors.values() if t.data.ndim >= 2 and t.qtype not in INT_TYPES]
     return bool(mats) and all(t.qtype.name == "F32" for t in mats)
 
 
@@ -268,7 +268,7 @@ def _dequantize_weights(m: GGUFModel) -> int:
     from convert import rows
     n = 0
     for name, t in list(m.tensors.items()):
-        if t.qtype.name != "F32" and not t.qtype.name.startswith("I"):
+        if t.qtype.name != "F32" and t.qtype not in INT_TYPES:
             m.tensors[name] = rows.from_f32(name, rows.to_f32(t), "f32")
             n += 1
     return n

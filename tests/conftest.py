@@ -75,13 +75,11 @@ def smollm2_hf(smollm2) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_f32(smollm2, tmp_path_factory):
     """The same model with every tensor dequantized to f32 (a GGUF input whose matmuls are exact)."""
-    from convert import rows
     from convert.gguf_io import read_gguf, write_gguf
+    from convert.to_gguf import _dequantize_weights     # what --dequantize writes
     out = tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf"
     m = read_gguf(smollm2)
-    for n, t in list(m.tensors.items()):
-        if t.qtype.name != "F32":
-            m.tensors[n] = rows.from_f32(n, rows.to_f32(t), "f32")
+    _dequantize_weights(m)
     write_gguf(m, out)
     return out
 

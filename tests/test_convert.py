@@ -222,10 +222,15 @@ def test_quantized_input_smoothing_is_bit_exact(smollm2, smollm2_hf, eval_tokens
     np.testing.assert_array_equal(f32_logits(out, eval_tokens), f32_logits(smollm2, eval_tokens))
 
 
+def mean_kld(ref, got) -> float:
+    """Mean KL divergence of got's next-token distributions from ref's (logits [tokens, vocab])."""
+    la, lb = log_softmax(ref.astype(np.float64)), log_softmax(got.astype(np.float64))
+    return float((np.exp(la) * (la - lb)).sum(-1).mean())
+
+
 def test_quantized_input_all_transforms_stay_within_activation_noise(smollm2, smollm2_converted, eval_tokens):
     ref, got = f32_logits(smollm2, eval_tokens), f32_logits(smollm2_converted, eval_tokens)
-    la, lb = log_softmax(ref.astype(np.float64)), log_softmax(got.astype(np.float64))
-    kld = float((np.exp(la) * (la - lb)).sum(-1).mean())
+    kld = mean_kld(ref, got)
     assert kld < 0.01, kld                           # measured ~4e-3: the q8_1 activation rounding floor
     assert (ref.argmax(-1) == got.argmax(-1)).mean() > 0.9
 
@@ -399,9 +404,8 @@ def _cache_kld(path, tokens, k, v):
     out = {}
     for kt, vt in (("f16", "f16"), (k, v)):
         with Model(path, n_ctx=512, cache_type_k=kt, cache_type_v=vt, flash_attn=True) as m:
-            out[kt, vt] = log_softmax(m.eval_logits(tokens).astype(np.float64))
-    la, lb = out["f16", "f16"], out[k, v]
-    return float((np.exp(la) * (la - lb)).sum(-1).mean())
+            out[kt, vt] = m.eval_logits(tokens)
+    return mean_kld(out["f16", "f16"], out[k, v])
 
 
 def test_dequantize_writes_the_same_values_in_f32_and_exposes_the_cache_error(smollm2, eval_tokens, tmp_path):
@@ -431,14 +435,21 @@ def test_dequantize_writes_the_same_values_in_f32_and_exposes_the_cache_error(sm
 
 
 def test_dequantize_keeps_integer_tensors(smollm2):
-    """The runtime reads a nuq codebook as I8: --dequantize leaves integer tensors as they are."""
+    """The runtime reads a nuq codebook as I8: --dequantize leaves integer tensors as they are, and decodes every
+    block type, IQ* included (their names start with an I too)."""
     from convert.gguf_io import Tensor
     from convert.to_gguf import _dequantize_weights, _weights_all_f32
-    from gguf import GGMLQuantizationType as QT
+    from gguf import GGMLQuantizationType as QT, quants
     m = read_gguf(smollm2)
     cb = np.arange(-8, 8, dtype=np.int8) * 15
     m.tensors["blk.0.kvq_codebook_v"] = Tensor("blk.0.kvq_codebook_v", QT.I8, cb)
+    iq = np.zeros((2, 18), np.uint8)                          # two IQ4_NL blocks of 32: f16 scale, 16 nibble bytes
+    iq[:, :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    iq[:, 2:] = np.arange(16, dtype=np.uint8) * 17
+    m.tensors["blk.0.iq_test.weight"] = Tensor("blk.0.iq_test.weight", QT.IQ4_NL, iq)
     assert not _weights_all_f32(m)
     assert _dequantize_weights(m) > 0
     assert m.tensors["blk.0.kvq_codebook_v"].qtype == QT.I8 and np.array_equal(m.tensors["blk.0.kvq_codebook_v"].data, cb)
+    got = m.tensors["blk.0.iq_test.weight"]
+    assert got.qtype == QT.F32 and np.array_equal(got.data, quants.dequantize(iq, QT.IQ4_NL))
     assert _weights_all_f32(m)
