@@ -60,6 +60,7 @@ class Options:
     ladder_k_auto: bool = False          # ladder_k is the pre-RoPE default: dropped where halves types cannot apply
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
+    prerope_power: float | None = None   # the fisher scale's power (None: prerope.fisher_power of the K types)
     kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
     kv_window: int = 64                  # (pykvq.cache.kv_sinks / kv_window; 0: off)
     kv_bits_ctx: int = 0                 # > 0: kv_bits counts that window at this many cells (0: the cache alone)
@@ -76,6 +77,13 @@ class Options:
         K ladder holds one is assumed to choose one (_refit_plain_k_codebooks when it does not)."""
         ks = self.ladder_for("k") if self.kv_bits is not None else (self.resolved_types()[0],)
         return any(t in q53.HALVES_TYPES for t in ks)
+
+    def fisher_power(self) -> float:
+        """The fisher K scale's power: as given, else by the bits of the types the keys may take."""
+        if self.prerope_power is not None:
+            return self.prerope_power
+        ks = self.ladder_for("k") if self.kv_bits is not None else (self.resolved_types()[0],)
+        return prerope.fisher_power([layer_types.bits_per_value(t) for t in ks])
 
     def window_bits(self) -> float:
         """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
@@ -345,7 +353,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                   rot_k=online_rot_k, rot_v=online_rot_v, rot_k_halves=importance)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
             k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
-            mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk)
+            mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk,
+                                                     power=opts.fisher_power())
             std = prerope.stats_from_moments(k_mean, k_std, None, "std")[1]
             out = [(Tensors.K_MEAN, mean), (Tensors.K_SCALE, scale)]
             if opts.prerope_scale != "std":     # the centred cache chooses its mean pairs by the std
@@ -421,6 +430,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set(Keys.Cache.KV_SINKS, int(opts.kv_sinks), VT.UINT32)
         m.set(Keys.Cache.KV_WINDOW, int(opts.kv_window), VT.UINT32)
         rep.prerope["scale"] = opts.prerope_scale
+        rep.prerope["power"] = opts.fisher_power()
         rep.prerope["kv_sinks"], rep.prerope["kv_window"] = int(opts.kv_sinks), int(opts.kv_window)
     m.set(Keys.Cache.TYPE_K, type_k, VT.STRING)
     m.set(Keys.Cache.TYPE_V, type_v, VT.STRING)

@@ -110,11 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "flash attention (CPU; CUDA kernels exist, no GPU figure yet); any architecture the runtime "
                         "runs with standard RoPE. At run time --kv-domain post gives the same file post-RoPE keys")
     p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
-                   help="scale of --prerope-k, per channel: fisher = std^0.7 / F^0.15 with F the channel's "
+                   help="scale of --prerope-k, per channel: fisher = std^(1-2a) / F^a with F the channel's "
                         "diagonal Fisher on the calibration text (a Fisher-weighted key error behind the online "
                         "Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
                         "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
                         "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope-study.md)")
+    p.add_argument("--prerope-k-power", type=_power, default=None, metavar="A",
+                   help="the fisher scale's power a (0: the std scale, 0.5: the Fisher alone). Default: "
+                        f"{pipeline.prerope.FISHER_POWER:g} when the keys' types have "
+                        f"{pipeline.prerope.FISHER_POWER_BITS:g} bits/value or more (q4_0, q53_64, q42_64, nuq4, ...), "
+                        f"{pipeline.prerope.FISHER_POWER_LOW:g} when any layer's keys may take fewer (nuq2o; a "
+                        "--kv-bits ladder): best measured with the exact window at 4096 tokens (docs/RESULTS.md)")
     p.add_argument("--kv-sinks", type=int, default=4, metavar="N",
                    help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
                         "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
@@ -184,11 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SCALE_TEXT = {"fisher": f"per-channel std^{1 - 2 * pipeline.prerope.FISHER_POWER:g} / Fisher^{pipeline.prerope.FISHER_POWER:g} "
-                        "(Fisher-weighted)",
+SCALE_TEXT = {"fisher": "per-channel std^{std:g} / Fisher^{power:g} (Fisher-weighted)",
               "absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
               "std": "per-channel std (floored at 1% of the head's median)",
               "pow2": "per-channel std rounded to a power of two", "one": "1 (mean only)"}
+
+
+def _power(arg: str) -> float:
+    a = float(arg)
+    if not 0.0 <= a <= 0.5:
+        raise argparse.ArgumentTypeError(f"the fisher power must be within [0, 0.5], got {arg}")
+    return a
 
 
 def _types_list(arg: str) -> tuple:
@@ -354,7 +366,7 @@ def convert(args) -> dict:
                             kv_bits=args.kv_bits, learn_k=args.learn_k, learn_steps=args.learn_steps,
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
-                            prerope_scale=args.prerope_k_scale, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
+                            prerope_scale=args.prerope_k_scale, prerope_power=args.prerope_k_power, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
                             ladder=_types_list(args.layer_types or ",".join(pipeline.layer_types.DEFAULT_LADDER)),
                             ladder_k=_key_ladder(args))
@@ -530,7 +542,7 @@ def main(argv=None) -> int:
         p = s["prerope_k"]
         print(f"pre-RoPE key domain: on (the cache holds (k - mean) / scale before RoPE, turned by the online Hadamard "
               f"when K is quantized); "
-              f"scale = {SCALE_TEXT[p['scale']]}; {p['layers']} layers, largest |mean|/std "
+              f"scale = {SCALE_TEXT[p['scale']].format(std=1 - 2 * p['power'], power=p['power'])}; {p['layers']} layers, largest |mean|/std "
               f"{p['max_mean_over_std']:.1f}, largest/median std in a head {p['max_std_spread']:.1f}")
         print(f"exact window by default: the first {p['kv_sinks']} positions and the last {p['kv_window']} cells of each "
               "sequence in f16 (pykvq.cache.kv_sinks / kv_window; --kv-sinks / --kv-window at run time override it)")

@@ -258,6 +258,9 @@ def main(argv=None) -> int:
         # keys alone (V q8_0), the runtime's default window: halves split by importance (q53_64's layout), other widths
         *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
           for k in ("q4_0", "mix53", "lsq3", "mix42", "mix43", "mix52", "mix32")],
+        # keys alone at 3 bits and below: token groups (per channel) against per-token blocks at the same bits
+        *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
+          for k in ("int2", "grp2x64", "grp2x32", "grp3x128", "grp2x128")],
     ]
     if args.only:
         keep = set(args.only.split(";"))

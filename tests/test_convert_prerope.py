@@ -92,7 +92,7 @@ def test_file_has_mean_and_scale_for_every_layer(files, smollm2, geo):
     for name, t in src.tensors.items():
         assert m.tensors[name].qtype == t.qtype and np.array_equal(m.tensors[name].data, t.data), name
     assert "pre-RoPE key domain: on" in stdout and "turned by the online Hadamard" in stdout
-    assert "scale = per-channel std^0.7 / Fisher^0.15" in stdout
+    assert "scale = per-channel std^0.5 / Fisher^0.25" in stdout
 
 
 def test_file_layout_and_reader_agree(files, geo):
@@ -118,11 +118,11 @@ def test_mean_and_scale_match_the_calibration_keys(files, calib, geo):
         spread = k.std(axis=0)
         want_std = np.maximum(spread, prerope.STD_FLOOR * np.median(spread, axis=1, keepdims=True))
         np.testing.assert_allclose(std, want_std, rtol=1e-4)
-        # the default scale, by hand: s = std^0.7 / F^0.15 (F = mean squared gradient), clipped to 16x the
+        # the default scale, by hand: s = std^0.5 / F^0.25 (F = mean squared gradient), clipped to 16x the
         # head's median, then normalised so that the median std / s is 1
-        assert prerope.FISHER_POWER == 0.15
+        assert prerope.FISHER_POWER == 0.25
         f = (calib.gk[i].astype(np.float64) ** 2).mean(axis=0)
-        s = want_std ** 0.7 / f ** 0.15
+        s = want_std ** 0.5 / f ** 0.25
         med = np.median(s, axis=1, keepdims=True)
         clipped += int(((s < med / 16) | (s > med * 16)).sum())
         s = np.clip(s, med / 16, med * 16)
@@ -238,6 +238,29 @@ def test_stats_floor_and_methods():
     assert (prerope.stats(k, "one")[1] == 1).all()
     with pytest.raises(ValueError):
         prerope.stats(k, "bogus")
+
+
+def test_fisher_power_follows_the_key_types():
+    """a = 1/4 for keys of 3.5 bits/value or more, 0.15 once any layer's keys may take fewer (measured, prerope.py);
+    given, it is used as given; the scale follows it (std^(1-2a) / F^a before the clip and normalisation)."""
+    from convert.pipeline import Options
+    assert Options(prerope_k=True).fisher_power() == prerope.FISHER_POWER == 0.25            # q4_0 keys
+    assert Options(prerope_k=True, cache_type_k="q53_64", cache_type_v="q4_0").fisher_power() == 0.25
+    assert Options(prerope_k=True, cache_type_k="nuq4").fisher_power() == 0.25
+    assert Options(prerope_k=True, cache_type_k="q42_64", cache_type_v="nuq2o").fisher_power() == 0.25
+    assert Options(prerope_k=True, cache_type_k="nuq2o").fisher_power() == prerope.FISHER_POWER_LOW == 0.15
+    assert Options(prerope_k=True, kv_bits=3.5).fisher_power() == 0.15                        # the ladder has nuq2o
+    assert Options(prerope_k=True, kv_bits=4.5, ladder_k=("q42_64", "q53_64", "q8_0")).fisher_power() == 0.25
+    assert Options(prerope_k=True, cache_type_k="nuq2o", prerope_power=0.3).fisher_power() == 0.3
+    rng = np.random.default_rng(2)
+    std, f = rng.uniform(0.5, 2, (2, 64)), rng.uniform(0.5, 2, (2, 64))
+    for a in (0.15, 0.25):
+        s = prerope.fisher_scale(std, f, clip=1e9, power=a)
+        np.testing.assert_allclose(s / s[:, :1], (std ** (1 - 2 * a) / f ** a) / (std[:, :1] ** (1 - 2 * a) / f[:, :1] ** a),
+                                   rtol=1e-12)
+    res = subprocess.run([sys.executable, str(CONVERT), "x.gguf", "-o", "y.gguf", "--prerope-k-power", "0.7"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "within [0, 0.5]" in res.stderr
 
 
 def test_help_explains_prerope():
