@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{pipeline.prerope.FISHER_POWER:g} when the keys' types have "
                         f"{pipeline.prerope.FISHER_POWER_BITS:g} bits/value or more (q4_0, q53_64, q42_64, nuq4, ...), "
                         f"{pipeline.prerope.FISHER_POWER_LOW:g} when any layer's keys may take fewer (nuq2o; a "
-                        "--kv-bits ladder): best measured with the exact window at 4096 tokens (docs/RESULTS.md)")
+                        "--kv-bits ladder, whose layers that then take uniform blocks of that many bits get "
+                        f"{pipeline.prerope.FISHER_POWER:g}): best measured with the exact window at 4096 tokens "
+                        "(docs/RESULTS.md)")
     p.add_argument("--kv-sinks", type=int, default=4, metavar="N",
                    help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
                         "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
@@ -542,7 +544,10 @@ def main(argv=None) -> int:
         p = s["prerope_k"]
         print(f"pre-RoPE key domain: on (the cache holds (k - mean) / scale before RoPE, turned by the online Hadamard "
               f"when K is quantized); "
-              f"scale = {SCALE_TEXT[p['scale']].format(std=1 - 2 * p['power'], power=p['power'])}; {p['layers']} layers, largest |mean|/std "
+              f"scale = {SCALE_TEXT[p['scale']].format(std=1 - 2 * p['power'], power=p['power'])}"
+              + (f" (Fisher^{pipeline.prerope.FISHER_POWER:g} in the {p['power_layers']} layers whose keys take uniform "
+                 f"blocks of {pipeline.prerope.FISHER_POWER_BITS:g} bits or more)" if p.get("power_layers") else "")
+              + f"; {p['layers']} layers, largest |mean|/std "
               f"{p['max_mean_over_std']:.1f}, largest/median std in a head {p['max_std_spread']:.1f}")
         print(f"exact window by default: the first {p['kv_sinks']} positions and the last {p['kv_window']} cells of each "
               "sequence in f16 (pykvq.cache.kv_sinks / kv_window; --kv-sinks / --kv-window at run time override it)")

@@ -116,6 +116,21 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert set(_layer_types(m, "k")) <= set(PREROPE_K_LADDER) and set(_layer_types(m, "v")) <= set(DEFAULT_LADDER)
     assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     assert "have CPU kernels only" not in res.stdout
+    # the key scale's Fisher power: the ladder's nuq2o makes the file's 0.15, and the layers whose keys take uniform
+    # blocks of 3.5 bits or more are scaled at 1/4 (prerope.fisher_power; the same layer as --prerope-k-power gives it)
+    tk = _layer_types(m, "k")
+    plain = [i for i, t in enumerate(tk) if t not in nuq.FORMATS and cache_types.bits_per_value(t) >= 3.5]
+    assert plain and len(plain) < len(tk), tk
+    assert "std^0.7 / Fisher^0.15" in res.stdout
+    assert f"(Fisher^0.25 in the {len(plain)} layers whose keys take uniform blocks of 3.5 bits or more)" in res.stdout
+    for a in ("0.15", "0.25"):
+        fixed = tmp_path / f"smol-power-{a}.gguf"
+        run_convert(smollm2, "-o", fixed, "--prerope-k", "--kv-bits", "3.6", "--kv-bits-ctx", "4096",
+                    "--prerope-k-power", a, *CALIB)
+        f = read_gguf(fixed)
+        for i in range(len(tk)):
+            got, want = (np.asarray(x.tensors[Tensors.K_SCALE.format(bid=i)].data) for x in (m, f))
+            assert np.array_equal(got, want) == ((i in plain) == (a == "0.25")), (a, i, tk[i])
     bad = tmp_path / "x.gguf"
     res = run_convert(smollm2, "-o", bad, "--prerope-k", "--kv-bits", "3.0", "--kv-bits-ctx", "512", *CALIB, check=False)
     assert res.returncode == 2 and "below the cheapest" in res.stderr and "for the cache" in res.stderr
