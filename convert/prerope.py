@@ -50,7 +50,8 @@ SCALES = ("fisher", "absmax", "std", "pow2", "one")
 # (0.05 0.00147, 0.3 0.00114, 0.35 0.00116), q4_0/q4_0 0.00223 -> 0.00209, nuq4 0.00256 -> 0.00219, q42_64 0.00457
 # -> 0.00439, Qwen q53_64/q4_0 0.000560 -> 0.000549; but nuq2o 0.0457 -> 0.0483, 3/2-bit halves (study) 0.0138
 # -> 0.0168, --kv-bits 3.0 (nuq2o keys in 23 layers) 0.0345 -> 0.0518, --kv-bits 3.5 0.00982 -> 0.0101). The
-# theory assumes steps small against each channel's spread; with 2-3 levels a channel scaled up is clipped.
+# theory assumes steps small against each channel's spread; with 2-3 levels a channel scaled up is clipped. A
+# budget's layers whose keys then take uniform blocks of 3.5 bits or more get 1/4 (pipeline._rescale_plain_k_layers).
 DEFAULT_SCALE = "fisher"
 FISHER_POWER = 0.25            # keys of FISHER_POWER_BITS bits/value or more
 FISHER_POWER_LOW = 0.15        # when any layer's keys may take fewer (a --kv-bits ladder has nuq2o)

@@ -368,7 +368,8 @@ def convert(args) -> dict:
                             kv_bits=args.kv_bits, learn_k=args.learn_k, learn_steps=args.learn_steps,
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
-                            prerope_scale=args.prerope_k_scale, prerope_power=args.prerope_k_power, kv_sinks=args.kv_sinks, kv_window=args.kv_window,
+                            prerope_scale=args.prerope_k_scale, prerope_power=args.prerope_k_power,
+                            kv_sinks=args.kv_sinks, kv_window=args.kv_window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
                             ladder=_types_list(args.layer_types or ",".join(pipeline.layer_types.DEFAULT_LADDER)),
                             ladder_k=_key_ladder(args))
