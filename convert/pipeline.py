@@ -493,8 +493,8 @@ def _rescale_plain_k_layers(m: GGUFModel, calib: Calib, g, doms: list, opts: Opt
     """A budget's file takes the fisher power of its ladder's fewest bits (FISHER_POWER_LOW); a layer whose chosen
     keys have no codebook and prerope.FISHER_POWER_BITS bits or more is scaled at prerope.FISHER_POWER instead, the
     power measured best for such keys (--kv-bits 3.5 at 4096 tokens, f32 weights: SmolLM2 0.00982 -> 0.00953, Qwen
-    0.00593 -> 0.00568). A layer with a
-    codebook keeps the scale it was fitted in; the budget's choice stands (its errors were taken at the file's power)."""
+    0.00593 -> 0.00568). A layer with a codebook keeps the scale it was fitted in; the budget's choice stands (its
+    errors were taken at the file's power)."""
     if not (opts.prerope_k and opts.prerope_scale == "fisher" and opts.prerope_power is None
             and opts.fisher_power() != prerope.FISHER_POWER):
         return
