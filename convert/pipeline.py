@@ -71,19 +71,21 @@ class Options:
         """The budget's candidate types for "k" or "v"."""
         return self.ladder_k if which == "k" and self.ladder_k is not None else self.ladder
 
+    def k_candidates(self) -> tuple:
+        """The types the file's keys may take: the budget's K ladder, else the one K type."""
+        return self.ladder_for("k") if self.kv_bits is not None else (self.resolved_types()[0],)
+
     def halves_k(self) -> bool:
         """Whether the keys may be of a halves type (q53_64, q42_64): the file then lays every head's pairs out by
         importance, and the runtime turns every layer's keys within each half (llama_kvq_halves_k). A budget whose
         K ladder holds one is assumed to choose one (_refit_plain_k_codebooks when it does not)."""
-        ks = self.ladder_for("k") if self.kv_bits is not None else (self.resolved_types()[0],)
-        return any(t in q53.HALVES_TYPES for t in ks)
+        return any(t in q53.HALVES_TYPES for t in self.k_candidates())
 
     def fisher_power(self) -> float:
         """The fisher K scale's power: as given, else by the bits of the types the keys may take."""
         if self.prerope_power is not None:
             return self.prerope_power
-        ks = self.ladder_for("k") if self.kv_bits is not None else (self.resolved_types()[0],)
-        return prerope.fisher_power([layer_types.bits_per_value(t) for t in ks])
+        return prerope.fisher_power([layer_types.bits_per_value(t) for t in self.k_candidates()])
 
     def window_bits(self) -> float:
         """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
@@ -289,6 +291,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     gl = g.with_layout("norm") if relayout else g                          # the layout after re-layout
     ch = pair_channels(gl)                                                 # [P, 2]
     doms = []                                                              # per layer: its cache domain
+    k_moments = {}                     # per pre-RoPE layer: its keys' (mean, std, absmax, Fisher), for a rescale
     for i in progress_bar(range(g.n_layer), desc="transforming layers", enable=progress, unit="layer"):
         if relayout:
             _permute(m, i, *relayout_rows)
@@ -352,7 +355,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                   v_matrix=None if vr is None else (vr.a, vr.a_inv),
                                   rot_k=online_rot_k, rot_v=online_rot_v, rot_k_halves=importance)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
-            k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
+            k_moments[i] = k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
             mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk,
                                                      power=opts.fisher_power())
             std = prerope.stats_from_moments(k_mean, k_std, None, "std")[1]
@@ -402,7 +405,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set(Keys.Calib.SOURCE, calib.source, VT.STRING)
     if opts.kv_bits is not None:
         _assign_layer_types(opts, rep, cb_k, cb_v)
-        _rescale_plain_k_layers(m, calib, g, doms, opts, rep)
+        _rescale_plain_k_layers(m, k_moments, doms, opts, rep)
         if importance and not any(t in q53.HALVES_TYPES for t in rep.layer_types_k):
             _refit_plain_k_codebooks(calib, g, doms, opts, method, rep, cb_k)
         type_k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
@@ -489,7 +492,7 @@ def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> N
                 del cbs[i]
 
 
-def _rescale_plain_k_layers(m: GGUFModel, calib: Calib, g, doms: list, opts: Options, rep: Report) -> None:
+def _rescale_plain_k_layers(m: GGUFModel, k_moments: dict, doms: list, opts: Options, rep: Report) -> None:
     """A budget's file takes the fisher power of its ladder's fewest bits (FISHER_POWER_LOW); a layer whose chosen
     keys have no codebook and prerope.FISHER_POWER_BITS bits or more is scaled at prerope.FISHER_POWER instead, the
     power measured best for such keys (--kv-bits 3.5 at 4096 tokens, f32 weights: SmolLM2 0.00982 -> 0.00953, Qwen
@@ -502,14 +505,11 @@ def _rescale_plain_k_layers(m: GGUFModel, calib: Calib, g, doms: list, opts: Opt
     for i, t in enumerate(rep.layer_types_k):
         if _is_nuq(t) or layer_types.bits_per_value(t) < prerope.FISHER_POWER_BITS:
             continue
-        d0 = dataclasses.replace(doms[i], k_prerope=False, k_mean=None, k_div=None)
-        k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, d0)
-        mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, "fisher", fisher=fk,
-                                                 power=prerope.FISHER_POWER)
-        for fmt, arr in ((Tensors.K_MEAN, mean), (Tensors.K_SCALE, scale)):
-            name = fmt.format(bid=i)
-            m.tensors[name] = Tensor(name, QT.F32, arr)
-        doms[i] = dataclasses.replace(doms[i], k_mean=mean, k_div=scale)
+        k_mean, k_std, k_absmax, fk = k_moments[i]          # the mean does not depend on the power: only the scale
+        _, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, "fisher", fisher=fk, power=prerope.FISHER_POWER)
+        name = Tensors.K_SCALE.format(bid=i)
+        m.tensors[name] = Tensor(name, QT.F32, scale)
+        doms[i] = dataclasses.replace(doms[i], k_div=scale)
         n += 1
     rep.prerope["power_layers"] = n
 
