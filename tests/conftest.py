@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,24 @@ def pytest_collection_modifyitems(config, items):
         for mark, skip in skips.items():
             if mark in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory):
+    """tmp_path_factory.mktemp for a module-scoped fixture's files, removed once the module's tests are done (kept if
+    one of them failed). Folders made with mktemp stay until the session ends, and with a converted model of 0.1-0.5 GB
+    in each the suite's peak disk use would be their sum (CI once ran out of disk)."""
+    made: list[Path] = []
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    failed = request.session.testsfailed
+    yield mktemp
+    if request.session.testsfailed == failed:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ CALIB = ["--calib-seqs", "1", "--calib-len", "192"]
 
 
 @pytest.fixture(scope="module")
-def mixed_file(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("nuq") / "smol-mixed.gguf"
+def mixed_file(smollm2, module_tmp):
+    out = module_tmp("nuq") / "smol-mixed.gguf"
     res = run_convert(smollm2, "-o", out, "--kv-bits", "3.6", *CALIB)
     return out, res.stdout
 

@@ -44,8 +44,8 @@ def convert_in_process(*args) -> dict:
 
 
 @pytest.fixture(scope="module")
-def files(smollm2, smollm2_hf, calib, tmp_path_factory):
-    d = tmp_path_factory.mktemp("prerope")
+def files(smollm2, smollm2_hf, calib, module_tmp):
+    d = module_tmp("prerope")
     out = {}
     assert prerope.DEFAULT_SCALE == "fisher"                              # what the checks below recompute
     for name, flags in (("plain", ["--prerope-k"]),
@@ -58,9 +58,9 @@ def files(smollm2, smollm2_hf, calib, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def nuq_files(smollm2, smollm2_hf, calib, tmp_path_factory):
+def nuq_files(smollm2, smollm2_hf, calib, module_tmp):
     """nuq4 K with Fisher codebooks, pre-RoPE and (for comparison) post-RoPE; V stays q4_0 (no V codebooks)."""
-    d = tmp_path_factory.mktemp("prerope-nuq")
+    d = module_tmp("prerope-nuq")
     out = {}
     for name, flags in (("pre", ["--prerope-k"]), ("post", [])):
         path = d / f"{name}.gguf"

@@ -68,9 +68,9 @@ def test_baseline_is_evaluated_once_per_chunk(f16_model, q8_model, passage, monk
 
 
 @pytest.fixture(scope="module")
-def perplexity_runs(tmp_path_factory, smollm2, passage):
+def perplexity_runs(module_tmp, smollm2, passage):
     """llama-perplexity: f16 base logits, then q8_0 KLD against them."""
-    d = tmp_path_factory.mktemp("kld")
+    d = module_tmp("kld")
     text = d / "passage.txt"
     text.write_text(passage)
     base = d / "base-llama.bin"

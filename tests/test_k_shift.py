@@ -95,9 +95,9 @@ def tokens(smollm2, passage):
 
 
 @pytest.fixture(scope="module")
-def codebook_file(smollm2, tmp_path_factory):
+def codebook_file(smollm2, module_tmp):
     """nuq3 K with a codebook of the file's own in every layer."""
-    return variant(smollm2, tmp_path_factory.mktemp("k_shift") / "codebook.gguf", layer_types_k=["nuq3"] * N_LAYER,
+    return variant(smollm2, module_tmp("k_shift") / "codebook.gguf", layer_types_k=["nuq3"] * N_LAYER,
                    layer_types_v=["f16"] * N_LAYER, type_k="nuq3", type_v="f16", rot_k=True,
                    codebooks_k={il: OTHER3 for il in range(N_LAYER)})
 

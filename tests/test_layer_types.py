@@ -24,8 +24,8 @@ OTHER3 = np.array([-120, -80, -45, -15, 15, 45, 80, 120], np.int8)   # a file co
 
 
 @pytest.fixture(scope="module")
-def files(smollm2, tmp_path_factory):
-    d = tmp_path_factory.mktemp("layer_types")
+def files(smollm2, module_tmp):
+    d = module_tmp("layer_types")
     mixed_k = ["q8_0"] + ["q4_0"] * (N_LAYER - 2) + ["q8_0"]
     return {
         # layer 0 and the last K in q8_0, the rest q4_0; V all q8_0
@@ -192,9 +192,9 @@ nuq = pytest.mark.skipif(not _has_nuq(), reason="this build has no nuq cache typ
 
 
 @pytest.fixture(scope="module")
-def nuq_files(smollm2, tmp_path_factory):
+def nuq_files(smollm2, module_tmp):
     from pykvq.ref import nuq as ref
-    d = tmp_path_factory.mktemp("codebooks")
+    d = module_tmp("codebooks")
     fb3 = ref.fallback("nuq3")
     other3 = OTHER3
     types = dict(layer_types_k=["nuq3"] * N_LAYER, layer_types_v=["q8_0"] * N_LAYER, type_k="nuq3", type_v="q8_0")

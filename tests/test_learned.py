@@ -141,8 +141,8 @@ LEARNED = ["--rotate-v", "learned", "--learn-k", "--smooth-qk", "--cache-type-k"
 
 
 @pytest.fixture(scope="module")
-def learned_f32(smollm2_f32, smollm2_hf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("learned") / "learned-f32.gguf"
+def learned_f32(smollm2_f32, smollm2_hf, module_tmp):
+    out = module_tmp("learned") / "learned-f32.gguf"
     res = run_convert(smollm2_f32, "-o", out, "--outtype", "f32", "--hf-dir", smollm2_hf, *LEARNED)
     return out, res.stdout
 

@@ -212,10 +212,10 @@ def test_convert_refuses_q53_without_prerope(smollm2, tmp_path, t):
 
 
 @pytest.fixture(scope="module")
-def smol_q53(smollm2, tmp_path_factory):
+def smol_q53(smollm2, module_tmp):
     """SmolLM2 converted for q53_64 keys: pre-RoPE statistics, pairs laid out by importance; V f16."""
     from test_convert import run_convert
-    out = tmp_path_factory.mktemp("q53") / "smol-q53.gguf"
+    out = module_tmp("q53") / "smol-q53.gguf"
     run_convert(smollm2, "-o", out, "--prerope-k", "--cache-type-k", T, "--cache-type-v", "f16")
     return out
 

@@ -50,8 +50,8 @@ def kld_rows(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def files(smollm2, smollm2_codebooks, smollm2_prerope, tmp_path_factory):
-    d = tmp_path_factory.mktemp("state")
+def files(smollm2, smollm2_codebooks, smollm2_prerope, module_tmp):
+    d = module_tmp("state")
     return {"smollm2": smollm2, "codebooks": smollm2_codebooks, "prerope": smollm2_prerope,
             # the codebooks file's per-layer types without its codebooks: every nuq3 layer on the fallback
             "no_codebooks": variant(smollm2, d / "no-codebooks.gguf", layer_types_k=["q8_0"] + ["nuq3"] * 29,

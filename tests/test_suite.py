@@ -126,9 +126,9 @@ def test_eval_with_exact_weights(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(module_tmp):
     """`pykvq results --quick` into a temporary directory (runs once for the module)."""
-    out = tmp_path_factory.mktemp("suite")
+    out = module_tmp("suite")
     assert main(["results", "--quick", "--out", str(out)]) == 0
     return out
 
