@@ -368,7 +368,10 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             dom = dataclasses.replace(dom, k_prerope=True, k_mean=mean, k_div=scale)
             _prerope_stats(rep, mean, std)
         if opts.needs_fisher():
-            _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep)
+            # a budget weighs each uniform >= 3.5-bit K candidate in the scale it gets if chosen (FISHER_POWER)
+            dom_plain = dataclasses.replace(dom, k_div=_plain_k_scale(k_moments[i])) \
+                if _rescales_plain_k(opts) and opts.kv_bits is not None else None
+            _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep, dom_plain)
         doms.append(dom)
 
         if opts.rotate_v != "none":
@@ -496,22 +499,35 @@ def _rescale_plain_k_layers(m: GGUFModel, k_moments: dict, doms: list, opts: Opt
     """A budget's file takes the fisher power of its ladder's fewest bits (FISHER_POWER_LOW); a layer whose chosen
     keys have no codebook and prerope.FISHER_POWER_BITS bits or more is scaled at prerope.FISHER_POWER instead, the
     power measured best for such keys (--kv-bits 3.5 at 4096 tokens, f32 weights: SmolLM2 0.00982 -> 0.00953, Qwen
-    0.00593 -> 0.00568). A layer with a codebook keeps the scale it was fitted in; the budget's choice stands (its
-    errors were taken at the file's power)."""
-    if not (opts.prerope_k and opts.prerope_scale == "fisher" and opts.prerope_power is None
-            and opts.fisher_power() != prerope.FISHER_POWER):
+    0.00593 -> 0.00568). A layer with a codebook keeps the scale it was fitted in. The budget weighed every such
+    candidate in the scale it gets here (dom_plain in _layer_codebooks)."""
+    if not _rescales_plain_k(opts):
         return
     n = 0
     for i, t in enumerate(rep.layer_types_k):
-        if _is_nuq(t) or layer_types.bits_per_value(t) < prerope.FISHER_POWER_BITS:
+        if not _takes_plain_power(t):
             continue
-        k_mean, k_std, k_absmax, fk = k_moments[i]          # the mean does not depend on the power: only the scale
-        _, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, "fisher", fisher=fk, power=prerope.FISHER_POWER)
+        scale = _plain_k_scale(k_moments[i])       # the mean does not depend on the power: only the scale
         name = Tensors.K_SCALE.format(bid=i)
         m.tensors[name] = Tensor(name, QT.F32, scale)
         doms[i] = dataclasses.replace(doms[i], k_div=scale)
         n += 1
     rep.prerope["power_layers"] = n
+
+
+def _rescales_plain_k(opts: Options) -> bool:
+    """Whether a file's uniform >= 3.5-bit key layers get prerope.FISHER_POWER rather than the file's power."""
+    return (opts.prerope_k and opts.prerope_scale == "fisher" and opts.prerope_power is None
+            and opts.fisher_power() != prerope.FISHER_POWER)
+
+
+def _takes_plain_power(type_name: str) -> bool:
+    return not _is_nuq(type_name) and layer_types.bits_per_value(type_name) >= prerope.FISHER_POWER_BITS
+
+
+def _plain_k_scale(moments: tuple) -> np.ndarray:
+    k_mean, k_std, k_absmax, fk = moments
+    return prerope.stats_from_moments(k_mean, k_std, k_absmax, "fisher", fisher=fk, power=prerope.FISHER_POWER)[1]
 
 
 def _refit_plain_k_codebooks(calib: Calib, g, doms: list, opts: Options, method: str, rep: Report,
@@ -531,8 +547,9 @@ def _is_nuq(type_name: str) -> bool:
 
 
 def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, type_k: str, type_v: str,
-                     cb_k: dict, cb_v: dict, rep: Report) -> None:
-    """Codebooks (and, with a budget, the candidate errors) of layer i's K and V."""
+                     cb_k: dict, cb_v: dict, rep: Report, dom_plain=None) -> None:
+    """Codebooks (and, with a budget, the candidate errors) of layer i's K and V. dom_plain: the key domain of the
+    candidates that _rescale_plain_k_layers would rescale, their errors taken there."""
     errs = {}
     reads = None
     if opts.window_weighted() and calib.sensitivity == "forward":    # backprop: the gradients already know it
@@ -554,12 +571,18 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
         # budget's errors were no better without them (Qwen --kv-bits 3.6: 10% worse), so they keep every position.
         fit = calib.pos >= opts.exact_positions() if which == "k" else slice(None)
         cbs = {}
+        x_plain = None
         for t in cands:
             if _is_nuq(t) and method != "none":
                 cbs[t] = codebook.fit(x.x[fit], x.fisher[fit], t, method, q_norm=opts.q_norm)
             if opts.kv_bits is not None or t == uniform_type:     # the loss-increase estimate sum F (x - Q(x))^2
-                f = x.fisher if reads is None else x.fisher * reads[which][:, :, None]
-                errs[(which, t)] = codebook.weighted_error(x.x, f, t, cbs.get(t))
+                xt = x
+                if which == "k" and dom_plain is not None and _takes_plain_power(t):
+                    if x_plain is None:
+                        x_plain = samples(calib, i, g, dom_plain)
+                    xt = x_plain
+                f = xt.fisher if reads is None else xt.fisher * reads[which][:, :, None]
+                errs[(which, t)] = codebook.weighted_error(xt.x, f, t, cbs.get(t))
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}
             # per-layer decisions are global (the budget is shared): record errors, decide after the loop

@@ -14,6 +14,7 @@ from pykvq.keys import Keys, Tensors, suffix
 from pykvq.ref import nuq
 
 from test_convert import run_convert
+from test_convert_prerope import convert_in_process
 
 CALIB = ["--calib-seqs", "1", "--calib-len", "192"]
 
@@ -123,14 +124,23 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert plain and len(plain) < len(tk), tk
     assert "std^0.7 / Fisher^0.15" in res.stdout
     assert f"(Fisher^0.25 in the {len(plain)} layers whose keys take uniform blocks of 3.5 bits or more)" in res.stdout
+    # the budget weighed each K candidate in the scale it gets if chosen: a uniform >= 3.5-bit type's error is the
+    # one of a file converted at 1/4 throughout, a codebook's or a 2-bit type's the one at 0.15
+    errors = convert_in_process(smollm2, "-o", tmp_path / "again.gguf", "--prerope-k", "--kv-bits", "3.6",
+                                "--kv-bits-ctx", "4096", *CALIB)["codebook_errors"]
     for a in ("0.15", "0.25"):
         fixed = tmp_path / f"smol-power-{a}.gguf"
-        run_convert(smollm2, "-o", fixed, "--prerope-k", "--kv-bits", "3.6", "--kv-bits-ctx", "4096",
-                    "--prerope-k-power", a, *CALIB)
+        at_a = convert_in_process(smollm2, "-o", fixed, "--prerope-k", "--kv-bits", "3.6", "--kv-bits-ctx", "4096",
+                                  "--prerope-k-power", a, *CALIB)["codebook_errors"]
         f = read_gguf(fixed)
         for i in range(len(tk)):
             got, want = (np.asarray(x.tensors[Tensors.K_SCALE.format(bid=i)].data) for x in (m, f))
             assert np.array_equal(got, want) == ((i in plain) == (a == "0.25")), (a, i, tk[i])
+            for key, e in errors[i].items():
+                t = key.removeprefix("k:")
+                if key.startswith("k:"):
+                    takes_quarter = t not in nuq.FORMATS and cache_types.bits_per_value(t) >= 3.5
+                    assert (e == at_a[i][key]) == (takes_quarter == (a == "0.25")), (a, i, key)
     bad = tmp_path / "x.gguf"
     res = run_convert(smollm2, "-o", bad, "--prerope-k", "--kv-bits", "3.0", "--kv-bits-ctx", "512", *CALIB, check=False)
     assert res.returncode == 2 and "below the cheapest" in res.stderr and "for the cache" in res.stderr
