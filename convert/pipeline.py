@@ -291,7 +291,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     gl = g.with_layout("norm") if relayout else g                          # the layout after re-layout
     ch = pair_channels(gl)                                                 # [P, 2]
     doms = []                                                              # per layer: its cache domain
-    k_moments = {}                     # per pre-RoPE layer: its keys' (mean, std, absmax, Fisher), for a rescale
+    # a budget's pre-RoPE layers: the key scale at prerope.FISHER_POWER, the one a uniform >= 3.5-bit K type gets
+    k_plain, plain_k = {}, opts.kv_bits is not None and _rescales_plain_k(opts)
     for i in progress_bar(range(g.n_layer), desc="transforming layers", enable=progress, unit="layer"):
         if relayout:
             _permute(m, i, *relayout_rows)
@@ -355,7 +356,7 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                                   v_matrix=None if vr is None else (vr.a, vr.a_inv),
                                   rot_k=online_rot_k, rot_v=online_rot_v, rot_k_halves=importance)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
-            k_moments[i] = k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
+            k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
             mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk,
                                                      power=opts.fisher_power())
             std = prerope.stats_from_moments(k_mean, k_std, None, "std")[1]
@@ -367,10 +368,12 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
                 m.tensors[name] = Tensor(name, QT.F32, arr)
             dom = dataclasses.replace(dom, k_prerope=True, k_mean=mean, k_div=scale)
             _prerope_stats(rep, mean, std)
+            if plain_k:             # the mean does not depend on the power: only the scale
+                k_plain[i] = prerope.stats_from_moments(k_mean, k_std, k_absmax, "fisher", fisher=fk,
+                                                        power=prerope.FISHER_POWER)[1]
         if opts.needs_fisher():
             # a budget weighs each uniform >= 3.5-bit K candidate in the scale it gets if chosen (FISHER_POWER)
-            dom_plain = dataclasses.replace(dom, k_div=_plain_k_scale(k_moments[i])) \
-                if _rescales_plain_k(opts) and opts.kv_bits is not None else None
+            dom_plain = dataclasses.replace(dom, k_div=k_plain[i]) if i in k_plain else None
             _layer_codebooks(i, calib, g, dom, opts, method, type_k, type_v, cb_k, cb_v, rep, dom_plain)
         doms.append(dom)
 
@@ -408,7 +411,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set(Keys.Calib.SOURCE, calib.source, VT.STRING)
     if opts.kv_bits is not None:
         _assign_layer_types(opts, rep, cb_k, cb_v)
-        _rescale_plain_k_layers(m, k_moments, doms, opts, rep)
+        if k_plain:
+            _rescale_plain_k_layers(m, k_plain, doms, rep)
         if importance and not any(t in q53.HALVES_TYPES for t in rep.layer_types_k):
             _refit_plain_k_codebooks(calib, g, doms, opts, method, rep, cb_k)
         type_k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
@@ -495,22 +499,19 @@ def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> N
                 del cbs[i]
 
 
-def _rescale_plain_k_layers(m: GGUFModel, k_moments: dict, doms: list, opts: Options, rep: Report) -> None:
+def _rescale_plain_k_layers(m: GGUFModel, k_plain: dict, doms: list, rep: Report) -> None:
     """A budget's file takes the fisher power of its ladder's fewest bits (FISHER_POWER_LOW); a layer whose chosen
     keys have no codebook and prerope.FISHER_POWER_BITS bits or more is scaled at prerope.FISHER_POWER instead, the
     power measured best for such keys (--kv-bits 3.5 at 4096 tokens, f32 weights: SmolLM2 0.00982 -> 0.00953, Qwen
     0.00593 -> 0.00568). A layer with a codebook keeps the scale it was fitted in. The budget weighed every such
-    candidate in the scale it gets here (dom_plain in _layer_codebooks)."""
-    if not _rescales_plain_k(opts):
-        return
+    candidate in the scale it gets here (dom_plain in _layer_codebooks). k_plain: each layer's scale at that power."""
     n = 0
     for i, t in enumerate(rep.layer_types_k):
         if not _takes_plain_power(t):
             continue
-        scale = _plain_k_scale(k_moments[i])       # the mean does not depend on the power: only the scale
         name = Tensors.K_SCALE.format(bid=i)
-        m.tensors[name] = Tensor(name, QT.F32, scale)
-        doms[i] = dataclasses.replace(doms[i], k_div=scale)
+        m.tensors[name] = Tensor(name, QT.F32, k_plain[i])
+        doms[i] = dataclasses.replace(doms[i], k_div=k_plain[i])
         n += 1
     rep.prerope["power_layers"] = n
 
@@ -523,11 +524,6 @@ def _rescales_plain_k(opts: Options) -> bool:
 
 def _takes_plain_power(type_name: str) -> bool:
     return not _is_nuq(type_name) and layer_types.bits_per_value(type_name) >= prerope.FISHER_POWER_BITS
-
-
-def _plain_k_scale(moments: tuple) -> np.ndarray:
-    k_mean, k_std, k_absmax, fk = moments
-    return prerope.stats_from_moments(k_mean, k_std, k_absmax, "fisher", fisher=fk, power=prerope.FISHER_POWER)[1]
 
 
 def _refit_plain_k_codebooks(calib: Calib, g, doms: list, opts: Options, method: str, rep: Report,

@@ -120,7 +120,9 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     # the key scale's Fisher power: the ladder's nuq2o makes the file's 0.15, and the layers whose keys take uniform
     # blocks of 3.5 bits or more are scaled at 1/4 (prerope.fisher_power; the same layer as --prerope-k-power gives it)
     tk = _layer_types(m, "k")
-    plain = [i for i, t in enumerate(tk) if t not in nuq.FORMATS and cache_types.bits_per_value(t) >= 3.5]
+    def takes_quarter(t):
+        return t not in nuq.FORMATS and cache_types.bits_per_value(t) >= 3.5
+    plain = [i for i, t in enumerate(tk) if takes_quarter(t)]
     assert plain and len(plain) < len(tk), tk
     assert "std^0.7 / Fisher^0.15" in res.stdout
     assert f"(Fisher^0.25 in the {len(plain)} layers whose keys take uniform blocks of 3.5 bits or more)" in res.stdout
@@ -137,10 +139,8 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
             got, want = (np.asarray(x.tensors[Tensors.K_SCALE.format(bid=i)].data) for x in (m, f))
             assert np.array_equal(got, want) == ((i in plain) == (a == "0.25")), (a, i, tk[i])
             for key, e in errors[i].items():
-                t = key.removeprefix("k:")
                 if key.startswith("k:"):
-                    takes_quarter = t not in nuq.FORMATS and cache_types.bits_per_value(t) >= 3.5
-                    assert (e == at_a[i][key]) == (takes_quarter == (a == "0.25")), (a, i, key)
+                    assert (e == at_a[i][key]) == (takes_quarter(key.removeprefix("k:")) == (a == "0.25")), (a, i, key)
     bad = tmp_path / "x.gguf"
     res = run_convert(smollm2, "-o", bad, "--prerope-k", "--kv-bits", "3.0", "--kv-bits-ctx", "512", *CALIB, check=False)
     assert res.returncode == 2 and "below the cheapest" in res.stderr and "for the cache" in res.stderr
