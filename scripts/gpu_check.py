@@ -20,6 +20,10 @@ Steps (each writes $OUT or results/gpu/):
             SmolLM2's and Qwen2.5-1.5B's head shapes, pykvq's types and the pre-RoPE K cache next to
             f16 / q8_0 / q4_0 (native/tests/kvq-backend-ops.inc), as µs per call and ratios; printed,
             not failed on (--perf-backend CPU runs it on any machine)
+  ncu       Nsight Compute on one decode call per case (head 64 and 128, 8k cells): upstream's f16 / q4_0
+            vector kernel next to pykvq's nuq4, bfp4_32 and the pre-RoPE q4_0 cache; each kernel's duration,
+            registers, occupancy, memory throughput and warp stalls as text (ncu-*.txt) and one table;
+            skipped with a note where ncu cannot read the counters (gVisor machines)
   graphs    whether CUDA graphs replay the decode of a pykvq cache: llama-bench tg32 with and without
             GGML_CUDA_DISABLE_GRAPHS=1 for f16 / q4_0 / nuq4 / bfp4_32, and the graph log lines (warmup
             complete / reset, graph reused) of a verbose llama-completion; printed, not failed on
@@ -53,15 +57,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["build", "ops", "perf", "graphs", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
+STEPS = ["build", "ops", "perf", "ncu", "graphs", "fallback", "pykvq", "kld", "ksort", "bench", "prerope"]
 # stock baselines first; "K/V" = different K and V types
 SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
             "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
-KVQ_RE = "bfp|nuq"
+KVQ_RE = "bfp|nuq|q53|q42|prerope|centred|enc=lsq"   # test-backend-ops -p: every case of ours
 FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
 THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0"]
+UB1_SETTINGS = ["q4_0", "q53_64/q4_0"]   # the prerope step's KLD with -ub 1 too (every query through the decode kernel)
 DRY_RUN = False
 # a pre-RoPE file's CUDA-held layers stay post-RoPE unless asked (their pre-RoPE reads are wrong across batches,
 # 2026-11-27); the prerope step asks, through the tools' environment fallback of --kv-domain
@@ -145,6 +150,9 @@ def step_ops(a) -> dict:
 PERF_RE = re.compile(r"FLASH_ATTN_EXT\(hsk=(\d+),hsv=\d+,nh=(\d+),nr23=\[(\d+),1\],kv=(\d+),nb=1,[^)]*?"
                      r"type_K=(\w+),type_V=(\w+)[^)]*?(,prerope=[\d/]+)?\):.*?([\d.]+) us/run")
 PERF_FILTER = r"hsk=(64|128),hsv=(64|128),nh=(3|2),nr23=\[(3|6),1\],kv=\d+,nb=1,"   # test-backend-ops -p: a regex
+SET_ROWS_FILTER = r"ne=\[(192|256),8192,1,1\],nr23=\[1,1\],r=1,"
+SET_ROWS_RE = re.compile(r"SET_ROWS\(type_src=f32,type_dst=(\w+),type_idx=i64,ne=\[(\d+),8192,1,1\],nr23=\[1,1\],r=1,"
+                         r"v=0(,enc=lsq)?\):.*?([\d.]+) us/run")
 PERF_SHAPES = {(64, 3, 3): "head 64, 3 KV heads x 3 (SmolLM2)", (128, 2, 6): "head 128, 2 KV heads x 6 (Qwen2.5-1.5B)"}
 
 
@@ -190,7 +198,89 @@ def step_perf(a) -> dict:
     (Path(a.out) / "perf-fattn.md").write_text(f"test-backend-ops perf, backend {a.perf_backend}\n{table}\n")
     if not rows:
         a.failures.append(f"test-backend-ops perf: no pykvq decode case ran (rc {r.returncode})")
-    return {"backend": a.perf_backend, "rows": rows}
+    # one decode step's cache write (SET_ROWS of one row into 8k cells), each type's encoder next to f16 / q4_0
+    r = run([tbo, "perf", "-o", "SET_ROWS", "-b", a.perf_backend, "-p", SET_ROWS_FILTER], timeout=600)
+    text = ANSI.sub("", r.stdout + r.stderr)
+    (Path(a.out) / "perf-SET_ROWS.log").write_text(text)
+    sr = [{"n_embd": int(m.group(2)), "type": m.group(1) + (",lsq" if m.group(3) else ""), "us": float(m.group(4))}
+          for m in SET_ROWS_RE.finditer(text)]
+    lines = ["| type | " + " | ".join(f"{n} values: µs per call" for n in sorted({x['n_embd'] for x in sr})) + " |",
+             "|---|---|---|"]
+    for t in dict.fromkeys(x["type"] for x in sr):
+        lines.append(f"| {t} | " + " | ".join(f"{x['us']:.2f}" for x in sr if x["type"] == t) + " |")
+    print("\n".join(lines))
+    (Path(a.out) / "perf-set-rows.md").write_text("\n".join(lines) + "\n")
+    return {"backend": a.perf_backend, "rows": rows, "set_rows": sr}
+
+
+# one decode call per case: (name, head size, K/V, pre-RoPE); test-backend-ops -p is a regex on the case's vars()
+NCU_CASES = [(f"d{hs}-{kv_.replace('/', '-')}{'-pre' if pre else ''}", hs, kv_, pre)
+             for hs, kinds in ((64, (("f16", False), ("q4_0", False), ("q4_0", True), ("nuq4", False))),
+                               (128, (("q4_0", False), ("nuq4", False))))
+             for kv_, pre in kinds]
+NCU_METRICS = {   # ncu's details page: the rows the table keeps
+    "Duration": "duration", "Registers Per Thread": "regs", "Block Size": "block", "Grid Size": "grid",
+    "Achieved Occupancy": "occ %", "Theoretical Occupancy": "theo occ %", "Memory Throughput": "mem %",
+    "DRAM Throughput": "dram %", "Compute (SM) Throughput": "sm %", "Dynamic Shared Memory Per Block": "dyn smem",
+    "Static Shared Memory Per Block": "smem", "Warp Cycles Per Issued Instruction": "cyc/issue",
+}
+
+
+def _ncu_filter(hs: int, kv_: str, pre: bool, cells: int = 8192) -> str:
+    k, v = kv(kv_)
+    nh, nr = (3, 3) if hs == 64 else (2, 6)
+    return (rf"hsk={hs},hsv={hs},nh={nh},nr23=\[{nr},1\],kv={cells},nb=1,.*type_K={k},type_V={v},.*"
+            + (",prerope=" if pre else r"n_kv_max=[-0-9]+$"))
+
+
+def _ncu_kernels(text: str) -> list[dict]:
+    """Per profiled kernel of ncu's details page: its name and the NCU_METRICS rows (value with unit)."""
+    out, cur = [], None
+    for line in text.splitlines():
+        m = re.match(r"\s{2}(\S.*?)\s+\(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
+        if m:
+            cur = {"kernel": m.group(1)[:90]}
+            out.append(cur)
+            continue
+        m = re.match(r"\s+(.+?)\s{2,}(?:(\S+)\s+)?(\S+)\s*$", line)
+        if cur is not None and m and m.group(1).strip() in NCU_METRICS:
+            unit, val = m.group(2) or "", m.group(3)
+            cur[NCU_METRICS[m.group(1).strip()]] = val if unit in ("%", "") else f"{val} {unit}"
+    return out
+
+
+def step_ncu(a) -> dict:
+    """Nsight Compute: what one decode call of ours spends next to upstream's vector kernel (issue 57)."""
+    tbo = Path(a.build) / "bin" / "test-backend-ops"
+    out, lines = {}, []
+    cols = list(NCU_METRICS.values())
+    cases = [(name, "FLASH_ATTN_EXT", _ncu_filter(hs, kv_, pre)) for name, hs, kv_, pre in NCU_CASES]
+    cases += [(f"set-rows-{t}", "SET_ROWS", rf"type_dst={t},type_idx=i64,ne=\[192,8192,1,1\],nr23=\[1,1\],r=1,v=0$")
+              for t in ("f16", "q4_0", "nuq4", "bfp4_32")]
+    for name, op, filt in cases:
+        # skip the warm-up launches; the kernels of one call (the vector kernel, the split merge, any conversion)
+        r = run(["ncu", "--clock-control", "none", "--launch-skip", "20", "--launch-count", "3",
+                 "--section", "SpeedOfLight", "--section", "LaunchStats", "--section", "Occupancy",
+                 "--section", "WarpStateStats", "--section", "MemoryWorkloadAnalysis",
+                 tbo, "perf", "-o", op, "-b", "CUDA0", "-p", filt], timeout=150)
+        text = ANSI.sub("", r.stdout + r.stderr)
+        if DRY_RUN:
+            continue
+        (Path(a.out) / f"ncu-{name}.txt").write_text(text)
+        ks = _ncu_kernels(text)
+        out[name] = {"rc": r.returncode, "kernels": ks}
+        if not ks:
+            log(f"ncu {name}: no kernel profiled (rc {r.returncode}): {text.strip()[-300:]!r}")
+            if "LibraryNotLoaded" in text or "ERR_NVGPUCTRPERM" in text or r.returncode == 127:
+                log("ncu cannot read the counters on this machine; step skipped")
+                return {"skipped": text.strip()[-300:], **out}
+        for k_ in ks:
+            lines.append(f"| {name} | {k_['kernel']} | " + " | ".join(str(k_.get(c, "–")) for c in cols) + " |")
+    table = "\n".join(["| case | kernel | " + " | ".join(cols) + " |", "|---" * (2 + len(cols)) + "|", *lines])
+    print(table)
+    if not DRY_RUN:
+        (Path(a.out) / "ncu.md").write_text(table + "\n")
+    return out
 
 
 GRAPH_SETTINGS = ["f16", "q4_0", "nuq4", "bfp4_32"]
@@ -291,17 +381,32 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False,
         if r.returncode != 0:
             a.failures.append(f"kld {tag}: base run failed: " + r.stderr[-2000:])
             return {}
-    # (name, -ngl, extra arguments, environment); every GPU run but the post-RoPE one must match the CPU's
+    # (name, -ngl, extra arguments, environment, settings it runs for or None: all); every GPU run but the post-RoPE
+    # one must match the CPU's
     env = DOMAIN_ENV["pre"] if prerope else DOMAIN_ENV[domain] if domain else None
-    runs = [("cpu", "0", [], env), ("gpu", "99", [], env)]
+    runs = [("cpu", "0", [], env, None), ("gpu", "99", [], env, None)]
     if prerope:
-        runs += [("gpu_ub32", "99", ["-b", "512", "-ub", "32"], env), ("gpu_post", "99", [], DOMAIN_ENV["post"])]
+        ub32, ub1, first = ["-b", "512", "-ub", "32"], ["-b", "512", "-ub", "1"], UB1_SETTINGS[:1]
+        runs += [("gpu_ub32", "99", ub32, env, None),
+                 # the bisection of a wrong ub32: the CPU at the same ubatches; llama.cpp's graph reuse off
+                 ("cpu_ub32", "0", ub32, env, first),
+                 ("gpu_ub32_noreuse", "99", ub32, dict(env, LLAMA_GRAPH_REUSE_DISABLE="1"), first),
+                 # upstream's programmatic dependent launches (Hopper) off; every launch synchronous
+                 ("gpu_ub32_nopdl", "99", ub32, dict(env, GGML_CUDA_PDL="0"), first),
+                 ("gpu_nopdl", "99", [], dict(env, GGML_CUDA_PDL="0"), first),
+                 ("gpu_ub32_blocking", "99", ub32, dict(env, CUDA_LAUNCH_BLOCKING="1"), first),
+                 # one token per ubatch (the decode kernel, ~8 s a run), with and without CUDA graphs
+                 ("gpu_ub1", "99", ub1, env, UB1_SETTINGS),
+                 ("gpu_ub1_nograph", "99", ub1, dict(env, GGML_CUDA_DISABLE_GRAPHS="1"), first),
+                 ("gpu_post", "99", [], DOMAIN_ENV["post"], None)]
     checked = [dev for dev, *_ in runs if dev not in ("cpu", "gpu_post")]
     out = {}
     for s in settings:
         k, v = kv(s)
         row = {}
-        for dev, ngl, extra, env_set in runs:
+        for dev, ngl, extra, env_set, only in runs:
+            if only is not None and s not in only:
+                continue
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, *extra, "--kl-divergence-base", base,
                      "--kl-divergence"], env_set=env_set, timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
@@ -309,6 +414,8 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False,
         log(f"{tag} {s}: KLD " + " ".join(f"{dev} {x}" for dev, x in row.items()))
         c = row["cpu"]
         for dev in checked:
+            if dev not in row:
+                continue
             g = row[dev]
             if c is None or g is None or abs(c - g) > max(0.05*c, 2e-3):
                 a.failures.append(f"kld {tag} {s}: cpu {c} vs {dev} {g}")

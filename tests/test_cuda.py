@@ -88,8 +88,10 @@ def test_row_kernels_emulated(tmp_path):
     the host emulation: bytes equal to the reference quantizer at the rows the indices name (I64
     and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
     dequantized f32 / f16 equal to the reference dequantizer, for every type; stock q4_0 / q5_0 as a tagged
-    SET_ROWS writes them (least-squares scales), against native/ggml/lsq.c; q53_64 / q42_64 against native/ggml/q53.c."""
-    _run_emulated(tmp_path, "cuda_rows_emu", "checks 66 failures 0")
+    SET_ROWS writes them (least-squares scales), against native/ggml/lsq.c; q53_64 / q42_64 against native/ggml/q53.c;
+    and for those four least-squares types the warp-per-block kernel CUDA launches (kvq_quantize_rows_lsq: lane k
+    tries scale k), with NaN, inf, a zero block and a tie of |max| among the values (a scale off by one: 12 fail)."""
+    _run_emulated(tmp_path, "cuda_rows_emu", "checks 78 failures 0")
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

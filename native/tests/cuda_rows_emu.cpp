@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "kvq-rows.cuh"
 
+#include <cmath>
 #include <cstdarg>
 #include <cstring>
 #include <random>
@@ -59,6 +60,16 @@ static void check_set_rows(const char * name, int ne11, int ne12) {
     const int64_t nb01 = (ne00 + 8)*4, nb02 = nb01*ne01, nb03 = nb02*ne02;
     std::vector<float> src((size_t) nb03*ne03/4);
     for (float & v : src) v = gauss()*4.0f;
+    if constexpr (kvq_is_lsq<T>()) {   // the search's edges: NaN and inf, a block of zeros, a tie of |max| (the first wins)
+        float * r0 = src.data();
+        r0[3] = NAN;
+        r0[7] = INFINITY;
+        for (int j = 32; j < 64; ++j) r0[j] = 0.0f;
+        float * r1 = (float *) ((char *) src.data() + nb01);
+        r1[2] = 9.0f;
+        r1[9] = -9.0f;
+        r1[40] = -1e-30f;
+    }
     const int64_t row = (int64_t) ne00/qk*bs, nb1 = row + 3, nb2 = nb1*n_dst, nb3 = nb2*ne02;
     std::vector<uint8_t> dst((size_t) nb3*ne03, 0xAB), want = dst;
     // indices [ne01, ne11, ne12]: distinct destination rows per (i11, i12)
@@ -84,6 +95,16 @@ static void check_set_rows(const char * name, int ne11, int ne12) {
     });
     ++checks;
     if (dst != want) { ++failures; printf("FAIL set_rows %s ne11=%d ne12=%d\n", name, ne11, ne12); }
+    if constexpr (kvq_is_lsq<T>()) {   // the warp-per-block kernel CUDA launches for these types: the same bytes
+        std::vector<uint8_t> dst_w(dst.size(), 0xAB);
+        emu::launch({ (unsigned) ((total + KVQ_LSQ_WARPS - 1)/KVQ_LSQ_WARPS), 1, 1 }, { WARP_SIZE, KVQ_LSQ_WARPS, 1 }, [&] {
+            kvq_quantize_rows_lsq<T, idx_t>((const char *) src.data(), (const char *) idx.data(), (char *) dst_w.data(),
+                nblk, ne01, ne02, total, nb01, nb02, nb03, ne11, ne12,
+                sizeof(idx_t), (int64_t) sizeof(idx_t)*ne01, (int64_t) sizeof(idx_t)*ne01*ne11, nb1, nb2, nb3);
+        });
+        ++checks;
+        if (dst_w != want) { ++failures; printf("FAIL set_rows (a warp per block) %s ne11=%d ne12=%d\n", name, ne11, ne12); }
+    }
     if constexpr (T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q5_0) {
         return;
     }

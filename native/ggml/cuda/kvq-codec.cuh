@@ -277,26 +277,69 @@ KVQ_HD void kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * 
     }
 }
 
-// x: qk floats; y: one block. cb: the codebook (nuq types; never NULL here).
+// the types whose blocks are least-squares searches (kvq_lsq_block): stock q4_0 / q5_0 as a tagged SET_ROWS writes
+// them, and the keys in halves
+template <ggml_type T> KVQ_HD constexpr bool kvq_is_lsq() {
+    return T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q5_0 || T == GGML_TYPE_Q53_64 || T == GGML_TYPE_Q42_64;
+}
+// their searches' level counts: half = 2^(bits-1), of the block's first 32 values and (keys in halves) its last 32
+template <ggml_type T> KVQ_HD constexpr int kvq_lsq_half_a() { return T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q42_64 ? 8 : 16; }
+template <ggml_type T> KVQ_HD constexpr int kvq_lsq_half_b() { return T == GGML_TYPE_Q53_64 ? 4 : 2; }
+
+// the levels of a least-squares block (qa: its first 32 values, qb: the last 32 of keys in halves) into its bytes;
+// the scales are already written (kvq_lsq_block's d_out)
 template <ggml_type T>
-KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) {
-    constexpr int qk = kvq_traits<T>::qk;
+KVQ_HD void kvq_lsq_pack(const uint8_t * qa, const uint8_t * qb, uint8_t * y) {
     if constexpr (T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q5_0) {
-        uint8_t q[32];
-        kvq_lsq_block(x, T == GGML_TYPE_Q4_0 ? 8 : 16, y, q);
         const int off = T == GGML_TYPE_Q4_0 ? 2 : 6;       // q5_0: qh[4] (bit j = q(j) >> 4) before qs
         for (int j = 0; j < 16; ++j) {
-            y[off + j] = (uint8_t) ((q[j] & 15) | ((q[j + 16] & 15) << 4));
+            y[off + j] = (uint8_t) ((qa[j] & 15) | ((qa[j + 16] & 15) << 4));
         }
         if constexpr (T == GGML_TYPE_Q5_0) {
             uint32_t qh = 0;
             for (int j = 0; j < 32; ++j) {
-                qh |= (uint32_t) (q[j] >> 4) << j;
+                qh |= (uint32_t) (qa[j] >> 4) << j;
             }
             for (int j = 0; j < 4; ++j) {
                 y[2 + j] = (uint8_t) (qh >> (8*j));
             }
         }
+    } else if constexpr (T == GGML_TYPE_Q53_64) {
+        block_q53_64 * b = (block_q53_64 *) y;
+        uint32_t qh5 = 0;
+        for (int j = 0; j < 16; ++j) {
+            b->qs5[j] = (uint8_t) ((qa[j] & 15) | ((qa[j + 16] & 15) << 4));
+        }
+        for (int j = 0; j < 32; ++j) {
+            qh5 |= (uint32_t) (qa[j] >> 4) << j;
+        }
+        for (int j = 0; j < 4; ++j) {
+            b->qh5[j] = (uint8_t) (qh5 >> (8*j));
+        }
+        kvq_pack_low2(qb, 32, b->qs3);   // byte j, bits 2k: value j + 8k (nuq3's layout)
+        kvq_pack_high(qb, 32, b->qh3);
+    } else {
+        static_assert(T == GGML_TYPE_Q42_64, "a least-squares type");
+        block_q42_64 * b = (block_q42_64 *) y;
+        for (int j = 0; j < 16; ++j) {
+            b->qs4[j] = (uint8_t) (qa[j] | (qa[j + 16] << 4));
+        }
+        kvq_pack_low2(qb, 32, b->qs2);
+    }
+}
+
+// x: qk floats; y: one block. cb: the codebook (nuq types; never NULL here).
+template <ggml_type T>
+KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) {
+    constexpr int qk = kvq_traits<T>::qk;
+    if constexpr (kvq_is_lsq<T>()) {
+        // one least-squares search per 32 values (native/ggml/lsq.c, q53.c): 4 or 5 bits, then keys' 2 or 3
+        uint8_t qa[32], qb[32];
+        kvq_lsq_block(x, kvq_lsq_half_a<T>(), y, qa);
+        if constexpr (qk == 64) {
+            kvq_lsq_block(x + 32, kvq_lsq_half_b<T>(), y + 2, qb);
+        }
+        kvq_lsq_pack<T>(qa, qb, y);
     } else if constexpr (T == GGML_TYPE_BFP4_32 || T == GGML_TYPE_BFP4_64 || T == GGML_TYPE_BFP8_32) {
         constexpr int bits = T == GGML_TYPE_BFP8_32 ? 8 : 4;
         float amax = 0.0f;
@@ -318,33 +361,6 @@ KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) 
                 const int hi = kvq_bfp_mantissa<7>(x[j + qk/2], e) + 8;
                 y[1 + j] = (uint8_t) (lo | (hi << 4));
             }
-        }
-    } else if constexpr (T == GGML_TYPE_Q53_64 || T == GGML_TYPE_Q42_64) {
-        // two least-squares halves (native/ggml/q53.c): 5 + 3 bits (q53_64) or 4 + 2 (q42_64)
-        constexpr bool q53 = T == GGML_TYPE_Q53_64;
-        uint8_t qa[32], qb[32];
-        kvq_lsq_block(x,      q53 ? 16 : 8, y,     qa);   // d5 / d4
-        kvq_lsq_block(x + 32, q53 ?  4 : 2, y + 2, qb);   // d3 / d2
-        if constexpr (q53) {
-            block_q53_64 * b = (block_q53_64 *) y;
-            uint32_t qh5 = 0;
-            for (int j = 0; j < 16; ++j) {
-                b->qs5[j] = (uint8_t) ((qa[j] & 15) | ((qa[j + 16] & 15) << 4));
-            }
-            for (int j = 0; j < 32; ++j) {
-                qh5 |= (uint32_t) (qa[j] >> 4) << j;
-            }
-            for (int j = 0; j < 4; ++j) {
-                b->qh5[j] = (uint8_t) (qh5 >> (8*j));
-            }
-            kvq_pack_low2(qb, 32, b->qs3);   // byte j, bits 2k: value j + 8k (nuq3's layout)
-            kvq_pack_high(qb, 32, b->qh3);
-        } else {
-            block_q42_64 * b = (block_q42_64 *) y;
-            for (int j = 0; j < 16; ++j) {
-                b->qs4[j] = (uint8_t) (qa[j] | (qa[j + 16] << 4));
-            }
-            kvq_pack_low2(qb, 32, b->qs2);
         }
     } else {
         constexpr int n_codes = kvq_traits<T>::ncodes;

@@ -92,6 +92,28 @@ static void kvq_dequant_cuda(const ggml_tensor * src, const kvq_cb & cb, dst_t *
     CUDA_CHECK(cudaGetLastError());
 }
 
+// least-squares types: a warp per block of values (kvq_quantize_rows_lsq), the rest a thread per block
+template <ggml_type T, typename idx_t>
+static void kvq_quantize_launch(const ggml_tensor * dst, const ggml_tensor * idx, const kvq_cb & cb, const int64_t nblk,
+                                const int64_t total, cudaStream_t stream) {
+    const ggml_tensor * src0 = dst->src[0];
+    const char * s = (const char *) src0->data;
+    const char * r = idx ? (const char *) idx->data : nullptr;
+    char       * d = (char *) dst->data;
+    const int64_t ne11 = idx ? idx->ne[1] : 1, ne12 = idx ? idx->ne[2] : 1;
+    const int64_t nb10 = idx ? idx->nb[0] : 0, nb11 = idx ? idx->nb[1] : 0, nb12 = idx ? idx->nb[2] : 0;
+    if constexpr (kvq_is_lsq<T>()) {
+        kvq_quantize_rows_lsq<T, idx_t><<<(int) ((total + KVQ_LSQ_WARPS - 1)/KVQ_LSQ_WARPS), dim3(WARP_SIZE, KVQ_LSQ_WARPS, 1),
+                                          0, stream>>>(s, r, d, nblk, src0->ne[1], src0->ne[2], total, src0->nb[1],
+                                                       src0->nb[2], src0->nb[3], ne11, ne12, nb10, nb11, nb12,
+                                                       dst->nb[1], dst->nb[2], dst->nb[3]);
+    } else {
+        kvq_quantize_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(
+            s, r, d, cb, nblk, src0->ne[1], src0->ne[2], total, src0->nb[1], src0->nb[2], src0->nb[3], ne11, ne12,
+            nb10, nb11, nb12, dst->nb[1], dst->nb[2], dst->nb[3]);
+    }
+}
+
 // SET_ROWS (idx = its row indices) and CPY f32 -> type (idx = NULL: row i to row i)
 static void kvq_quantize_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const ggml_tensor * idx) {
     const ggml_tensor * src0 = dst->src[0];
@@ -103,11 +125,7 @@ static void kvq_quantize_cuda(ggml_backend_cuda_context & ctx, ggml_tensor * dst
         return;
     }
     cudaStream_t stream = ctx.stream();
-#define KVQ_Q(T, idx_t) kvq_quantize_rows<T, idx_t><<<kvq_grid(total), KVQ_CUDA_BLOCK, 0, stream>>>(                  \
-        (const char *) src0->data, idx ? (const char *) idx->data : nullptr, (char *) dst->data, cb,                 \
-        nblk, src0->ne[1], src0->ne[2], total, src0->nb[1], src0->nb[2], src0->nb[3],                                 \
-        idx ? idx->ne[1] : 1, idx ? idx->ne[2] : 1, idx ? idx->nb[0] : 0, idx ? idx->nb[1] : 0, idx ? idx->nb[2] : 0, \
-        dst->nb[1], dst->nb[2], dst->nb[3])
+#define KVQ_Q(T, idx_t) kvq_quantize_launch<T, idx_t>(dst, idx, cb, nblk, total, stream)
     if (idx && idx->type == GGML_TYPE_I32) {
         KVQ_QUANT_CASES(KVQ_Q, int32_t)
     } else {

@@ -39,6 +39,105 @@ static __global__ void kvq_quantize_rows(const char * src0, const char * src1, c
     kvq_quantize_block<T>(x, (uint8_t *) (dst + row*nb1 + i02*nb2 + i03*nb3) + ib*kvq_traits<T>::bs, cb.c);
 }
 
+// ---- least-squares blocks, one warp each ----------------------------------------------------------
+
+// kvq_lsq_block with its candidate scales spread over a warp: lane k tries scale k with the same arithmetic in the
+// same order, the first of the smallest errors wins as in the serial loop, so the bytes are the reference's. One
+// thread per block ran the 26 x 32 search serially: the slowest kernel of a converted file's decode step.
+// xs: the 32 values in shared memory; es: 32 doubles of the warp's shared scratch; lane 0 writes the scale's bytes
+// to d_out; returns lane j's level of value j
+static __device__ __forceinline__ uint8_t kvq_lsq_block_warp(const float * xs, const int half, uint8_t * d_out,
+                                                             double * es, const int lane) {
+    constexpr int N = GGML_KVQ_LSQ_N;
+    static_assert(N == WARP_SIZE && GGML_KVQ_LSQ_N_SCALES <= WARP_SIZE, "one value and at most one scale per lane");
+    constexpr float fmax = 3.40282347e38f;
+    float amax = 0.0f, vmax = 0.0f;
+    for (int j = 0; j < N; ++j) {   // every lane the same scan (broadcast reads): the first largest |v|
+        const float v = kvq_isnan(xs[j]) ? 0.0f : fmaxf(-fmax, fminf(fmax, xs[j]));
+        if (amax < kvq_fabs(v)) {
+            amax = kvq_fabs(v);
+            vmax = v;
+        }
+    }
+    const float c = (float) half + 0.5f, top = (float) (2*half - 1);
+    const float base = kvq_div_rn(vmax, (float) -half);
+    if (lane < GGML_KVQ_LSQ_N_SCALES) {
+        const float f  = kvq_div_rn((float) (35 + lane), 50.0f);
+        const float d  = fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, f)));
+        const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+        uint8_t h[2];
+        kvq_put_f16(h, d);
+        const float dq = kvq_f16_bytes(h);
+        double e = 0.0;
+        for (int j = 0; j < N; ++j) {
+            const float v  = kvq_isnan(xs[j]) ? 0.0f : fmaxf(-fmax, fminf(fmax, xs[j]));
+            const float t  = kvq_add_rn(kvq_mul_rn(v, id), c);
+            const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;   // NaN: 0
+            const double r = kvq_dsub_rn((double) kvq_mul_rn((float) ((int) tc - half), dq), (double) v);
+            e = kvq_dsq_add_rn(e, r);
+        }
+        es[lane] = e;
+    }
+    __syncwarp();
+    int    kb   = 0;
+    double best = es[0];
+    for (int k = 1; k < GGML_KVQ_LSQ_N_SCALES; ++k) {
+        if (es[k] < best) {
+            best = es[k];
+            kb   = k;
+        }
+    }
+    __syncwarp();   // es is the next search's
+    const float d  = fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, kvq_div_rn((float) (35 + kb), 50.0f))));
+    const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+    if (lane == 0) {
+        kvq_put_f16(d_out, d);
+    }
+    const float v  = kvq_isnan(xs[lane]) ? 0.0f : fmaxf(-fmax, fminf(fmax, xs[lane]));
+    const float t  = kvq_add_rn(kvq_mul_rn(v, id), c);
+    const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;
+    return (uint8_t) (int) tc;
+}
+
+#define KVQ_LSQ_WARPS 4   // warps (blocks of values) per CUDA block of kvq_quantize_rows_lsq
+
+// kvq_quantize_rows for the least-squares types (kvq_is_lsq), one warp per block of values: blockDim (32, KVQ_LSQ_WARPS)
+template <ggml_type T, typename idx_t>
+static __global__ void kvq_quantize_rows_lsq(const char * src0, const char * src1, char * dst,
+        const int64_t nblk, const int64_t ne01, const int64_t ne02, const int64_t total,
+        const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12,
+        const int64_t nb1, const int64_t nb2, const int64_t nb3) {
+    constexpr int qk = kvq_traits<T>::qk;
+    static_assert(kvq_is_lsq<T>() && (qk == 32 || qk == 64), "a least-squares type");
+    __shared__ float   sx[KVQ_LSQ_WARPS][64];
+    __shared__ double  se[KVQ_LSQ_WARPS][WARP_SIZE];
+    __shared__ uint8_t sq[KVQ_LSQ_WARPS][64];
+    const int     lane = threadIdx.x;
+    const int     w    = threadIdx.y;
+    const int64_t i    = (int64_t) blockIdx.x*KVQ_LSQ_WARPS + w;
+    if (i >= total) {   // the whole warp
+        return;
+    }
+    int64_t ib, i01, i02, i03;
+    kvq_unravel(i, nblk, ne01, ne02, ib, i01, i02, i03);
+    const int64_t row = src1 ? (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12) : i01;
+    const float * xs = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*qk;
+    for (int j = lane; j < qk; j += WARP_SIZE) {
+        sx[w][j] = xs[j];
+    }
+    __syncwarp();
+    uint8_t * y = (uint8_t *) (dst + row*nb1 + i02*nb2 + i03*nb3) + ib*kvq_traits<T>::bs;
+    sq[w][lane] = kvq_lsq_block_warp(sx[w], kvq_lsq_half_a<T>(), y, se[w], lane);
+    if constexpr (qk == 64) {
+        sq[w][32 + lane] = kvq_lsq_block_warp(sx[w] + 32, kvq_lsq_half_b<T>(), y + 2, se[w], lane);
+    }
+    __syncwarp();
+    if (lane == 0) {
+        kvq_lsq_pack<T>(sq[w], sq[w] + 32, y);
+    }
+}
+
 // ---- dequantize: CPY type -> f32 / f16, and K / V to f16 for the prefill path ---------------------
 
 template <ggml_type T, typename dst_t>
