@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Bake KV-cache-friendly transforms into a GGUF's attention weights.
+"""Prepare a GGUF for a smaller KV cache: pre-RoPE key statistics, cache types, codebooks, transforms.
 
-    python convert/to_gguf.py SRC -o OUT.gguf [--ksort] [--smooth-qk] [--rotate-v hadamard]
-    pykvq-convert SRC -o OUT.gguf ...          # the same, installed (pip install 'pykvq[convert]')
+    pykvq-convert SRC -o OUT.gguf               # the recommended 4.5-bit file (python convert/to_gguf.py ... too)
+    pykvq-convert SRC -o OUT.gguf --bits 3.5    # fewer bits: per-layer types under a budget, window counted at 4096
 
 SRC is an HF checkpoint directory (llama / mistral / SmolLM / qwen2) or an
-existing GGUF (any weight type). Attention output is mathematically unchanged;
-the K and V caches quantize better. See --help for each transform.
+existing GGUF (any weight type, never modified). Attention output is unchanged
+but for the cache's own error. Run the file with the llama.cpp tools or pykvq.
 """
 from __future__ import annotations
 
@@ -35,7 +35,21 @@ log = logging.getLogger("pykvq.convert")
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
 
+# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README), and the budget
+PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")
+PRESET_BUDGET = ("--prerope-k", "--kv-bits")
+PRESET_CTX = 4096
+# the flags that choose what the file prepares: with none of them the 4.5-bit preset applies
+CHOOSING = ("ksort", "smooth_qk", "rotate_v", "learn_k", "prerope_k", "cache_type_k", "cache_type_v", "kv_bits",
+            "layer_types", "layer_types_k", "dequantize")
+
 EPILOG = """\
+examples:
+  pykvq-convert model.gguf -o model-kvq.gguf               # 4.5 bits/value: run it with -fa on (types in the file)
+  pykvq-convert model.gguf -o model-3.5.gguf --bits 3.5    # 3.5 bits/value at 4096 tokens, window included
+  pykvq-convert ./hf-checkpoint -o model-kvq.gguf          # an HF checkpoint: upstream's converter first
+  then: llama-cli -m model-kvq.gguf -fa on ...   |   pykvq generate -m model-kvq.gguf "..."   |   pykvq info -m model-kvq.gguf
+
 what each transform needs:
   exact on any weight type (no requantization): --ksort (moves whole W_q/W_k rows),
     --smooth-qk (scales W_q/W_k rows by powers of two: f16 block scales change exactly)
@@ -56,9 +70,8 @@ what each step costs (a GGUF input; --sensitivity forward, the default):
   --sensitivity backprop  instead dequantizes the GGUF to an f32 HF checkpoint (~4x the parameters in bytes, on
                 disk and in memory) and runs transformers' forward and backward: ~10x the GGUF's size in RAM
 
-examples:
+study transforms:
   python convert/to_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf -o smol-kvq.gguf --ksort --smooth-qk --rotate-v hadamard
-  python convert/to_gguf.py ./hf-checkpoint -o model-kvq.gguf --outtype f16 --smooth-qk
 """
 
 
@@ -67,41 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="HF checkpoint directory or GGUF file (never modified)")
     p.add_argument("-o", "--outfile", required=True, help="output GGUF (written atomically; must not be SRC)")
-    p.add_argument("--ksort", action="store_true",
-                   help="K-sort: per layer and KV head, order rotary pairs by magnitude so each cache block "
-                        "holds similar pairs (each pair keeps its RoPE frequency; NEOX models are re-laid as NORM)")
-    p.add_argument("--ksort-key", choices=("auto", "weight", "calib"), default="auto",
-                   help="sort key: W_k pair row norm (the paper's), measured K pair RMS, or auto "
-                        "(calib when calibration runs)")
-    p.add_argument("--smooth-qk", action="store_true",
-                   help="per-pair scales s (K/s, Q*s) that flatten K's outlier pairs; alpha chosen per layer "
-                        "by fake-quantized attention-score error")
-    p.add_argument("--alpha", type=float, default=None,
-                   help="fixed smoothing alpha in [0, 1] instead of the per-layer search")
-    p.add_argument("--rotate-v", choices=("none", "hadamard", "learned"), default="none",
-                   help="hadamard: per-KV-head Hadamard baked into W_v (b_v) and W_o, spreading V outliers; "
-                        "learned: a general invertible matrix per KV head (a product of rank-one updates of "
-                        "the Hadamard, inverted by Sherman-Morrison), learned on calibration text for the "
-                        "target V cache type by the attention output's error; a layer keeps it only if it "
-                        "beats Hadamard on held-out calibration text")
-    p.add_argument("--learn-k", action="store_true",
-                   help="learn a per-pair complex scale of Q/K (a scale and an in-pair angle: the maps that "
-                        "commute with RoPE) for the target K cache type, starting from --smooth-qk's scales "
-                        "(or 1); kept per layer only if it beats that start on held-out text. Requantizes "
-                        "W_q/W_k of the layers that keep it")
-    p.add_argument("--learn-steps", type=int, default=100,
-                   help="gradient steps per layer for --rotate-v learned / --learn-k (default 100)")
-    p.add_argument("--learn-loss", choices=("output", "fisher"), default="output",
-                   help="objective of --rotate-v learned: the attention output's error through W_o (output), "
-                        "or the V error weighted by the LM loss's diagonal Fisher information (fisher)")
-    p.add_argument("--learn-init", choices=("hadamard", "identity"), default="hadamard",
-                   help="starting point of --rotate-v learned (the held-out comparison is always against Hadamard)")
-    p.add_argument("--max-cond", type=float, default=100.0,
-                   help="bound on the condition number of each learned V transform (default 100)")
-    p.add_argument("--prerope-k", action="store_true",
+    g = p.add_argument_group("presets (no flag below: the recommended 4.5-bit file)")
+    g.add_argument("--bits", type=float, default=None, metavar="B",
+                   help="the cache's bits/value: 4.5 (the default) writes the recommended 4.5-bit file ("
+                        + " ".join(PRESET_45) + "); any other B: " + " ".join(PRESET_BUDGET) + " B, each layer's K and V its "
+                        "own type, the file's exact window counted at --ctx cells")
+    g.add_argument("--ctx", type=int, default=PRESET_CTX, metavar="N",
+                   help="with --bits other than 4.5: the context the window's f16 rows are counted at (default %(default)s; "
+                        "at longer contexts the window costs less, so the file is smaller than B there)")
+    g = p.add_argument_group("the cache the file prepares for (what the presets set; give these instead of a preset)")
+    g.add_argument("--prerope-k", action="store_true",
                    help="pre-RoPE, centred key cache: the runtime caches c = (k - mean) / scale, where k is the "
-                        "key before RoPE (attn_k output plus bias, in this file's channel layout after every "
-                        "transform above), and restores c*scale + mean and applies RoPE at each cell's position "
+                        "key before RoPE (attn_k output plus bias, in this file's channel layout after any study "
+                        "transform below), and restores c*scale + mean and applies RoPE at each cell's position "
                         "when attention reads it; the online K Hadamard turns the centred keys (undone per K tile). The mean and scale "
                         "per layer, KV head and channel are measured on calibration text and written as "
                         "blk.N.kvq_k_mean / kvq_k_scale (and kvq_k_std) (pykvq.cache.k_domain = prerope); codebooks and "
@@ -109,13 +100,52 @@ def build_parser() -> argparse.ArgumentParser:
                         "5.6 -> 0.011, SmolLM2 0.044 -> 0.022, gemma3-270m 0.096 -> 0.017 (docs/RESULTS.md). Needs "
                         "flash attention (CPU; CUDA kernels exist, no GPU figure yet); any architecture the runtime "
                         "runs with standard RoPE. At run time --kv-domain post gives the same file post-RoPE keys")
-    p.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
+    g.add_argument("--cache-type-k", default=None,
+                   help="K cache type the file is prepared for; the runtime's default when the user gives none "
+                        "(default: bfp4_32 with --ksort, else q4_0)")
+    g.add_argument("--cache-type-v", default=None, help="V cache type the file is prepared for")
+    g.add_argument("--kv-bits", type=float, default=None, metavar="B",
+                   help="bits/value budget: give each layer's K and V its own type from --layer-types, ranked "
+                        "by Fisher-weighted quantization error, with the average <= B")
+    g.add_argument("--kv-bits-ctx", type=int, default=0, metavar="N",
+                   help="with --kv-bits and a --prerope-k window: count the window's f16 rows at N cells in the budget "
+                        "(16 x (sinks + window + 1) / N bits/value: 0.27 for 4 + 64 at 4096), so that B is the whole "
+                        "cache's size at that context; 0 (default): B is the quantized cache's alone")
+    g.add_argument("--kv-window", type=int, default=64, metavar="N",
+                   help="with --prerope-k: and the last N cells written per sequence (pykvq.cache.kv_window; default "
+                        "%(default)s, 0: off). 4 + 64 cost 0.27 bits/value at 4096 tokens and take 4-bit keys and values "
+                        "from 6.1x to 1.7x q8_0's KLD on SmolLM2, 2.3x to 1.08x on Qwen2.5-Coder-1.5B (docs/RESULTS.md); "
+                        "--kv-sinks / --kv-window at run time override it")
+    g.add_argument("--kv-sinks", type=int, default=4, metavar="N",
+                   help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
+                        "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
+    g.add_argument("--layer-types", default=None, metavar="TYPES",
+                   help="candidate types for --kv-bits (default " + ",".join(pipeline.layer_types.DEFAULT_LADDER) + ")")
+    g.add_argument("--layer-types-k", default=None, metavar="TYPES",
+                   help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
+                        "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
+                        "keys split by importance); else --layer-types")
+    g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
+                   help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
+                        "only those of reads the file's window and sinks leave quantized (the backward pass takes "
+                        "gradients through those reads alone; forward sensitivities weigh each token by the "
+                        "attention it gets from them), so the layers that look far back get the bits; uniform: "
+                        "every token's error alike. At 3.5 bits with --kv-bits-ctx 4096: KLD vs f16 0.0153 -> "
+                        "0.0118 (Qwen2.5-Coder-1.5B), 0.0226 -> 0.0189 (SmolLM2-135M)")
+    g.add_argument("--codebooks", choices=("auto", "fisher", "kmeans", "uniform", "none"), default="auto",
+                   help="per-layer nuq codebooks for K and V, fitted to calibration K/V as the cache holds them: "
+                        "fisher = k-means weighted by the diagonal Fisher information (KVQuant), kmeans = "
+                        "unweighted, uniform = evenly spaced, none = the runtime's fallback. auto: fisher when "
+                        "a nuq cache type is targeted or --kv-bits is given")
+    g.add_argument("--no-qnorm", action="store_true",
+                   help="do not fold Q-Norm (match mean/std of dequantized values) into the codebooks")
+    g.add_argument("--prerope-k-scale", choices=pipeline.prerope.SCALES, default=pipeline.prerope.DEFAULT_SCALE,
                    help="scale of --prerope-k, per channel: fisher = std^(1-2a) / F^a with F the channel's "
                         "diagonal Fisher on the calibration text (a Fisher-weighted key error behind the online "
                         "Hadamard; needs the loss's gradients), absmax = largest |k - mean|, std = standard "
                         "deviation around the mean, pow2 = std rounded to a power of two, one = 1 (mean only). "
                         "Default %(default)s: best in scripts/prerope_study.py on both models (docs/prerope-study.md)")
-    p.add_argument("--prerope-k-power", type=_power, default=None, metavar="A",
+    g.add_argument("--prerope-k-power", type=_power, default=None, metavar="A",
                    help="the fisher scale's power a (0: the std scale, 0.5: the Fisher alone). Default: "
                         f"{pipeline.prerope.FISHER_POWER:g} when the keys' types have "
                         f"{pipeline.prerope.FISHER_POWER_BITS:g} bits/value or more (q4_0, q53_64, q42_64, nuq4, ...), "
@@ -123,15 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--kv-bits ladder, whose layers that then take uniform blocks of that many bits get "
                         f"{pipeline.prerope.FISHER_POWER:g}): best measured with the exact window at 4096 tokens "
                         "(docs/RESULTS.md)")
-    p.add_argument("--kv-sinks", type=int, default=4, metavar="N",
-                   help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
-                        "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
-    p.add_argument("--kv-window", type=int, default=64, metavar="N",
-                   help="with --prerope-k: and the last N cells written per sequence (pykvq.cache.kv_window; default "
-                        "%(default)s, 0: off). 4 + 64 cost 0.27 bits/value at 4096 tokens and take 4-bit keys and values "
-                        "from 6.1x to 1.7x q8_0's KLD on SmolLM2, 2.3x to 1.08x on Qwen2.5-Coder-1.5B (docs/RESULTS.md); "
-                        "--kv-sinks / --kv-window at run time override it")
-    p.add_argument("--sensitivity", choices=("forward", "backprop"), default=None,
+    g = p.add_argument_group("calibration")
+    g.add_argument("--calib", default=None, metavar="FILE|canterbury",
+                   help="calibration text (default: canterbury, fetched once, when a transform needs it)")
+    g.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
+    g.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    g.add_argument("--sensitivity", choices=("forward", "backprop"), default=None,
                    help="where calibration's channel weights come from. forward (the default for a GGUF input "
                         "without codebooks or --kv-bits): pykvq's runtime runs "
                         "the GGUF (any architecture with standard RoPE, memory about the model's); the keys' "
@@ -139,56 +166,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "columns. backprop: the diagonal Fisher from transformers' backward pass on an f32 HF "
                         "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for an HF input, with --hf-dir, "
                         "and for codebooks / --kv-bits, whose budgets compare layers: forward weights cannot)")
-    p.add_argument("--calib", default=None, metavar="FILE|canterbury",
-                   help="calibration text (default: canterbury, fetched once, when a transform needs it)")
-    p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
-    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument("--cache-type-k", default=None,
-                   help="K cache type the file is prepared for; the runtime's default when the user gives none "
-                        "(default: bfp4_32 with --ksort, else q4_0)")
-    p.add_argument("--cache-type-v", default=None, help="V cache type the file is prepared for")
-    p.add_argument("--codebooks", choices=("auto", "fisher", "kmeans", "uniform", "none"), default="auto",
-                   help="per-layer nuq codebooks for K and V, fitted to calibration K/V as the cache holds them: "
-                        "fisher = k-means weighted by the diagonal Fisher information (KVQuant), kmeans = "
-                        "unweighted, uniform = evenly spaced, none = the runtime's fallback. auto: fisher when "
-                        "a nuq cache type is targeted or --kv-bits is given")
-    p.add_argument("--no-qnorm", action="store_true",
-                   help="do not fold Q-Norm (match mean/std of dequantized values) into the codebooks")
-    p.add_argument("--kv-bits", type=float, default=None, metavar="B",
-                   help="bits/value budget: give each layer's K and V its own type from --layer-types, ranked "
-                        "by Fisher-weighted quantization error, with the average <= B")
-    p.add_argument("--kv-bits-ctx", type=int, default=0, metavar="N",
-                   help="with --kv-bits and a --prerope-k window: count the window's f16 rows at N cells in the budget "
-                        "(16 x (sinks + window + 1) / N bits/value: 0.27 for 4 + 64 at 4096), so that B is the whole "
-                        "cache's size at that context; 0 (default): B is the quantized cache's alone")
-    p.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
-                   help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
-                        "only those of reads the file's window and sinks leave quantized (the backward pass takes "
-                        "gradients through those reads alone; forward sensitivities weigh each token by the "
-                        "attention it gets from them), so the layers that look far back get the bits; uniform: "
-                        "every token's error alike. At 3.5 bits with --kv-bits-ctx 4096: KLD vs f16 0.0153 -> "
-                        "0.0118 (Qwen2.5-Coder-1.5B), 0.0226 -> 0.0189 (SmolLM2-135M)")
-    p.add_argument("--layer-types", default=None, metavar="TYPES",
-                   help="candidate types for --kv-bits (default " + ",".join(pipeline.layer_types.DEFAULT_LADDER) + ")")
-    p.add_argument("--layer-types-k", default=None, metavar="TYPES",
-                   help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
-                        "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
-                        "keys split by importance); else --layer-types")
-    p.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
+    g.add_argument("--hf-dir", default=None,
+                   help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
+                        "cached under $PYKVQ_CACHE/hf)")
+    g = p.add_argument_group("output")
+    g.add_argument("--outtype", choices=("auto", "f32", "f16", "bf16", "q8_0"), default="auto",
                    help="HF input: type of every 2-D weight (auto = f16). GGUF input: type of the tensors a "
                         "transform must requantize (auto = q8_0); the others keep their type")
-    p.add_argument("--dequantize", action="store_true",
+    g.add_argument("--dequantize", action="store_true",
                    help="GGUF input: write every weight as f32 (about 4 bytes per parameter). A quantized model "
                         "rounds its activations to 8 bits before each matmul, which turns any last-bit change in "
                         "attention into a KLD of ~0.003 (SmolLM2 Q4_1 at 4096 tokens, about stock q8_0's whole "
                         "figure); with exact matmuls a KLD against an f16 cache measures the cache's error alone. "
                         "For measurements (pykvq eval --weights f32), not for use. Transforms then store what they "
                         "requantize as f32 too, as they do for an input whose weights are all f32")
-    p.add_argument("--hf-dir", default=None,
-                   help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
-                        "cached under $PYKVQ_CACHE/hf)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("-v", "--verbose", action="store_true")
+    g = p.add_argument_group("study transforms (measured in docs/; in no recommended setting)")
+    g.add_argument("--ksort", action="store_true",
+                   help="K-sort: per layer and KV head, order rotary pairs by magnitude so each cache block "
+                        "holds similar pairs (each pair keeps its RoPE frequency; NEOX models are re-laid as NORM)")
+    g.add_argument("--ksort-key", choices=("auto", "weight", "calib"), default="auto",
+                   help="sort key: W_k pair row norm (the paper's), measured K pair RMS, or auto "
+                        "(calib when calibration runs)")
+    g.add_argument("--smooth-qk", action="store_true",
+                   help="per-pair scales s (K/s, Q*s) that flatten K's outlier pairs; alpha chosen per layer "
+                        "by fake-quantized attention-score error")
+    g.add_argument("--alpha", type=float, default=None,
+                   help="fixed smoothing alpha in [0, 1] instead of the per-layer search")
+    g.add_argument("--rotate-v", choices=("none", "hadamard", "learned"), default="none",
+                   help="hadamard: per-KV-head Hadamard baked into W_v (b_v) and W_o, spreading V outliers; "
+                        "learned: a general invertible matrix per KV head (a product of rank-one updates of "
+                        "the Hadamard, inverted by Sherman-Morrison), learned on calibration text for the "
+                        "target V cache type by the attention output's error; a layer keeps it only if it "
+                        "beats Hadamard on held-out calibration text")
+    g.add_argument("--learn-k", action="store_true",
+                   help="learn a per-pair complex scale of Q/K (a scale and an in-pair angle: the maps that "
+                        "commute with RoPE) for the target K cache type, starting from --smooth-qk's scales "
+                        "(or 1); kept per layer only if it beats that start on held-out text. Requantizes "
+                        "W_q/W_k of the layers that keep it")
+    g.add_argument("--learn-steps", type=int, default=100,
+                   help="gradient steps per layer for --rotate-v learned / --learn-k (default 100)")
+    g.add_argument("--learn-loss", choices=("output", "fisher"), default="output",
+                   help="objective of --rotate-v learned: the attention output's error through W_o (output), "
+                        "or the V error weighted by the LM loss's diagonal Fisher information (fisher)")
+    g.add_argument("--learn-init", choices=("hadamard", "identity"), default="hadamard",
+                   help="starting point of --rotate-v learned (the held-out comparison is always against Hadamard)")
+    g.add_argument("--max-cond", type=float, default=100.0,
+                   help="bound on the condition number of each learned V transform (default 100)")
     return p
 
 
@@ -196,6 +221,26 @@ SCALE_TEXT = {"fisher": "per-channel std^{std:g} / Fisher^{power:g} (Fisher-weig
               "absmax": "per-channel largest |k - mean| on the calibration text (floored at 1% of the head's median)",
               "std": "per-channel std (floored at 1% of the head's median)",
               "pow2": "per-channel std rounded to a power of two", "one": "1 (mean only)"}
+
+
+def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
+    """--bits, or no flag that chooses what the file prepares: set the flags of the preset on args. Returns the
+    flags it set (for the log), None when the user chose them."""
+    chosen = [f"--{d.replace('_', '-')}" for d in CHOOSING if getattr(args, d) != parser.get_default(d)]
+    if args.bits is None and chosen:
+        return None
+    if chosen:
+        raise ConvertError(f"--bits sets the file's cache preparation; drop {', '.join(chosen)} or --bits")
+    bits = 4.5 if args.bits is None else args.bits
+    if args.ctx <= 0:
+        raise ConvertError(f"--ctx must be > 0, got {args.ctx}")
+    if bits == 4.5:
+        flags = list(PRESET_45)
+        args.prerope_k, args.cache_type_k, args.cache_type_v = True, PRESET_45[2], PRESET_45[4]
+    else:
+        flags = [*PRESET_BUDGET, f"{bits:g}", "--kv-bits-ctx", str(args.ctx)]
+        args.prerope_k, args.kv_bits, args.kv_bits_ctx = True, bits, args.ctx
+    return " ".join(flags)
 
 
 def _power(arg: str) -> float:
@@ -496,9 +541,13 @@ def convert(args) -> dict:
 
 def main(argv=None) -> int:
     """The command line (python convert/to_gguf.py, python -m convert.to_gguf, pykvq-convert)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
+        preset = apply_preset(args, parser)
+        if preset:
+            log.info("preset %s bits/value: %s", "4.5" if args.bits is None else f"{args.bits:g}", preset)
         s = convert(args)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)

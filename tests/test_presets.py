@@ -1,0 +1,50 @@
+"""The converter's presets (issue 58): no flag that chooses the preparation writes the recommended 4.5-bit file,
+--bits B a budget file with its window counted at --ctx cells; choosing flags and --bits together are refused,
+and --help shows the presets before the study transforms."""
+from __future__ import annotations
+
+import pytest
+
+from convert import to_gguf
+from convert.gguf_io import ConvertError
+
+
+def _resolve(*argv):
+    parser = to_gguf.build_parser()
+    args = parser.parse_args(["in.gguf", "-o", "out.gguf", *argv])
+    return to_gguf.apply_preset(args, parser), args
+
+
+def test_no_flag_is_the_recommended_45_bit_file():
+    flags, a = _resolve()
+    assert flags == "--prerope-k --cache-type-k q53_64 --cache-type-v q4_0"
+    assert (a.prerope_k, a.cache_type_k, a.cache_type_v, a.kv_bits) == (True, "q53_64", "q4_0", None)
+    # options that do not choose the preparation keep the preset
+    flags, a = _resolve("--calib-seqs", "2", "--kv-window", "128", "--no-progress")
+    assert flags and a.cache_type_k == "q53_64" and a.kv_window == 128
+    assert _resolve("--bits", "4.5")[0] == flags
+
+
+def test_bits_below_is_a_budget_counted_at_ctx():
+    flags, a = _resolve("--bits", "3.5")
+    assert flags == "--prerope-k --kv-bits 3.5 --kv-bits-ctx 4096"
+    assert (a.prerope_k, a.kv_bits, a.kv_bits_ctx, a.cache_type_k) == (True, 3.5, 4096, None)
+    _, a = _resolve("--bits", "3", "--ctx", "16384")
+    assert (a.kv_bits, a.kv_bits_ctx) == (3.0, 16384)
+
+
+def test_chosen_flags_are_left_alone_and_do_not_mix_with_bits():
+    for argv in (["--prerope-k"], ["--cache-type-k", "nuq4"], ["--kv-bits", "3.6"], ["--ksort"], ["--dequantize"]):
+        flags, a = _resolve(*argv)
+        assert flags is None and a.cache_type_v is None
+    with pytest.raises(ConvertError, match="--bits sets .* drop --cache-type-k"):
+        _resolve("--bits", "3.5", "--cache-type-k", "q4_0")
+    with pytest.raises(ConvertError, match="--ctx must be > 0"):
+        _resolve("--bits", "3.5", "--ctx", "0")
+
+
+def test_help_shows_presets_first():
+    text = to_gguf.build_parser().format_help()
+    pre, cache, study = (text.index(h) for h in ("presets", "the cache the file prepares for", "study transforms"))
+    assert pre < cache < study
+    assert text.index("--ksort ") > study and text.index("--bits B") < cache
