@@ -46,7 +46,14 @@ tar -C $B/pack -cJf .gpu1/build-cuda.tar.xz bin fallback-lib
 # (the text travels in the tree)
 if [ -z "$PRE" ]; then
   PRE=$B/pre.gguf
-  $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k
+  # calibration runs the model in pykvq's runtime: the CPU build's, else this CUDA build's on the CPU (the driver
+  # stub fails CUDA's initialisation, so ggml finds no device)
+  if [ -e build/bin/libllama.so ]; then
+    $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k --no-progress
+  else
+    PYKVQ_LIB=$(pwd)/$B/bin/libllama.so LD_LIBRARY_PATH=$(pwd)/$B/stub:$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+        $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k --no-progress
+  fi
 fi
 CAP=$(( 60*1024*1024 ))       # a call carries 64 MiB, the tree (~3 MB) included
 size=$(stat -c %s "$MODEL"); off=0; n=1
