@@ -6,9 +6,11 @@
 #
 # Then, on the device, one call per folder (a call carries <= 64 MiB; each right after the last, while the machine
 # is warm, since the state lives in /tmp there; the build is ~45 MB, SmolLM2 Q4_1 98 MB: three calls):
-#   carry .gpu1:  BASE_PARTS=3 bash scripts/gpu_bare.sh 200 ops
-#   carry .gpu2:  BASE_PARTS=3 bash scripts/gpu_bare.sh 200 perf
-#   carry .gpu3:  BASE_PARTS=3 bash scripts/gpu_bare.sh 450 graphs,prerope,bench,kld --reps 2
+#   carry .gpu1:  BASE_PARTS=3 bash scripts/gpu_bare.sh 280 ops                      (timeout_s 300)
+#   carry .gpu2:  BASE_PARTS=3 bash scripts/gpu_bare.sh 280 perf,ncu                 (timeout_s 300)
+#   carry .gpu3:  BASE_PARTS=3 bash scripts/gpu_bare.sh 540 prerope,bench,kld --reps 2 \
+#                     --settings f16,q8_0,q4_0,bfp4_32,nuq4,nuq3o,q8_0/nuq4             (timeout_s 580)
+# The machine goes back 30 s after a call ends: start each call at once. ~50 min here cold (2 cores), ~8 with ccache.
 #
 # This machine has CUDA's compiler and runtime but neither cuBLAS nor a driver: cuBLAS comes from its pinned
 # wheel (third_party/cuda_headers.py) and libcuda.so.1 is a link-time stub of the few driver calls ggml-cuda
