@@ -136,10 +136,16 @@ def cmd_kld(args) -> int:
     m = _open(args, n_ctx_default=max(args.n_ctx, 512))
     _banner(m, f" | baseline: {args.baseline}")
     r = m.kl_divergence(text, baseline=base, n_ctx=args.n_ctx, n_chunks=args.chunks, progress=True)
+    from .diagnose import Run, advice
+    from .keys import Keys, Values
+    prepared = m.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE
+    tip = advice(Run(str(m.path), m.cache_type_k, m.cache_type_v, m.k_domain, prepared, r.mean_kld))
     if args.json:
-        print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v)))
+        print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v, advice=tip)))
     else:
         print(r)
+        if tip and (args.baseline in ("f16", "f32", "bf16") or os.path.isfile(args.baseline)):   # against f16
+            print(tip)
     return 0
 
 

@@ -29,3 +29,14 @@ def test_perplexity_json(tmp_path, passage, capsys):
 def test_unknown_cache_type_is_a_clear_cli_error(capsys):
     assert main(["generate", "hi", "-ctk", "q3_z"]) == 2
     assert "unknown KV-cache type 'q3_z'" in capsys.readouterr().err
+
+
+def test_kld_diagnoses_a_broken_cache_and_prints_the_fix(tmp_path, passage, capsys):
+    """2-bit post-RoPE keys and values on the real model: the KLD says the setting breaks it, and the command that
+    prepares the file (pykvq-convert, pre-RoPE keys) is printed."""
+    f = tmp_path / "p.txt"
+    f.write_text(passage)
+    assert main(["kld", "-f", str(f), "--chunks", "1", "-c", "512", "-ctk", "nuq2", "-ctv", "nuq2"]) == 0
+    out = capsys.readouterr().out
+    assert "diagnosis: KLD" in out and "keys after RoPE" in out
+    assert "pykvq-convert " in out and "-kvq.gguf" in out

@@ -1,0 +1,54 @@
+"""Diagnose, then prescribe: what a KL divergence against an f16 cache says about a setting, and the command that
+fixes a broken one. Pure functions of what a run measured and what the file holds (pykvq kld prints them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Mean KLD against f16 (WikiText-2, CPU): stock q8_0 caches give 0.004-0.005 on the suite's models at 512 tokens;
+# stock q4_0 0.044 on SmolLM2, while on Qwen2.5 post-RoPE 4-bit keys give 5.6 (README). Above BROKEN the
+# next-token distribution is lost; above FAR a setting is an order of magnitude behind q8_0.
+Q8_0_KLD = 0.005
+FAR = 10 * Q8_0_KLD
+BROKEN = 0.5
+UNQUANTIZED = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str                 # the GGUF the run read
+    cache_type_k: str
+    cache_type_v: str
+    k_domain: str              # Model.k_domain: 'pre-RoPE', 'centred post-RoPE' or 'post-RoPE'
+    prepared: bool             # the file holds a pre-RoPE key cache's statistics (pykvq.cache.k_domain = prerope)
+    mean_kld: float
+
+
+def advice(r: Run) -> str | None:
+    """A few lines for a run whose KLD says the setting is broken or far behind q8_0; None when it is fine."""
+    if r.mean_kld < FAR:
+        return None
+    level = ("breaks the model: the next-token distribution is lost" if r.mean_kld >= BROKEN
+             else f"is {r.mean_kld / Q8_0_KLD:.0f}x a stock q8_0 cache's typical error (~{Q8_0_KLD})")
+    lines = [f"diagnosis: KLD {r.mean_kld:.4g} {level}."]
+    quant_k = r.cache_type_k not in UNQUANTIZED
+    if quant_k and r.k_domain == "post-RoPE" and not r.prepared:
+        lines += ["likely cause: quantized keys after RoPE. Keys with a few channels of large mean (Qwen2.5's key "
+                  "biases) lose them, since RoPE spins those means into every block; or the type is too narrow.",
+                  f"fix: pykvq-convert {r.model} -o {_stem(r.model)}-kvq.gguf    # pre-RoPE keys, the 4.5-bit preset",
+                  f"     pykvq kld -m {_stem(r.model)}-kvq.gguf                  # then measure it (types from the file)"]
+    elif quant_k and r.prepared and r.k_domain != "pre-RoPE":
+        lines += [f"cause: this file was prepared for pre-RoPE keys, but the run cached them {r.k_domain} "
+                  "(--kv-domain, or a backend that cannot run them; the log says which).",
+                  "fix: run it with --kv-domain pre (the default), and -nkvo where a GPU layer falls back to post-RoPE."]
+    elif r.cache_type_v not in UNQUANTIZED and r.cache_type_k in UNQUANTIZED:
+        lines += ["cause: the values; try a wider V type (q8_0, nuq4) or pykvq-convert's --bits budget."]
+    else:
+        lines += ["fix: fewer layers at the narrowest types: pykvq-convert "
+                  f"{r.model} -o {_stem(r.model)}-kvq.gguf --bits B with a larger B, or the 4.5-bit preset (no --bits)."]
+    return "\n".join(lines)
+
+
+def _stem(path: str) -> str:
+    """The output's name for a fix: the input's file name, in the current directory (not beside a cached model)."""
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    return name[:-5] if name.endswith(".gguf") else name

@@ -1,0 +1,30 @@
+"""pykvq.diagnose: which cause and which command a measured KLD against f16 leads to."""
+from __future__ import annotations
+
+from pykvq.diagnose import BROKEN, FAR, Run, advice
+
+
+def _run(k="q4_0", v="q4_0", domain="post-RoPE", prepared=False, kld=5.66):
+    return Run("qwen.gguf", k, v, domain, prepared, kld)
+
+
+def test_fine_runs_get_no_advice():
+    assert advice(_run(kld=0.0046)) is None and advice(_run(kld=FAR * 0.99)) is None
+
+
+def test_post_rope_keys_of_an_unprepared_file_get_the_converter():
+    tip = advice(_run())                       # Qwen2.5-Coder-1.5B, stock q4_0 (README: KLD 5.66)
+    assert "breaks the model" in tip and "keys after RoPE" in tip
+    assert "pykvq-convert qwen.gguf -o qwen-kvq.gguf" in tip and "pykvq kld -m qwen-kvq.gguf" in tip
+    assert "breaks" not in advice(_run(kld=BROKEN * 0.5))     # far behind q8_0, not broken
+    assert "x a stock q8_0" in advice(_run(kld=BROKEN * 0.5))
+
+
+def test_a_prepared_file_read_post_rope_is_told_its_domain():
+    tip = advice(_run(prepared=True, domain="post-RoPE"))
+    assert "prepared for pre-RoPE keys" in tip and "--kv-domain pre" in tip and "pykvq-convert" not in tip
+
+
+def test_other_causes():
+    assert "the values" in advice(_run(k="f16", v="nuq2"))
+    assert "--bits B" in advice(_run(k="q42_64", v="nuq2o", domain="pre-RoPE", prepared=True, kld=0.2))
