@@ -68,8 +68,8 @@ THREE_BIT = ["nuq3", "nuq3o"]
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0"]
 UB1_SETTINGS = ["q4_0", "q53_64/q4_0"]   # the prerope step's KLD with -ub 1 too (every query through the decode kernel)
 DRY_RUN = False
-# a pre-RoPE file's CUDA-held layers stay post-RoPE unless asked (their pre-RoPE reads are wrong across batches,
-# 2026-11-27); the prerope step asks, through the tools' environment fallback of --kv-domain
+# the key domain through the tools' environment fallback of --kv-domain (a pre-RoPE file's CUDA-held layers stayed
+# post-RoPE unless asked until the H200 of 2026-11-28 found them right at every batch size: the KLD runs still ask)
 DOMAIN_ENV = {"pre": {"PYKVQ_K_DOMAIN": "pre"}, "post": {"PYKVQ_K_DOMAIN": "post"},
               "centred": {"PYKVQ_K_DOMAIN": "centred"}}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -377,8 +377,8 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False,
                  base_tag: str | None = None) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
     prerope: a pre-RoPE file, its keys forced pre-RoPE (PYKVQ_K_DOMAIN=pre); the GPU runs once more with batches of 32
-    (ubatches that reuse a graph: wrong on the H200 of 2026-11-27, a race on the positions' GPU memory fixed since by
-    patch 0019, not yet run on a GPU), and once with its post-RoPE cache (PYKVQ_K_DOMAIN=post), reported.
+    and of 1 (wrong on the H200 of 2026-11-27, right on 2026-11-28) and the bisection's variants, and once with its
+    post-RoPE cache (PYKVQ_K_DOMAIN=post), reported.
     domain: another key domain for both runs (centred); base_tag: reuse that comparison's base logits."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{base_tag or tag}.bin"
@@ -510,7 +510,7 @@ def step_prerope(a) -> dict:
     for s in ["f16"] + PREROPE_SETTINGS:
         k, v = kv(s)
         r = run([exe, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "2048", "-n", "32",
-                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], env_set=DOMAIN_ENV["pre"], timeout=600)
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)   # the default domain
         text = r.stdout + r.stderr
         m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
         o = {"rc": r.returncode, "splits": _splits(text), "prerope_layers": m.groups() if m else None,

@@ -146,13 +146,18 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     n = len(ast.literal_eval(settings))
     completion = [c for c in cmds if "llama-completion" in c]
     assert len(completion) == 1 + n and all("-ngl 99" in c and str(pre) in c for c in completion)
-    # CUDA-held layers stay post-RoPE unless asked: every pre-RoPE run asks (the tools' --kv-domain environment)
-    assert all(c.startswith("PYKVQ_K_DOMAIN=pre") for c in completion)
+    # the generations run the default domain: a pre-RoPE file's CUDA-held layers are pre-RoPE (checked from the log)
+    assert not any(c.startswith("PYKVQ_K_DOMAIN") for c in completion)
     kld = [c for c in cmds if "llama-perplexity" in c]
-    # base, then CPU, GPU, GPU in batches of 32, GPU post-RoPE; then q4_0 centred on CPU and GPU against the same base
-    assert len(kld) == 1 + 4*n + 2
-    assert sum("-ngl 0" in c for c in kld) == 1 + n + 1 and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
-    assert sum("-ub 32" in c for c in kld) == n and sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*n
+    # base; per setting CPU, GPU, GPU in batches of 32, GPU post-RoPE; batches of 1 for UB1_SETTINGS; the bisection's
+    # six extra runs of the first (CPU in batches of 32, graph reuse off, PDL off twice, blocking launches, batches of
+    # 1 without CUDA graphs); then q4_0 centred on CPU and GPU against the same base
+    ub1 = len(ast.literal_eval(re.search(r"^UB1_SETTINGS = (\[.*?\])", script.read_text(), re.M).group(1)))
+    assert len(kld) == 1 + 4*n + ub1 + 6 + 2
+    assert sum("-ngl 0" in c for c in kld) == 1 + n + 1 + 1 and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
+    assert sum("-ub 32" in c for c in kld) == n + 4 and sum("-ub 1 " in c for c in kld) == ub1 + 1
+    assert sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*n + ub1 + 6
+    assert sum("GGML_CUDA_PDL=0" in c for c in kld) == 2 and sum("LLAMA_GRAPH_REUSE_DISABLE=1" in c for c in kld) == 1
     assert sum(c.startswith("PYKVQ_K_DOMAIN=centred") for c in kld) == 2
     bench = [c for c in cmds if "llama-bench" in c]
     assert len(bench) == 1 + 2*n and all(str(pre) in c for c in bench)

@@ -361,15 +361,8 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, true);
-        // On an H200 (2026-11-27, docs/RESULTS.md) CUDA's pre-RoPE flash attention was wrong for ubatches that reuse
-        // a graph (KLD 0.12-5 where the CPU gives 0.037): its positions and frequencies sat in CUDA compute memory
-        // the previous graph still used. Fixed since (llama_kvq_fa_inputs_to_graph) but not yet run on a GPU: a
-        // CUDA-held layer stays post-RoPE until a GPU check confirms it, unless k_domain = pre asks
-        if (why == nullptr && !force_pre && layer.k->buffer != nullptr && !ggml_backend_buffer_is_host(layer.k->buffer) &&
-            strncmp(ggml_backend_buffer_name(layer.k->buffer), "CUDA", 4) == 0) {
-            why = "its K cache is on a CUDA device, whose pre-RoPE flash attention is not yet right across batches "
-                  "(-nkvo keeps the cache on the CPU with pre-RoPE keys; --kv-domain pre uses the CUDA kernels anyway)";
-        }
+        // CUDA-held layers read pre-RoPE keys too: GPU = CPU at every batch size, with and without CUDA graphs
+        // (H200, 2026-11-28, docs/RESULTS-BY-DATE.md); the post-RoPE fallback of 2026-11-27 is gone
         if (why != nullptr) {
             why_not = why;
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);

@@ -387,7 +387,7 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
     emu::launch({ (unsigned) c.n_kv_heads*n_hb, (unsigned) a.n_split, (unsigned) c.n_seq }, { WARP_SIZE, KVQ_FA_NWARPS, 1 },
                 [&] { if (G == 4) kvq_fattn_vec<D, TK, TV, PRE, 4>(a); else kvq_fattn_vec<D, TK, TV, PRE, KVQ_FA_G>(a); });
     std::vector<float> out((size_t) c.n_seq*n_heads*D, NAN);
-    emu::launch({ (unsigned) n_heads, (unsigned) c.n_seq, 1 }, { D, 1, 1 },
+    emu::launch({ (unsigned) n_heads, (unsigned) c.n_seq, 1 }, { WARP_SIZE, D/WARP_SIZE, 1 },
                 [&] { kvq_fattn_combine<D>(part.data(), meta.data(), c.sinks ? sinks.data() : nullptr, out.data(), n_heads, a.n_split); });
 
     // reference, double precision

@@ -497,7 +497,7 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
     const int step       = WARP_SIZE*KVQ_FA_NWARPS;
     const int max_split  = (a.ne11 + step - 1)/step;
     int n_split = (2*nsm + blocks - 1)/blocks;
-    n_split = std::max(1, std::min(n_split, max_split));
+    n_split = std::max(1, std::min(std::min(n_split, max_split), KVQ_FA_MAX_SPLIT));
     a.kv_per_split = ((a.ne11 + n_split - 1)/n_split + step - 1)/step*step;
     a.n_split      = (a.ne11 + a.kv_per_split - 1)/a.kv_per_split;
     if (a.n_split == 0) {
@@ -521,9 +521,9 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
     const dim3 grid(a.ne02, n_seq, 1);
     const float * sinks_d = sinks ? (const float *) sinks->data : nullptr;
     switch (D) {
-        case 64:  kvq_fattn_combine< 64><<<grid,  64, 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
-        case 128: kvq_fattn_combine<128><<<grid, 128, 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
-        case 256: kvq_fattn_combine<256><<<grid, 256, 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
+        case 64:  kvq_fattn_combine< 64><<<grid, dim3(WARP_SIZE,  64/WARP_SIZE), 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
+        case 128: kvq_fattn_combine<128><<<grid, dim3(WARP_SIZE, 128/WARP_SIZE), 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
+        case 256: kvq_fattn_combine<256><<<grid, dim3(WARP_SIZE, 256/WARP_SIZE), 0, stream>>>(a.part, a.meta, sinks_d, (float *) dst->data, a.ne02, a.n_split); break;
     }
     CUDA_CHECK(cudaGetLastError());
     return true;
