@@ -291,6 +291,7 @@ def step_ncu(a) -> dict:
 
 
 GRAPH_SETTINGS = ["f16", "q4_0", "nuq4", "bfp4_32"]
+GRAPH_PRE_SETTINGS = ["q4_0", "nuq4"]   # and the pre-RoPE file's (--prerope-model), whose decode ran at half the speed
 
 
 def step_graphs(a) -> dict:
@@ -298,24 +299,35 @@ def step_graphs(a) -> dict:
     (or whose graph keeps resetting) is launched kernel by kernel on every token."""
     bench, comp = Path(a.build) / "bin" / "llama-bench", Path(a.build) / "bin" / "llama-completion"
     out: dict = {}
-    for s in GRAPH_SETTINGS:
-        k, v = kv(s)
+    # (name, model, cache setting, environment): the model's caches; a pre-RoPE file's, with its window and without
+    cases = [(s, a.model, s, {}) for s in GRAPH_SETTINGS]
+    if a.prerope_model:
+        no_win = {"PYKVQ_KV_WINDOW": "0", "PYKVQ_KV_SINKS": "0"}
+        cases += [(f"pre:{s}", a.prerope_model, s, {}) for s in GRAPH_PRE_SETTINGS]
+        cases += [(f"pre:{s} no window", a.prerope_model, s, no_win) for s in GRAPH_PRE_SETTINGS[:1]]
+        cases += [(f"post:{s}", a.prerope_model, s, DOMAIN_ENV["post"]) for s in GRAPH_PRE_SETTINGS[:1]]
+    for s, model, setting, env in cases:
+        k, v = kv(setting)
         row = {}
-        for tag, env_set in (("graphs", None), ("no_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"})):
-            r = run([bench, "-m", a.model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "0", "-n", "32",
-                     "-r", "2", "-o", "json"], env_set=env_set, timeout=600)
+        for tag, env_set in (("graphs", env), ("no_graphs", dict(env, GGML_CUDA_DISABLE_GRAPHS="1"))):
+            r = run([bench, "-m", model, "-ngl", "99", "-fa", "1", "-ctk", k, "-ctv", v, "-p", "0", "-n", "32",
+                     "-r", "2", "-o", "json"], env_set=env_set or None, timeout=600)
             t = json.loads(r.stdout or "[]") if r.returncode == 0 and not DRY_RUN else []
             row[tag] = t[0]["avg_ts"] if t else None
-        r = run([comp, "-m", a.model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "512", "-n", "16",
-                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], timeout=600)
+        r = run([comp, "-m", model, "-ngl", "99", "-fa", "on", "-ctk", k, "-ctv", v, "-c", "512", "-n", "16",
+                 "--temp", "0", "-no-cnv", "-v", "-p", "The capital of France is"], env_set=env or None, timeout=600)
         text = r.stdout + r.stderr
         row["log"] = {key: len(re.findall(pat, text)) for key, pat in
                       (("warmup_complete", r"CUDA graph warmup complete"), ("warmup_reset", r"CUDA graph warmup reset"),
                        ("reused", r"CUDA Graph id \d+ reused"), ("update_failed", r"CUDA graph update failed"))}
+        nodes = re.findall(r"graph: nodes = (\d+), splits = (\d+)", text)   # what a decode step launches
+        row["nodes_splits"] = nodes[-1] if nodes else None
+        m = re.search(r"pre-RoPE key cache in (\d+) of (\d+) layers", text)
+        row["prerope_layers"] = m.groups() if m else None
         out[s] = row
         g, n = row["graphs"], row["no_graphs"]
         log(f"graphs {s}: tg32 {g} t/s with graphs, {n} without" + (f" ({g / n:.2f}×)" if g and n else "") +
-            f"; log {row['log']}")
+            f"; log {row['log']}; graph nodes, splits {row['nodes_splits']}; pre-RoPE layers {row['prerope_layers']}")
     return out
 
 

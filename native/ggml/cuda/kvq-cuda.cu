@@ -488,21 +488,9 @@ static bool kvq_fattn_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst,
     memcpy(a.cb_k, cb_k.c, 16);
     memcpy(a.cb_v, cb_v.c, 16);
 
-    // enough blocks for two per SM, each split a multiple of one pass of the block's warps
     const int n_kv_heads = (int) K->ne[2];
     const int n_seq      = (int) Q->ne[3];
-    const int nsm        = ggml_cuda_info().devices[ggml_cuda_get_device()].nsm;
-    const int g_block    = kvq_fattn_vec_g(a.gqa);
-    const int blocks     = n_kv_heads*((a.gqa + g_block - 1)/g_block)*n_seq;
-    const int step       = WARP_SIZE*KVQ_FA_NWARPS;
-    const int max_split  = (a.ne11 + step - 1)/step;
-    int n_split = (2*nsm + blocks - 1)/blocks;
-    n_split = std::max(1, std::min(std::min(n_split, max_split), KVQ_FA_MAX_SPLIT));
-    a.kv_per_split = ((a.ne11 + n_split - 1)/n_split + step - 1)/step*step;
-    a.n_split      = (a.ne11 + a.kv_per_split - 1)/a.kv_per_split;
-    if (a.n_split == 0) {
-        a.n_split = 1;
-    }
+    kvq_fattn_vec_plan(a, n_kv_heads, n_seq, ggml_cuda_info().devices[ggml_cuda_get_device()].nsm);
 
     cudaStream_t stream = ctx.stream();
     ggml_cuda_pool_alloc<float>  part(ctx.pool(), (size_t) n_seq*a.ne02*a.n_split*D);
