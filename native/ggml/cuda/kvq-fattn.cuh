@@ -467,23 +467,17 @@ static inline int kvq_fattn_vec_g(const int gqa) {
     return gqa <= 4 ? 4 : KVQ_FA_G;
 }
 
-// The launch plan: query heads per block (a.g) and splits (a.n_split, a.kv_per_split) for n_sm multiprocessors.
-// A warp takes tiles of 32 keys one after another, so a split of one tile per warp is the shortest a call can take,
-// and its length grows with the heads a block serves: on an H200 (ncu, 2026-11-28) a block of SmolLM2's 3 heads ran
-// one tile in ~5,000 instructions per warp at 12 cycles each (1.4 warps per scheduler; 30 us) where upstream's
-// one-head blocks ran ~1,600 at 7. So when grouped heads cannot fill the GPU (fewer than 4 blocks per SM even with
-// a tile per warp: short caches), each block serves one head; otherwise the group shares every K / V row read.
+// The launch plan: query heads per block (a.g: the GQA group's, so each K / V row is read once for the group) and
+// splits (a.n_split, a.kv_per_split): enough blocks for 4 per SM where the cache has the tiles (a warp takes tiles of
+// 32 keys). One head per block (a.g = 1, as upstream's kernel) was tried on an H200 (2026-11-28): 10% faster at 256
+// cells but 35% slower at 8k (SmolLM2's head 64) and 4x slower for Qwen's pre-RoPE keys at 32k (each head turns
+// every key again), so the group stays; docs/RESULTS-BY-DATE.md.
 static inline void kvq_fattn_vec_plan(kvq_fattn_args & a, const int n_kv_heads, const int n_seq, const int n_sm) {
     const int step      = WARP_SIZE*KVQ_FA_NWARPS;
     const int max_split = std::max(1, std::min((a.ne11 + step - 1)/step, KVQ_FA_MAX_SPLIT));
-    const int target    = 4*n_sm;
     a.g = kvq_fattn_vec_g(a.gqa);
-    int blocks = n_kv_heads*((a.gqa + a.g - 1)/a.g)*n_seq;
-    if (a.gqa > 1 && blocks*max_split < target) {
-        a.g    = 1;
-        blocks = n_kv_heads*a.gqa*n_seq;
-    }
-    const int n_split = std::max(1, std::min((target + blocks - 1)/blocks, max_split));
+    const int blocks  = n_kv_heads*((a.gqa + a.g - 1)/a.g)*n_seq;
+    const int n_split = std::max(1, std::min((4*n_sm + blocks - 1)/blocks, max_split));
     a.kv_per_split = ((a.ne11 + n_split - 1)/n_split + step - 1)/step*step;
     a.n_split      = std::max(1, (a.ne11 + a.kv_per_split - 1)/a.kv_per_split);
 }
@@ -494,9 +488,7 @@ static void kvq_fattn_vec_launch(const kvq_fattn_args & a, const int n_kv_heads,
     const int  G = a.g;
     const dim3 grid(n_kv_heads*((a.gqa + G - 1)/G), a.n_split, n_seq);
     const dim3 block(WARP_SIZE, KVQ_FA_NWARPS, 1);
-    if (G == 1) {
-        kvq_fattn_vec<D, TK, TV, PRE, 1><<<grid, block, 0, stream>>>(a);
-    } else if (G == 4) {
+    if (G == 4) {
         kvq_fattn_vec<D, TK, TV, PRE, 4><<<grid, block, 0, stream>>>(a);
     } else {
         kvq_fattn_vec<D, TK, TV, PRE, KVQ_FA_G><<<grid, block, 0, stream>>>(a);
