@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "blk.N.kvq_k_mean / kvq_k_scale (and kvq_k_std) (pykvq.cache.k_domain = prerope); codebooks and "
                         "--kv-bits are fitted in this domain. Measured (KLD vs f16, q4_0 K+V): Qwen2.5-Coder-1.5B "
                         "5.6 -> 0.011, SmolLM2 0.044 -> 0.022, gemma3-270m 0.096 -> 0.017 (docs/RESULTS.md). Needs "
-                        "flash attention (CPU; CUDA kernels exist, no GPU figure yet); any architecture the runtime "
+                        "flash attention (CPU and CUDA); any architecture the runtime "
                         "runs with standard RoPE. At run time --kv-domain post gives the same file post-RoPE keys")
     g.add_argument("--cache-type-k", default=None,
                    help="K cache type the file is prepared for; the runtime's default when the user gives none "
