@@ -162,6 +162,17 @@ def cmd_info(args) -> int:
     print(f"chat template: {'yes' if m.chat_template else 'no'}")
     print(m.kv_cache_info())
     print(m.transforms())
+    from .diagnose import file_advice, key_outliers
+    from .keys import Keys, Values
+    prepared = m.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE
+    outlier = None
+    if args.check_keys and not prepared:
+        from . import calibrate
+        from .data import wikitext_test
+        path = str(m.path)
+        m.close()   # the check runs the model once more on 256 tokens of WikiText-2
+        outlier = key_outliers(calibrate.collect(path, wikitext_test()[:20000], n_seq=1, seq_len=256, source="wikitext"))
+    print(file_advice(str(m.path), prepared, outlier))
     return 0
 
 
@@ -336,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     _cache_args(p)
     p.add_argument("--no-model", action="store_true", help="only library and system info")
+    p.add_argument("--check-keys", action="store_true",
+                   help="run the model on 256 tokens and say whether its keys' channel means would break quantized "
+                        "post-RoPE keys (and the command that prepares the file)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("calibrate", help="per-layer statistics of pre-RoPE Q / K and V, gathered in the runtime "

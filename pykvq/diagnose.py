@@ -8,6 +8,9 @@ from dataclasses import dataclass
 # stock q4_0 0.044 on SmolLM2, while on Qwen2.5 post-RoPE 4-bit keys give 5.6 (README). Above BROKEN the
 # next-token distribution is lost; above FAR a setting is an order of magnitude behind q8_0.
 Q8_0_KLD = 0.005
+# largest |mean| / std of a pre-RoPE key channel: Qwen2.5-Coder-1.5B 479, SmolLM2 16, gemma3-270m ~50 (the
+# converter's log); in the hundreds, post-RoPE 4-bit keys break the model (RoPE spins the mean into every block)
+KEY_OUTLIER = 100.0
 FAR = 10 * Q8_0_KLD
 BROKEN = 0.5
 UNQUANTIZED = ("f32", "f16", "bf16")
@@ -52,3 +55,29 @@ def _stem(path: str) -> str:
     """The output's name for a fix: the input's file name, in the current directory (not beside a cached model)."""
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
     return name[:-5] if name.endswith(".gguf") else name
+
+
+def key_outliers(stats) -> float:
+    """Largest |mean| / std over every layer's pre-RoPE key channels (pykvq.calibrate.RuntimeStats)."""
+    import numpy as np
+    worst = 0.0
+    for layer in stats.layers:
+        mean, sq = np.asarray(layer.mean["k"]), np.asarray(layer.sq["k"])
+        std = np.sqrt(np.maximum(sq - mean**2, 0.0))
+        std = np.maximum(std, 1e-3*max(float(np.median(std)), 1e-12))   # a constant channel is not an outlier of scale
+        worst = max(worst, float(np.abs(mean / std).max()))
+    return worst
+
+
+def file_advice(model: str, prepared: bool, outlier: float | None) -> str:
+    """What pykvq info says of a file: prepared for a pre-RoPE key cache, or not, and whether its keys need it."""
+    if prepared:
+        return "keys: the file holds a pre-RoPE key cache's statistics (run it with -fa on; its cache types are in the file)"
+    if outlier is None:
+        return ("keys: not prepared by pykvq-convert (--check-keys measures whether 4-bit keys would break it; "
+                f"pykvq-convert {model} -o {_stem(model)}-kvq.gguf prepares it)")
+    if outlier >= KEY_OUTLIER:
+        return (f"keys: channels with |mean|/std up to {outlier:.0f}: quantized post-RoPE keys (stock q4_0 too) will "
+                f"likely break this model.\nfix: pykvq-convert {model} -o {_stem(model)}-kvq.gguf    # pre-RoPE keys")
+    return (f"keys: largest channel |mean|/std {outlier:.1f}: 4-bit keys work post-RoPE; pykvq-convert {model} -o "
+            f"{_stem(model)}-kvq.gguf still halves their error")

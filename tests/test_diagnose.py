@@ -28,3 +28,20 @@ def test_a_prepared_file_read_post_rope_is_told_its_domain():
 def test_other_causes():
     assert "the values" in advice(_run(k="f16", v="nuq2"))
     assert "--bits B" in advice(_run(k="q42_64", v="nuq2o", domain="pre-RoPE", prepared=True, kld=0.2))
+
+
+def test_key_outliers_and_what_info_says():
+    import numpy as np
+    from types import SimpleNamespace
+
+    from pykvq.diagnose import KEY_OUTLIER, file_advice, key_outliers
+    mean = np.zeros((2, 4))
+    mean[1, 3] = 300.0                                     # one channel: mean 300, std 1 (a Qwen2.5-like key bias)
+    sq = mean**2 + 1.0
+    stats = SimpleNamespace(layers=[SimpleNamespace(mean={"k": mean}, sq={"k": sq})])
+    assert abs(key_outliers(stats) - 300.0) < 1e-9
+    tip = file_advice("m.gguf", False, 300.0)
+    assert "will likely break" in tip and "pykvq-convert m.gguf -o m-kvq.gguf" in tip
+    assert "work post-RoPE" in file_advice("m.gguf", False, KEY_OUTLIER / 10)
+    assert "--check-keys" in file_advice("m.gguf", False, None)
+    assert "pre-RoPE key cache" in file_advice("m.gguf", True, None)
