@@ -181,11 +181,7 @@ def cmd_calibrate(args) -> int:
 
     from . import calibrate
     if args.text is None:
-        try:                        # the converter's corpus (pip install 'pykvq[convert]'); else --text
-            from convert.calib import canterbury_text
-        except ImportError:
-            raise PykvqError("no calibration text: pass --text FILE (the default corpus comes with the converter, "
-                             "pip install 'pykvq[convert]')") from None
+        from .calib_text import canterbury_text     # the converter's corpus, fetched once
         text, source = canterbury_text(), "canterbury"
     else:
         text, source = Path(args.text).read_text(encoding="utf-8", errors="replace"), Path(args.text).name
