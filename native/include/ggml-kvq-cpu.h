@@ -67,7 +67,7 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type);
 ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type);
 
 // Flash attention for the caches upstream's fast CPU paths leave to the per-row
-// loop (every quantized type, mixed K/V types): native/ggml/cpu/fattn.cpp, patch 0007.
+// loop (every quantized type, mixed K/V types): native/ggml/cpu/fattn.cpp, patch 0008.
 // _supported is false for f16/f32 K and V of one type (upstream's tiled and
 // split-KV paths), for inputs it does not take, and for every node when the
 // environment sets GGML_KVQ_FA=0 (the per-row path, for comparisons); with use_ref
