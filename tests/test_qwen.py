@@ -88,3 +88,15 @@ def test_qwen_q53_keys_on_a_128_head(qwen, qwen_hf, wikitext, tmp_path):
         assert m.cache_type_k == "q53_64" and m.k_domain.startswith("pre")
         r = m.kl_divergence(wikitext, baseline=base, n_ctx=512, n_chunks=2, progress=False)
     assert r.mean_kld < 0.02, r
+
+
+def test_info_flags_the_key_outliers_that_break_post_rope_keys(qwen, capsys):
+    """pykvq info --check-keys on Qwen2.5-Coder-1.5B: key channels with |mean|/std in the hundreds (359 on 256 tokens
+    of WikiText-2; the converter's log says 479 on its corpus), so it names the converter (stock q4_0 KLD 5.7)."""
+    import re
+
+    from pykvq.cli import main
+    assert main(["info", "-m", str(qwen), "--check-keys"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"keys: channels with \|mean\|/std up to (\d+): quantized post-RoPE keys", out)
+    assert m and int(m.group(1)) >= 100 and "fix: pykvq-convert " in out, out
