@@ -232,48 +232,74 @@ KVQ_HD void kvq_pack_high(const uint8_t * idx, int n, uint8_t * qh) {
 
 // least-squares block scales (native/ggml/lsq.c, ggml_kvq_lsq_block): q*_0's levels with half = 2^(bits-1), the scale
 // among 26 multiples of the signed-max one whose read-back values have the least squared error (double, summed in
-// order, the first of equals). d_out: the f16 scale's bytes; q[32]: levels in [0, 2*half)
-KVQ_HD void kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q) {
-    constexpr int N = GGML_KVQ_LSQ_N;
+// order, the first of equals). The pieces below serve this serial search and the warp's (kvq_lsq_block_warp).
+
+// a value as the search reads it: NaN as 0, infinities as the largest finite float
+KVQ_HD float kvq_lsq_value(float x) {
     constexpr float fmax = 3.40282347e38f;
-    float v[N];
+    return kvq_isnan(x) ? 0.0f : fmaxf(-fmax, fminf(fmax, x));
+}
+
+// the block's first value of the largest magnitude, with its sign
+KVQ_HD float kvq_lsq_vmax(const float * x) {
     float amax = 0.0f, vmax = 0.0f;
-    for (int j = 0; j < N; ++j) {
-        v[j] = kvq_isnan(x[j]) ? 0.0f : fmaxf(-fmax, fminf(fmax, x[j]));
-        if (amax < kvq_fabs(v[j])) {
-            amax = kvq_fabs(v[j]);
-            vmax = v[j];
+    for (int j = 0; j < GGML_KVQ_LSQ_N; ++j) {
+        const float v = kvq_lsq_value(x[j]);
+        if (amax < kvq_fabs(v)) {
+            amax = kvq_fabs(v);
+            vmax = v;
         }
     }
-    const float c = (float) half + 0.5f, top = (float) (2*half - 1);
-    const float base = kvq_div_rn(vmax, (float) -half);
+    return vmax;
+}
+
+// candidate k's scale (base = vmax / -half), within f16's range, and its inverse (0 for a zero scale)
+KVQ_HD float kvq_lsq_d(float base, int k) {
+    return fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, kvq_div_rn((float) (35 + k), 50.0f))));
+}
+KVQ_HD float kvq_lsq_inv(float d) {
+    return d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+}
+
+// the level in [0, 2*half) of a value (kvq_lsq_value) under the inverse scale id
+KVQ_HD int kvq_lsq_level(float v, float id, int half) {
+    const float t = kvq_add_rn(kvq_mul_rn(v, id), (float) half + 0.5f);
+    const float top = (float) (2*half - 1);
+    return (int) (t >= 1.0f ? (t < top ? t : top) : 0.0f);   // NaN: 0
+}
+
+// the squared error of the block read back at scale d (stored as f16), in double, summed in order
+KVQ_HD double kvq_lsq_error(const float * x, int half, float d) {
+    const float id = kvq_lsq_inv(d);
+    uint8_t h[2];
+    kvq_put_f16(h, d);
+    const float dq = kvq_f16_bytes(h);
+    double e = 0.0;
+    for (int j = 0; j < GGML_KVQ_LSQ_N; ++j) {
+        const float  v = kvq_lsq_value(x[j]);
+        const double r = kvq_dsub_rn((double) kvq_mul_rn((float) (kvq_lsq_level(v, id, half) - half), dq), (double) v);
+        e = kvq_dsq_add_rn(e, r);
+    }
+    return e;
+}
+
+// d_out: the f16 scale's bytes; q[32]: levels in [0, 2*half)
+KVQ_HD void kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * q) {
+    const float base = kvq_div_rn(kvq_lsq_vmax(x), (float) -half);
     double best = 0.0;
-    float  idbest = 0.0f;
+    int    kb   = 0;
     for (int k = 0; k < GGML_KVQ_LSQ_N_SCALES; ++k) {
-        const float f  = kvq_div_rn((float) (35 + k), 50.0f);
-        const float d  = fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, f)));
-        const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
-        uint8_t h[2];
-        kvq_put_f16(h, d);
-        const float dq = kvq_f16_bytes(h);
-        double e = 0.0;
-        for (int j = 0; j < N; ++j) {
-            const float t  = kvq_add_rn(kvq_mul_rn(v[j], id), c);
-            const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;   // NaN: 0
-            const double r = kvq_dsub_rn((double) kvq_mul_rn((float) ((int) tc - half), dq), (double) v[j]);
-            e = kvq_dsq_add_rn(e, r);
-        }
+        const double e = kvq_lsq_error(x, half, kvq_lsq_d(base, k));
         if (k == 0 || e < best) {
             best = e;
-            idbest = id;
-            d_out[0] = h[0];
-            d_out[1] = h[1];
+            kb   = k;
         }
     }
-    for (int j = 0; j < N; ++j) {
-        const float t  = kvq_add_rn(kvq_mul_rn(v[j], idbest), c);
-        const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;
-        q[j] = (uint8_t) (int) tc;
+    const float d = kvq_lsq_d(base, kb);
+    kvq_put_f16(d_out, d);
+    const float id = kvq_lsq_inv(d);
+    for (int j = 0; j < GGML_KVQ_LSQ_N; ++j) {
+        q[j] = (uint8_t) kvq_lsq_level(kvq_lsq_value(x[j]), id, half);
     }
 }
 

@@ -48,35 +48,10 @@ static __global__ void kvq_quantize_rows(const char * src0, const char * src1, c
 // to d_out; returns lane j's level of value j
 static __device__ __forceinline__ uint8_t kvq_lsq_block_warp(const float * xs, const int half, uint8_t * d_out,
                                                              double * es, const int lane) {
-    constexpr int N = GGML_KVQ_LSQ_N;
-    static_assert(N == WARP_SIZE && GGML_KVQ_LSQ_N_SCALES <= WARP_SIZE, "one value and at most one scale per lane");
-    constexpr float fmax = 3.40282347e38f;
-    float amax = 0.0f, vmax = 0.0f;
-    for (int j = 0; j < N; ++j) {   // every lane the same scan (broadcast reads): the first largest |v|
-        const float v = kvq_isnan(xs[j]) ? 0.0f : fmaxf(-fmax, fminf(fmax, xs[j]));
-        if (amax < kvq_fabs(v)) {
-            amax = kvq_fabs(v);
-            vmax = v;
-        }
-    }
-    const float c = (float) half + 0.5f, top = (float) (2*half - 1);
-    const float base = kvq_div_rn(vmax, (float) -half);
+    static_assert(GGML_KVQ_LSQ_N == WARP_SIZE && GGML_KVQ_LSQ_N_SCALES <= WARP_SIZE, "one value and at most one scale per lane");
+    const float base = kvq_div_rn(kvq_lsq_vmax(xs), (float) -half);   // every lane the same scan (broadcast reads)
     if (lane < GGML_KVQ_LSQ_N_SCALES) {
-        const float f  = kvq_div_rn((float) (35 + lane), 50.0f);
-        const float d  = fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, f)));
-        const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
-        uint8_t h[2];
-        kvq_put_f16(h, d);
-        const float dq = kvq_f16_bytes(h);
-        double e = 0.0;
-        for (int j = 0; j < N; ++j) {
-            const float v  = kvq_isnan(xs[j]) ? 0.0f : fmaxf(-fmax, fminf(fmax, xs[j]));
-            const float t  = kvq_add_rn(kvq_mul_rn(v, id), c);
-            const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;   // NaN: 0
-            const double r = kvq_dsub_rn((double) kvq_mul_rn((float) ((int) tc - half), dq), (double) v);
-            e = kvq_dsq_add_rn(e, r);
-        }
-        es[lane] = e;
+        es[lane] = kvq_lsq_error(xs, half, kvq_lsq_d(base, lane));
     }
     __syncwarp();
     int    kb   = 0;
@@ -88,15 +63,11 @@ static __device__ __forceinline__ uint8_t kvq_lsq_block_warp(const float * xs, c
         }
     }
     __syncwarp();   // es is the next search's
-    const float d  = fmaxf(-65504.0f, fminf(65504.0f, kvq_mul_rn(base, kvq_div_rn((float) (35 + kb), 50.0f))));
-    const float id = d != 0.0f ? kvq_div_rn(1.0f, d) : 0.0f;
+    const float d = kvq_lsq_d(base, kb);
     if (lane == 0) {
         kvq_put_f16(d_out, d);
     }
-    const float v  = kvq_isnan(xs[lane]) ? 0.0f : fmaxf(-fmax, fminf(fmax, xs[lane]));
-    const float t  = kvq_add_rn(kvq_mul_rn(v, id), c);
-    const float tc = t >= 1.0f ? (t < top ? t : top) : 0.0f;
-    return (uint8_t) (int) tc;
+    return (uint8_t) kvq_lsq_level(kvq_lsq_value(xs[lane]), kvq_lsq_inv(d), half);
 }
 
 #define KVQ_LSQ_WARPS 4   // warps (blocks of values) per CUDA block of kvq_quantize_rows_lsq
