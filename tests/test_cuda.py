@@ -65,8 +65,7 @@ def _run_emulated(tmp_path, name: str, expect: str) -> None:
 
 
 def test_fattn_decode_kernel_emulated(tmp_path):
-    """The decode kernel's own source (kvq-fattn.cuh) run on the host, each case with the GQA group's heads per block
-    (as kvq_fattn_vec_plan launches it) and with one head per block, then the split merge: each CUDA thread a fiber,
+    """The decode kernel's own source (kvq-fattn.cuh) run on the host, then the split merge: each CUDA thread a fiber,
     shuffles and __syncthreads as barriers (native/tests/cuda_emu/common.cuh), against attention
     in double precision over the reference-dequantized K/V. 15 cases: every type as K and V,
     f16 / q8_0 K, head sizes 64 / 128 / 256, GQA 1 / 2 / 3 / 4 / 6 / 8 / 12 (two head blocks), 1 to 6

@@ -40,7 +40,6 @@ struct kvq_fattn_args {
     int      gqa;           // query heads per KV head
     int      n_split;
     int      kv_per_split;  // a multiple of 32*KVQ_FA_NWARPS
-    int      g;             // query heads per block, the kernel's G (kvq_fattn_vec_plan)
     int      ne32, ne33;
     int64_t  nb02, nb03;
     int64_t  nb11, nb12, nb13;
@@ -268,16 +267,14 @@ static __global__ void kvq_fattn_vec(const kvq_fattn_args a) {
                     v[g] += q[g][e]*kf[u][e];
                 }
             }
-            if (G >= 4 && ng > 2) {
-                if constexpr (G >= 4) {
-                    const float v1 = kvq_fa_reduce_heads<G>(v, lane);
-                    if ((lane & (WARP_SIZE/G - 1)) == 0) {
-                        sh_s[warp][(lane / (WARP_SIZE/G)) & (G - 1)][i] = v1;
-                    }
+            if (ng > 2) {
+                const float v1 = kvq_fa_reduce_heads<G>(v, lane);
+                if ((lane & (WARP_SIZE/G - 1)) == 0) {
+                    sh_s[warp][(lane / (WARP_SIZE/G)) & (G - 1)][i] = v1;
                 }
             } else {
 #pragma unroll
-                for (int g = 0; g < (G < 2 ? G : 2); ++g) {
+                for (int g = 0; g < 2; ++g) {
                     if (g < ng) {
                         const float sg = warp_reduce_sum(v[g]);
                         if (lane == 0) {
@@ -467,17 +464,17 @@ static inline int kvq_fattn_vec_g(const int gqa) {
     return gqa <= 4 ? 4 : KVQ_FA_G;
 }
 
-// The launch plan: query heads per block (a.g: the GQA group's, so each K / V row is read once for the group) and
-// splits (a.n_split, a.kv_per_split): enough blocks for 4 per SM where the cache has the tiles (a warp takes tiles of
-// 32 keys). One head per block (a.g = 1, as upstream's kernel) was tried on an H200 (2026-11-28): 10% faster at 256
+// The launch plan: splits (a.n_split, a.kv_per_split) for blocks of kvq_fattn_vec_g's heads (the GQA group's, so
+// each K / V row is read once for the group): enough blocks for 4 per SM where the cache has the tiles (a warp takes
+// tiles of 32 keys). One head per block (as upstream's kernel) was tried on an H200 (2026-11-28): 10% faster at 256
 // cells but 35% slower at 8k (SmolLM2's head 64) and 4x slower for Qwen's pre-RoPE keys at 32k (each head turns
 // every key again), so the group stays; docs/RESULTS-BY-DATE.md.
 static inline void kvq_fattn_vec_plan(kvq_fattn_args & a, const int n_kv_heads, const int n_seq, const int n_sm) {
     const int step      = WARP_SIZE*KVQ_FA_NWARPS;
     const int max_split = std::max(1, std::min((a.ne11 + step - 1)/step, KVQ_FA_MAX_SPLIT));
-    a.g = kvq_fattn_vec_g(a.gqa);
-    const int blocks  = n_kv_heads*((a.gqa + a.g - 1)/a.g)*n_seq;
-    const int n_split = std::max(1, std::min((4*n_sm + blocks - 1)/blocks, max_split));
+    const int g         = kvq_fattn_vec_g(a.gqa);
+    const int blocks    = n_kv_heads*((a.gqa + g - 1)/g)*n_seq;
+    const int n_split   = std::max(1, std::min((4*n_sm + blocks - 1)/blocks, max_split));
     a.kv_per_split = ((a.ne11 + n_split - 1)/n_split + step - 1)/step*step;
     a.n_split      = std::max(1, (a.ne11 + a.kv_per_split - 1)/a.kv_per_split);
 }
@@ -485,7 +482,7 @@ static inline void kvq_fattn_vec_plan(kvq_fattn_args & a, const int n_kv_heads, 
 #ifdef __CUDACC__   // launches (the kernels above also build for tests/test_cuda.py's host emulator)
 template <int D, ggml_type TK, ggml_type TV, bool PRE>
 static void kvq_fattn_vec_launch(const kvq_fattn_args & a, const int n_kv_heads, const int n_seq, cudaStream_t stream) {
-    const int  G = a.g;
+    const int  G = kvq_fattn_vec_g(a.gqa);
     const dim3 grid(n_kv_heads*((a.gqa + G - 1)/G), a.n_split, n_seq);
     const dim3 block(WARP_SIZE, KVQ_FA_NWARPS, 1);
     if (G == 4) {
