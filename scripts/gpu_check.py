@@ -48,9 +48,11 @@ Steps (each writes $OUT or results/gpu/):
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -254,8 +256,6 @@ def step_ncu(a) -> dict:
     tbo = Path(a.build) / "bin" / "test-backend-ops"
     out, lines = {}, []
     cols = list(NCU_METRICS.values())
-    import glob
-    import shutil
     ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu") +
                                                  glob.glob("/usr/local/cuda*/bin/ncu"))), None)
     if ncu is None and not DRY_RUN:
