@@ -33,7 +33,10 @@ from pykvq.keys import Tensors, suffix                          # noqa: E402
 
 log = logging.getLogger("pykvq.convert")
 ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM = ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
+# a wheel carries upstream's HF converter beside this package (setup.py); a checkout has it in third_party/ (make fetch)
+_UPSTREAM_PATHS = (Path(__file__).resolve().parent / "llama_cpp" / "convert_hf_to_gguf.py",
+                   ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py")
+UPSTREAM = next((p for p in _UPSTREAM_PATHS if p.is_file()), _UPSTREAM_PATHS[-1])
 
 # the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README), and the budget
 PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")

@@ -292,7 +292,7 @@ def lib():
     with _lock:
         if _lib is None:
             path = lib_path()
-            # libllama links libggml*.so from the same directory (RUNPATH=$ORIGIN);
+            # libllama links libggml*.so from the same directory (RUNPATH $ORIGIN, CMakeLists.txt);
             # ggml-base also exports ggml_type_name & co., reachable through libllama's deps.
             ggml_base = ffi.dlopen(str(path.parent / "libggml-base.so"))
             ggml_cpu = ffi.dlopen(str(path.parent / "libggml-cpu.so"))

@@ -1,4 +1,4 @@
-"""pykvq command line: generate, perplexity, kld, info, fetch, demo, serve, and the suite
+"""pykvq command line: generate, perplexity, kld, info, fetch, demo, serve, tool, and the suite
 (eval, bench, passkey, report, results).
 
     pykvq generate "What is the capital of France?" -ctk q8_0 -ctv q4_0
@@ -204,6 +204,16 @@ def cmd_serve(args) -> int:
                  threads=args.threads, k_domain=args.kv_domain, encoder=args.kv_encoder, extra=extra)
 
 
+def cmd_tool(args) -> int:
+    from .tools import TOOLS, exec_tool, tool_path
+    if args.name is None:
+        for name in TOOLS:
+            print(tool_path(name))
+        return 0
+    exec_tool(args.name, args.tool_args)
+    return 0                                # not reached: the tool replaced this process
+
+
 def cmd_fetch(args) -> int:
     from .registry import fetch
     print(fetch(args.name, progress=True))
@@ -358,6 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", action="store_true", help="keep every token's Q / K / V too")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("tool", help="run one of the patched llama.cpp tools (llama-cli, llama-server, ...)",
+                       description="Run a patched llama.cpp tool with its own arguments, e.g. 'pykvq tool llama-cli "
+                       "-m OUT.gguf -fa on' (a converted file brings its cache types). Without a name: where each "
+                       "tool is (put that directory on PATH to call them directly).")
+    p.add_argument("name", nargs="?", default=None, help="llama-cli, llama-completion, llama-perplexity, llama-bench, "
+                   "llama-server or ggml-rpc-server")
+    p.add_argument("tool_args", nargs=argparse.REMAINDER, help="the tool's arguments, unchanged")
+    p.set_defaults(func=cmd_tool)
 
     p = sub.add_parser("fetch", help="download a known model into the cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")

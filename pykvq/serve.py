@@ -20,17 +20,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ._lib import lib_path
 from .cache_types import resolve
 from .errors import PykvqError
+from .tools import tool_path
 
 
 def server_binary() -> Path:
-    """build/bin/llama-server next to the patched library."""
-    p = lib_path().parent / "llama-server"
-    if not p.is_file():
-        raise PykvqError(f"{p} is not built; run 'make build'")
-    return p
+    """llama-server next to the patched library."""
+    return tool_path("llama-server")
 
 
 def server_command(model: str | os.PathLike, *, cache_type_k: str | None = None, cache_type_v: str | None = None,
@@ -150,9 +147,7 @@ class RpcWorkers:
         return ",".join(f"{self.host}:{p}" for p in self.ports)
 
     def start(self) -> "RpcWorkers":
-        binary = lib_path().parent / "ggml-rpc-server"
-        if not binary.is_file():
-            raise PykvqError(f"{binary} is not built; run 'make build'")
+        binary = tool_path("ggml-rpc-server")
         try:
             for _ in range(self.n):
                 port = free_port(self.host)

@@ -37,7 +37,7 @@ cmake --build $B -j "$(nproc)" --target llama llama-completion llama-perplexity 
 
 # the binaries, stripped, plus the OpenMP runtime in case the GPU machine's image lacks it
 rm -rf $B/pack && mkdir -p $B/pack/bin $B/pack/fallback-lib
-cp -P $B/bin/*.so* $B/pack/bin/
+cp $B/bin/*.so $B/pack/bin/    # unversioned sonames (CMakeLists.txt); older builds left .so.0* files beside them
 cp $B/bin/{llama-completion,llama-perplexity,llama-bench,test-backend-ops} $B/pack/bin/
 strip --strip-unneeded $B/pack/bin/* 2>/dev/null || true
 cp -L "$(gcc -print-file-name=libgomp.so.1)" $B/pack/fallback-lib/
