@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from pykvq import cache_types
+from pykvq.cache_info import window_bits
 from pykvq.keys import Keys, Tensors, Values
 from pykvq.progress import progress_bar
 from pykvq.ref import q53
@@ -90,9 +91,7 @@ class Options:
     def window_bits(self) -> float:
         """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
         the row being written, over the cells; the runtime's own count)."""
-        if not (self.prerope_k and self.kv_bits_ctx > 0 and (self.kv_sinks or self.kv_window)):
-            return 0.0
-        return 16.0 * (self.kv_sinks + self.kv_window + 1) / self.kv_bits_ctx
+        return window_bits(self.kv_sinks, self.kv_window, self.kv_bits_ctx) if self.prerope_k else 0.0
 
     def cache_bits(self) -> float | None:
         """The budget the per-layer types share: kv_bits less what the window takes."""

@@ -604,6 +604,11 @@ def main(argv=None) -> int:
               f"{p['max_mean_over_std']:.1f}, largest/median std in a head {p['max_std_spread']:.1f}")
         print(f"exact window by default: the first {p['kv_sinks']} positions and the last {p['kv_window']} cells of each "
               "sequence in f16 (pykvq.cache.kv_sinks / kv_window; --kv-sinks / --kv-window at run time override it)")
+        from pykvq.cache_types import bits_per_value
+        from pykvq.diagnose import outlook
+        types = (s["layer_types_k"] + s["layer_types_v"] if s["layer_types_k"]
+                 else [s["cache_type_k"], s["cache_type_v"]])
+        print(outlook(float(np.mean([bits_per_value(t) for t in types])), p["kv_sinks"], p["kv_window"]))
     if s["inexact_block_scales"]:
         print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
               "(subnormal ones; each change < 6e-8)")

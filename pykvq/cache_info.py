@@ -4,6 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def window_bits(sinks: int, window: int, n_ctx: int) -> float:
+    """Bits per value the exact window adds at n_ctx cells: its f16 rows (the sinks, the window and the row being
+    written) beside the quantized cache; 0 without a window."""
+    return 16.0 * (sinks + window + 1) / n_ctx if (sinks or window) and n_ctx > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class KVCacheInfo:
     """Exact KV-cache geometry and size of a context.

@@ -139,7 +139,12 @@ def cmd_kld(args) -> int:
     from .diagnose import Run, advice
     from .keys import Keys, Values
     prepared = m.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE
-    tip = advice(Run(str(m.path), m.cache_type_k, m.cache_type_v, m.k_domain, prepared, r.mean_kld))
+    file_types = (m.meta(Keys.Cache.TYPE_K), m.meta(Keys.Cache.TYPE_V))
+    if "caller" not in m.cache_type_source.values():
+        file_types = (None, None)           # the run took the file's own types (per layer, where it has them)
+    fallback = sum(src == "fallback" for layer in m.codebook_sources() for src in layer)
+    tip = advice(Run(str(m.path), m.cache_type_k, m.cache_type_v, m.k_domain, prepared, r.mean_kld,
+                     file_types=file_types if None not in file_types else None, fallback_codebooks=fallback))
     if args.json:
         print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v, advice=tip)))
     else:
@@ -173,6 +178,10 @@ def cmd_info(args) -> int:
         m.close()   # the check runs the model once more on 256 tokens of WikiText-2
         outlier = key_outliers(calibrate.collect(path, wikitext_test()[:20000], n_seq=1, seq_len=256, source="wikitext"))
     print(file_advice(str(m.path), prepared, outlier))
+    if prepared:
+        from .diagnose import outlook
+        info = m.kv_cache_info()
+        print(outlook(info.bits_per_value, int(m.setting("kv_sinks") or 0), int(m.setting("kv_window") or 0)))
     return 0
 
 

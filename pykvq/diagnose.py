@@ -25,6 +25,8 @@ class Run:
     k_domain: str              # Model.k_domain: 'pre-RoPE', 'centred post-RoPE' or 'post-RoPE'
     prepared: bool             # the file holds a pre-RoPE key cache's statistics (pykvq.cache.k_domain = prerope)
     mean_kld: float
+    file_types: tuple[str, str] | None = None   # the types a converted file was prepared for (pykvq.cache.type_k/v)
+    fallback_codebooks: int = 0                 # nuq layers of the run on the built-in codebook, not the file's
 
 
 def advice(r: Run) -> str | None:
@@ -44,6 +46,15 @@ def advice(r: Run) -> str | None:
         lines += [f"cause: this file was prepared for pre-RoPE keys, but the run cached them {r.k_domain} "
                   "(--kv-domain, or a backend that cannot run them; the log says which).",
                   "fix: run it with --kv-domain pre (the default), and -nkvo where a GPU layer falls back to post-RoPE."]
+    elif r.file_types and r.file_types != (r.cache_type_k, r.cache_type_v):
+        fk, fv = r.file_types
+        lines += [f"cause: this file was converted for -ctk {fk} -ctv {fv} (its codebooks and key scales fit those "
+                  f"types); this run used -ctk {r.cache_type_k} -ctv {r.cache_type_v}"
+                  + (f", and {r.fallback_codebooks} nuq caches fell back to the built-in codebook" if r.fallback_codebooks
+                     else "") + ".",
+                  f"fix: pykvq kld -m {r.model}    # the file's own types (no -ctk / -ctv)",
+                  f"     or convert the original model for these types: pykvq-convert MODEL.gguf -o OUT.gguf "
+                  f"--prerope-k --cache-type-k {r.cache_type_k} --cache-type-v {r.cache_type_v}"]
     elif r.cache_type_v not in UNQUANTIZED and r.cache_type_k in UNQUANTIZED:
         lines += ["cause: the values; try a wider V type (q8_0, nuq4) or pykvq-convert's --bits budget."]
     else:
@@ -68,6 +79,26 @@ def key_outliers(stats) -> float:
         std = np.maximum(std, 1e-3*max(float(np.median(std)), 1e-12))   # a constant channel is not an outlier of scale
         worst = max(worst, float(np.abs(mean / std).max()))
     return worst
+
+
+# What a pykvq-converted (pre-RoPE) file gives: mean KLD against f16 at 4096 tokens as a multiple of stock q8_0's, on
+# SmolLM2-135M and Qwen2.5-Coder-1.5B (README's table), by the bits/value the file spends there, its window counted
+EXPECTED_KLD = ((4.4, "about stock q8_0's (0.9-1.4x q8_0 on the suite's models)"),
+                (3.45, "2-4x stock q8_0's"),
+                (2.95, "5-10x stock q8_0's"),
+                (0.0, "more than 10x stock q8_0's (not measured below 3 bits)"))
+
+
+def outlook(bits: float, sinks: int, window: int) -> str:
+    """What a converted file will do: its bits/value at 4k and 32k cells, exact window counted, and the mean KLD
+    class those bits gave on the suite's models. bits: the quantized cache's own mean over K and V."""
+    from .cache_info import window_bits
+    at = {n: bits + window_bits(sinks, window, n) for n in (4096, 32768)}
+    win = f"exact window: first {sinks} + last {window} cells (f16)" if sinks or window else "no exact window"
+    quality = ("none from the cache (not quantized)" if bits >= 16 else
+               next(text for floor, text in EXPECTED_KLD if at[4096] >= floor))
+    return (f"outlook: {bits:.2f} bits/value in the cache, {win}: {at[4096]:.2f} bits/value at 4k tokens, "
+            f"{at[32768]:.2f} at 32k; expected mean KLD against f16 at 4k: {quality}")
 
 
 def file_advice(model: str, prepared: bool, outlier: float | None) -> str:

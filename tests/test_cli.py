@@ -50,3 +50,27 @@ def test_info_checks_the_keys(capsys):
     out = capsys.readouterr().out
     m = re.search(r"keys: largest channel \|mean\|/std ([\d.]+): 4-bit keys work post-RoPE", out)
     assert m and 5.0 < float(m.group(1)) < 50.0, out
+
+
+def test_info_of_a_converted_file_gives_its_outlook(smollm2_prerope, capsys):
+    """A pre-RoPE file: its cache's bits, the window counted at 4k and 32k (by hand: + 16 x (4 + 64 + 1) / 4096 =
+    0.27 and / 32768 = 0.034), and the KLD class those bits gave on the suite's models."""
+    assert main(["info", "-m", str(smollm2_prerope)]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"outlook: ([\d.]+) bits/value in the cache, exact window: first 4 \+ last 64 cells \(f16\): "
+                  r"([\d.]+) bits/value at 4k tokens, ([\d.]+) at 32k; expected mean KLD against f16 at 4k: ", out)
+    assert m, out
+    bits, at4k, at32k = map(float, m.groups())
+    assert abs(at4k - bits - 0.27) < 0.006 and abs(at32k - bits - 0.034) < 0.006
+
+
+def test_kld_of_a_converted_file_run_with_other_types(smollm2_prerope, tmp_path, passage, capsys):
+    """2-bit caches forced onto a file converted for other types: the diagnosis names the file's types and the
+    command that runs them."""
+    f = tmp_path / "p.txt"
+    f.write_text(passage)
+    assert main(["kld", "-m", str(smollm2_prerope), "-f", str(f), "--chunks", "1", "-c", "512",
+                 "-ctk", "nuq2", "-ctv", "nuq2"]) == 0
+    out = capsys.readouterr().out
+    assert "diagnosis: KLD" in out and "this file was converted for -ctk " in out, out
+    assert f"pykvq kld -m {smollm2_prerope}    # the file's own types" in out

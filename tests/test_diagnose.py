@@ -45,3 +45,26 @@ def test_key_outliers_and_what_info_says():
     assert "work post-RoPE" in file_advice("m.gguf", False, KEY_OUTLIER / 10)
     assert "--check-keys" in file_advice("m.gguf", False, None)
     assert "pre-RoPE key cache" in file_advice("m.gguf", True, None)
+
+
+def test_a_converted_file_run_with_other_types_is_told_its_own():
+    tip = advice(Run("smol-kvq.gguf", "nuq3", "nuq3", "pre-RoPE", True, 0.3, file_types=("q53_64", "q4_0"),
+                     fallback_codebooks=60))
+    assert "converted for -ctk q53_64 -ctv q4_0" in tip and "60 nuq caches fell back" in tip
+    assert "pykvq kld -m smol-kvq.gguf    # the file's own types" in tip
+    assert "--cache-type-k nuq3 --cache-type-v nuq3" in tip
+    # the file's own types: the usual advice
+    same = advice(Run("smol-kvq.gguf", "q53_64", "q4_0", "pre-RoPE", True, 0.3, file_types=("q53_64", "q4_0")))
+    assert "converted for" not in same and "--bits B" in same
+
+
+def test_outlook_counts_the_window_and_names_the_quality_class():
+    from pykvq.diagnose import outlook
+    # the 4.5-bit preset: 4.5 + 16 * (4 + 64 + 1) / 4096 = 4.7695 at 4k, + 16 * 69 / 32768 = 4.5337 at 32k (by hand)
+    text = outlook(4.5, 4, 64)
+    assert "4.77 bits/value at 4k" in text and "4.53 at 32k" in text and "about stock q8_0's" in text
+    assert "first 4 + last 64 cells" in text
+    # --bits 3.5: the types take 3.5 - 0.27 so that the file spends 3.5 at 4k
+    assert "3.50 bits/value at 4k" in outlook(3.5 - 16 * 69 / 4096, 4, 64) and "2-4x" in outlook(3.23, 4, 64)
+    assert "5-10x" in outlook(3.0, 0, 0) and "no exact window" in outlook(3.0, 0, 0)
+    assert "not measured below 3 bits" in outlook(2.625, 4, 64)

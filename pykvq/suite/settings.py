@@ -117,8 +117,9 @@ class Setting:
         return kw
 
     def window_bits(self, n_ctx: int) -> float:
-        """Bits per value the exact window adds at n_ctx cells: S + W + 1 f16 rows per layer beside the cache."""
-        return 16.0 * (self.sinks + self.window + 1) / n_ctx if self.sinks or self.window else 0.0
+        """Bits per value the exact window adds at n_ctx cells (pykvq.cache_info.window_bits)."""
+        from ..cache_info import window_bits
+        return window_bits(self.sinks, self.window, n_ctx)
 
 
 def parse_setting(spec: str) -> Setting:
