@@ -633,12 +633,45 @@ inline bool fa_consecutive(const int32_t * pos, int64_t n) {
 // tile (c64, s64: cos/sin(FA_TILE_KV w)) when p0 follows it, re-anchored exactly every FA_ANCHOR_STEPS tiles
 // (the double recurrence drifts by ~1e-16 a step; cos/sin of every pair every 16 tiles cost 4% of decode).
 constexpr int FA_ANCHOR_STEPS = 256;
-// idx: the pairs' indices into w (nullptr: pairs 0..n-1).
+
+// cos/sin(p w) of the pairs 0..n-1 exactly. Each work item's first tile needs them, and the same tile starts and
+// frequencies come back in every head, layer and token, so each thread keeps the last ones it computed (direct
+// mapped by tile and frequencies; the values are those cos/sin give, so results do not depend on the memo).
+void fa_rope_exact(int32_t p, int n, const float * w, double * c, double * s) {
+    struct slot {
+        int32_t p = INT32_MIN;
+        std::vector<float> w;
+        std::vector<double> c, s;
+    };
+    constexpr uint32_t N_SLOTS = 64;
+    thread_local std::vector<slot> memo;        // on the heap: a dlopened library has little static TLS
+    if (memo.empty()) {
+        memo.resize(N_SLOTS);
+    }
+    uint32_t wbits = 0;
+    memcpy(&wbits, w + (n > 1), sizeof(wbits));     // w[0] is 1 in most models: w[1] tells heads apart
+    slot & e = memo[((uint32_t) p/FA_TILE_KV ^ (wbits*0x9E3779B1u >> 26)) % N_SLOTS];
+    if (e.p == p && e.w.size() == (size_t) n && std::equal(w, w + n, e.w.begin())) {
+        std::copy(e.c.begin(), e.c.end(), c);
+        std::copy(e.s.begin(), e.s.end(), s);
+        return;
+    }
+    for (int j = 0; j < n; ++j) {
+        const double th = (double) p*w[j];
+        c[j] = cos(th);
+        s[j] = sin(th);
+    }
+    e.p = p;
+    e.w.assign(w, w + n);
+    e.c.assign(c, c + n);
+    e.s.assign(s, s + n);
+}
+
 struct fa_tile_anchor {
     int32_t p0 = INT32_MIN;
     int steps = 0;
 
-    void at(int32_t p, int n, const float * w, const int * idx, const double * c64, const double * s64,
+    void at(int32_t p, int n, const float * w, const double * c64, const double * s64,
             double * c, double * s) {
         if (p0 != INT32_MIN && p == p0 + FA_TILE_KV && steps < FA_ANCHOR_STEPS) {
             for (int j = 0; j < n; ++j) {
@@ -648,11 +681,7 @@ struct fa_tile_anchor {
             }
             ++steps;
         } else {
-            for (int j = 0; j < n; ++j) {
-                const double th = (double) p*w[idx ? idx[j] : j];
-                c[j] = cos(th);
-                s[j] = sin(th);
-            }
+            fa_rope_exact(p, n, w, c, s);
             steps = 0;
         }
         p0 = p;
@@ -739,9 +768,111 @@ void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, 
 }
 #endif
 
+#if defined(__AVX512F__)
+// one butterfly stage of stride H < 16 within 16 lanes: lane j becomes v[j]*sign + v[j ^ H]
+template <int H>
+inline __m512 fa_fwht16_stage(__m512 v) {
+    constexpr __mmask16 neg = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;   // lanes with j & H
+    const __m512 sg = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    const __m512 partner = H == 1 ? _mm512_permute_ps(v, 0xB1) : H == 2 ? _mm512_permute_ps(v, 0x4E) :
+                           H == 4 ? _mm512_shuffle_f32x4(v, v, 0xB1) : _mm512_shuffle_f32x4(v, v, 0x4E);
+    return _mm512_fmadd_ps(v, sg, partner);
+}
+
+// fa_prerope_rows in 16 lanes: a 64-wide row is 4 registers, so the transform takes half the instructions, and the
+// head's scale and mean stay in registers over the tile. The same butterflies in the same order (a multiply by
+// +-1 in an FMA is exact): the same bits as the 8-lane version. HB: the Hadamard block in values (0: none),
+// SKIP: the left-out butterfly stride in values (0: none, else >= 16).
+template <int NV, int HB, int SKIP = 0>
+void fa_prerope_rows16(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, const float * sc, const fa_rope_tab & tab) {
+    static_assert(SKIP == 0 || SKIP >= 16, "strides below a register are always applied");
+    constexpr int DK = 16*NV;
+    const float * mu = pr.mean + ik2*DK;
+    __m512 vsc[NV], vmu[NV];
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        vsc[i] = _mm512_loadu_ps(sc + 16*i);
+        vmu[i] = _mm512_loadu_ps(mu + 16*i);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m512 v[NV];
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm512_loadu_ps(x + 16*i);
+            if (HB > 1) { v[i] = fa_fwht16_stage<1>(v[i]); }
+            if (HB > 2) { v[i] = fa_fwht16_stage<2>(v[i]); }
+            if (HB > 4) { v[i] = fa_fwht16_stage<4>(v[i]); }
+            if (HB > 8) { v[i] = fa_fwht16_stage<8>(v[i]); }
+        }
+        #pragma GCC unroll 16
+        for (int h = 1; 16*h < HB; h *= 2) {
+            if (16*h == SKIP) {
+                continue;
+            }
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; i += 2*h) {
+                #pragma GCC unroll 16
+                for (int j = i; j < i + h; ++j) {
+                    const __m512 a = v[j], b = v[j + h];
+                    v[j]     = _mm512_add_ps(a, b);
+                    v[j + h] = _mm512_sub_ps(a, b);
+                }
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm512_fmadd_ps(v[i], vsc[i], vmu[i]);
+        }
+        if (pr.neox) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV/2; ++i) {
+                const int ib = i + NV/2;
+                const __m512 a = v[i], b = v[ib];
+                v[i]  = _mm512_fmadd_ps(a, _mm512_loadu_ps(c + 16*i),  _mm512_mul_ps(b, _mm512_loadu_ps(s + 16*i)));
+                v[ib] = _mm512_fmadd_ps(b, _mm512_loadu_ps(c + 16*ib), _mm512_mul_ps(a, _mm512_loadu_ps(s + 16*ib)));
+            }
+        } else {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(c + 16*i),
+                                       _mm512_mul_ps(_mm512_permute_ps(v[i], 0xB1), _mm512_loadu_ps(s + 16*i)));
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            _mm512_storeu_ps(x + 16*i, v[i]);
+        }
+    }
+}
+#endif
+
 // fa_prerope_rows for this head size and layout, or false
 bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float * Kf, int64_t n, const float * sc,
                          const fa_rope_tab & tab) {
+#if defined(__AVX512F__)
+    if (pr.n_dims == DK && (DK == 64 || DK == 128)) {
+        using fn = void (*)(const fa_prerope &, int64_t, float *, int64_t, const float *, const fa_rope_tab &);
+        // by head size, then Hadamard block: none, 8, 16, 32, 64, 128 (a block no larger than the head)
+        static const fn t64[]  = { fa_prerope_rows16<4, 0>, fa_prerope_rows16<4, 8>,  fa_prerope_rows16<4, 16>,
+                                   fa_prerope_rows16<4, 32>, fa_prerope_rows16<4, 64> };
+        static const fn t128[] = { fa_prerope_rows16<8, 0>, fa_prerope_rows16<8, 8>,  fa_prerope_rows16<8, 16>,
+                                   fa_prerope_rows16<8, 32>, fa_prerope_rows16<8, 64>, fa_prerope_rows16<8, 128> };
+        fn f = nullptr;
+        const int b = pr.n_rot_h == 0 ? 0 : pr.n_rot_h >= 8 && pr.n_rot_h <= DK && (pr.n_rot_h & (pr.n_rot_h - 1)) == 0
+                    ? __builtin_ctz(pr.n_rot_h) - 2 : -1;     // 8 -> 1, 16 -> 2, ...
+        if (pr.h_skip == 0 && b >= 0) {
+            f = DK == 64 ? t64[b] : t128[b];
+        } else if (DK == 128 && pr.n_rot_h == 128 && pr.h_skip == 32) {
+            f = fa_prerope_rows16<8, 128, 32>;    // q53_64 keys on a 128 head (llama_kvq_new_k_rot)
+        }
+        if (f) {
+            f(pr, ik2, Kf, n, sc, tab);
+            return true;
+        }
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (pr.n_dims == DK) {
         using fn = void (*)(const fa_prerope &, int64_t, float *, int64_t, const float *, const fa_rope_tab &);
@@ -1011,7 +1142,7 @@ void fa_centred_bias(fa_centred & c, const int32_t * pos, int64_t R, int64_t n, 
     float * cc = c.cc.data(), * ss = c.ss.data();
     const bool rel = fa_consecutive(pos, n);
     if (rel) {
-        c.anchor.at(pos[0], np, c.w.data(), nullptr, h.c64.data(), h.s64.data(), c.c0.data(), c.s0.data());
+        c.anchor.at(pos[0], np, c.w.data(), h.c64.data(), h.s64.data(), c.c0.data(), c.s0.data());
         for (int j = 0; j < np; ++j) {
             cc[j] = (float) c.c0[j];
             ss[j] = (float) c.s0[j];
@@ -1171,8 +1302,8 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
     // pre-RoPE K: this head's one-step rotations (after the cos/sin of the current key)
     float * rope_cs = s.rope, * rope_c1 = s.rope + 2*DK, * rope_s1 = s.rope + 3*DK, * rope_sc = s.rope + 4*DK;
     const int32_t * kpos = pr.on ? pr.pos + ik3*pr.pos_stride : nullptr;   // the cells' positions
+    bool rope_step = false;     // rope_c1/s1 filled: only tiles of non-consecutive positions need them
     if (pr.on && !pr.centred) {
-        fa_rope_fill(pr, pr.freqs + w.ik2*(pr.n_dims/2), 1, 1.0f, rope_c1, rope_s1);
         const float f = fa_hadamard_norm(pr);
         for (int64_t d = 0; d < DK; ++d) {
             rope_sc[d] = pr.scale[w.ik2*DK + d]*f;
@@ -1264,7 +1395,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         if (pr.on && !pr.centred) {
             const int32_t * tp = kpos + ic;
             if (tab && fa_consecutive(tp, n)) {
-                q_at.at(tp[0], hd, pr.freqs + w.ik2*hd, nullptr, tab->c64.data(), tab->s64.data(), q_c, q_s);
+                q_at.at(tp[0], hd, pr.freqs + w.ik2*hd, tab->c64.data(), tab->s64.data(), q_c, q_s);
                 fa_rope_q_back(pr, q_c, q_s, s.Q, R, DK, s.Qr);
                 fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
                 if (Ke) {
@@ -1272,6 +1403,10 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
                 }
                 Qd = s.Qr;
             } else {
+                if (!rope_step) {
+                    fa_rope_fill(pr, pr.freqs + w.ik2*hd, 1, 1.0f, rope_c1, rope_s1);
+                    rope_step = true;
+                }
                 fa_prerope_tile(pr, w.ik2, DK, tp, n, s.Kf, rope_cs, rope_c1, rope_s1, rope_sc);
                 if (Ke) {
                     fa_prerope_tile(pr, w.ik2, DK, tp, n, Ke, rope_cs, rope_c1, rope_s1, rope_sc);
