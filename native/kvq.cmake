@@ -25,6 +25,9 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/ggml/cpu/q53.c
     ${GGML_KVQ_DIR}/ggml/cpu/lsq.c
     ${GGML_KVQ_DIR}/ggml/cpu/fattn.cpp
+    ${GGML_KVQ_DIR}/ggml/cpu/fattn-rows.cpp
+    ${GGML_KVQ_DIR}/ggml/cpu/fattn-prerope.cpp
+    ${GGML_KVQ_DIR}/ggml/cpu/fattn-centred.cpp
 )
 
 # CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by patch 0009, compiled with its flags

@@ -1,0 +1,527 @@
+// CPU flash attention on a pre-RoPE key cache (fattn.h): each decoded key is turned back into the key the model
+// computed (the Hadamard undone, scale and mean restored) and rotated to its cell's position.
+#include "fattn.h"
+
+namespace kvq_fa {
+
+fa_prerope fa_prerope_of(const ggml_tensor * dst) {
+    fa_prerope pr;
+    int mode = 0;
+    if (!ggml_kvq_fa_get_prerope(dst, &pr.n_dims, &mode, &pr.mscale, &pr.n_rot_h)) {
+        return pr;
+    }
+    pr.on    = true;
+    pr.centred = ggml_kvq_fa_is_centred(dst);
+    pr.h_skip = ggml_kvq_fa_get_hadamard_skip(dst);
+    pr.neox  = mode == 2;
+    pr.pos   = (const int32_t *) dst->src[5]->data;
+    pr.pos_stride = dst->src[5]->nb[1] / sizeof(int32_t);
+    pr.mean  = (const float *) dst->src[6]->data;
+    pr.scale = (const float *) dst->src[7]->data;
+    pr.freqs = (const float *) dst->src[8]->data;
+    if (const ggml_tensor * rows = ggml_kvq_fa_get_window(dst)) {
+        const size_t plane = dst->src[5]->nb[2] / sizeof(int32_t);
+        pr.win      = pr.pos + plane;
+        pr.win_rows = (const char *) rows->data;
+        pr.win_nb1  = rows->nb[1];
+        pr.win_n    = rows->ne[1];
+        pr.win_v0   = dst->src[1]->ne[0]*dst->src[1]->ne[2];
+        if (dst->src[5]->ne[2] >= 4) {
+            pr.win_last = pr.pos + 2*plane;
+            pr.win_qpos = pr.pos + 3*plane;
+        }
+    }
+    return pr;
+}
+
+// per channel, laid out like a row: cos(p*w)*m in both channels of a pair, -sin(p*w)*m in the first, +sin in the second
+void fa_rope_fill(const fa_prerope & pr, const float * w, int32_t p, float m, float * c, float * s) {
+    for (int i = 0; i < pr.n_dims/2; ++i) {
+        const float th = (float) p*w[i];
+        const float ci = cosf(th)*m, si = sinf(th)*m;
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        c[a] = ci; s[a] = -si;
+        c[b] = ci; s[b] =  si;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// the three butterfly stages within 8 lanes (h = 1, 2, 4): lane j becomes v[j]*sign + v[j ^ h]
+inline __m256 fa_fwht8(__m256 v) {
+    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_fmadd_ps(v, sg1, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_fmadd_ps(v, sg2, _mm256_permute_ps(v, 0x4E));
+    return _mm256_fmadd_ps(v, sg4, _mm256_permute2f128_ps(v, v, 1));
+}
+#endif
+
+// unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n values of x[0, DK),
+// without the butterfly at stride skip (0: every stride).
+// The butterfly stages commute, so the three in-register stages (h = 1, 2, 4) run first.
+void fa_fwht(float * x, int64_t DK, int n, int skip) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n % 8 == 0 && (skip == 0 || skip >= 8)) {
+        for (int64_t d = 0; d < DK; d += 8) {
+            _mm256_storeu_ps(x + d, fa_fwht8(_mm256_loadu_ps(x + d)));
+        }
+        for (int64_t b = 0; b < DK; b += n) {
+            float * y = x + b;
+            for (int h = 8; h < n; h *= 2) {
+                if (h == skip) {
+                    continue;
+                }
+                for (int i = 0; i < n; i += 2*h) {
+                    for (int j = i; j < i + h; j += 8) {
+                        const __m256 a = _mm256_loadu_ps(y + j), c = _mm256_loadu_ps(y + j + h);
+                        _mm256_storeu_ps(y + j,     _mm256_add_ps(a, c));
+                        _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, c));
+                    }
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t b = 0; b < DK; b += n) {
+        float * y = x + b;
+        for (int h = 1; h < n; h *= 2) {
+            if (h == skip) {
+                continue;
+            }
+            for (int i = 0; i < n; i += 2*h) {
+                for (int j = i; j < i + h; ++j) {
+                    const float a = y[j], c = y[j + h];
+                    y[j]     = a + c;
+                    y[j + h] = a - c;
+                }
+            }
+        }
+    }
+}
+
+// scalar: the rotary channels of one row become R·(x*sc + mu), with cos/sin laid out like the row (fa_rope_fill)
+inline void fa_restore_rotate(const fa_prerope & pr, float * x, const float * sc, const float * mu, const float * c,
+                              const float * s) {
+    for (int k = 0; k < pr.n_dims; ++k) {
+        x[k] = x[k]*sc[k] + mu[k];
+    }
+    for (int i = 0; i < pr.n_dims/2; ++i) {
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        const float xa = x[a], xb = x[b];
+        x[a] = xa*c[a] + xb*s[a];
+        x[b] = xb*c[b] + xa*s[b];
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 channels of cos/sin advanced by one step of the rotation (c1, s1 = cos(w), ±sin(w)), stored back
+inline void fa_rope_step8(float * c, float * s, const float * c1, const float * s1, __m256 & cv, __m256 & sv) {
+    const __m256 c1v = _mm256_loadu_ps(c1), s1v = _mm256_loadu_ps(s1);
+    const __m256 cn = _mm256_fmsub_ps(cv, c1v, _mm256_mul_ps(sv, s1v));
+    sv = _mm256_fmadd_ps(sv, c1v, _mm256_mul_ps(cv, s1v));
+    cv = cn;
+    _mm256_storeu_ps(c, cv);
+    _mm256_storeu_ps(s, sv);
+}
+#endif
+
+// cos/sin per channel (laid out like a row, fa_rope_fill) advanced by one step of the rotation c1, s1
+inline void fa_rope_advance(const fa_prerope & pr, float * c, float * s, const float * c1, const float * s1) {
+    int k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (pr.n_dims % 16 == 0) {
+        for (; k < pr.n_dims; k += 8) {
+            __m256 cv = _mm256_loadu_ps(c + k), sv = _mm256_loadu_ps(s + k);
+            fa_rope_step8(c + k, s + k, c1 + k, s1 + k, cv, sv);
+        }
+    }
+#endif
+    for (; k < pr.n_dims; ++k) {
+        const float ck = c[k];
+        c[k] = ck*c1[k] - s[k]*s1[k];
+        s[k] = s[k]*c1[k] + ck*s1[k];
+    }
+}
+
+// one row: x*sc + mu, its rotary channels turned by the cos/sin arrays c, s (laid out like the row)
+inline void fa_restore_rotate_row(const fa_prerope & pr, float * x, int64_t DK, const float * sc, const float * mu,
+                                  const float * c, const float * s) {
+    const int nd = pr.n_dims, hd = nd/2;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (nd % 16 == 0) {
+        if (pr.neox) {
+            for (; j < hd; j += 8) {
+                const int jb = j + hd;
+                const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j),  _mm256_loadu_ps(sc + j),  _mm256_loadu_ps(mu + j));
+                const __m256 xb = _mm256_fmadd_ps(_mm256_loadu_ps(x + jb), _mm256_loadu_ps(sc + jb), _mm256_loadu_ps(mu + jb));
+                _mm256_storeu_ps(x + j,  _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),  _mm256_mul_ps(xb, _mm256_loadu_ps(s + j))));
+                _mm256_storeu_ps(x + jb, _mm256_fmadd_ps(xb, _mm256_loadu_ps(c + jb), _mm256_mul_ps(xa, _mm256_loadu_ps(s + jb))));
+            }
+        } else {
+            for (; j < nd; j += 8) {
+                const __m256 xa = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sc + j), _mm256_loadu_ps(mu + j));
+                _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xa, _mm256_loadu_ps(c + j),
+                                                        _mm256_mul_ps(_mm256_permute_ps(xa, 0xB1), _mm256_loadu_ps(s + j))));
+            }
+        }
+        j = nd;
+    }
+#endif
+    if (j == 0) {
+        fa_restore_rotate(pr, x, sc, mu, c, s);
+    }
+    for (int64_t d = nd; d < DK; ++d) {      // partial rotary: the rest is not rotated
+        x[d] = x[d]*sc[d] + mu[d];
+    }
+}
+
+// k rows of the tile: undo the Hadamard, restore scale and mean, rotate at positions pos[0..n).
+// sc: this head's scale times fa_hadamard_norm (the transform runs unnormalized).
+void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32_t * pos, int64_t n, float * Kf,
+                     float * cs, const float * c1, const float * s1, const float * sc) {
+    const float * mu = pr.mean  + ik2*DK;
+    const float * w  = pr.freqs + ik2*(pr.n_dims/2);
+    float * c = cs;              // [n_dims] cos(p*w)*mscale per channel
+    float * s = cs + pr.n_dims;  // [n_dims] ±sin(p*w)*mscale
+    for (int64_t t = 0; t < n; ++t) {
+        if (t > 0 && pos[t] == pos[t - 1] + 1) {
+            fa_rope_advance(pr, c, s, c1, s1);
+        } else {     // exactly: a tile's first key, or after a jump in positions
+            fa_rope_fill(pr, w, pos[t], pr.mscale, c, s);
+        }
+        float * x = Kf + t*DK;
+        if (pr.n_rot_h) {
+            fa_fwht(x, DK, pr.n_rot_h, pr.h_skip);
+        }
+        fa_restore_rotate_row(pr, x, DK, sc, mu, c, s);
+    }
+}
+
+const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int64_t DK) {
+    thread_local fa_rope_tab tab;
+    const int hd = pr.n_dims/2;
+    if (tab.n_dims == pr.n_dims && tab.neox == pr.neox && tab.mscale == pr.mscale && tab.DK == DK &&
+        std::equal(w, w + hd, tab.w.begin())) {
+        return tab;
+    }
+    tab.w.assign(w, w + hd);
+    tab.mscale = pr.mscale;
+    tab.n_dims = pr.n_dims;
+    tab.neox = pr.neox;
+    tab.DK = DK;
+    tab.c.assign(FA_TILE_KV*DK, 1.0f);      // channels past n_dims: not rotated
+    tab.s.assign(FA_TILE_KV*DK, 0.0f);
+    tab.c64.resize(hd);
+    tab.s64.resize(hd);
+    for (int i = 0; i < hd; ++i) {
+        int a, b;
+        fa_rope_pair(pr, i, &a, &b);
+        const double c1 = cos((double) w[i]), s1 = sin((double) w[i]);
+        double ct = 1.0, st = 0.0;           // R(t), advanced in double: exact to float over a tile
+        for (int t = 0; t < FA_TILE_KV; ++t) {
+            float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+            c[a] = (float) (ct*pr.mscale); s[a] = (float) (-st*pr.mscale);
+            c[b] = (float) (ct*pr.mscale); s[b] = (float) ( st*pr.mscale);
+            const double cn = ct*c1 - st*s1;
+            st = st*c1 + ct*s1;
+            ct = cn;
+        }
+        tab.c64[i] = ct;
+        tab.s64[i] = st;
+    }
+    return tab;
+}
+
+// cos/sin(p w) of the pairs 0..n-1 exactly. Each work item's first tile needs them, and the same tile starts and
+// frequencies come back in every head, layer and token, so each thread keeps the last ones it computed (direct
+// mapped by tile and frequencies; the values are those cos/sin give, so results do not depend on the memo).
+void fa_rope_exact(int32_t p, int n, const float * w, double * c, double * s) {
+    struct slot {
+        int32_t p = INT32_MIN;
+        std::vector<float> w;
+        std::vector<double> c, s;
+    };
+    constexpr uint32_t N_SLOTS = 64;
+    thread_local std::vector<slot> memo;        // on the heap: a dlopened library has little static TLS
+    if (memo.empty()) {
+        memo.resize(N_SLOTS);
+    }
+    uint32_t wbits = 0;
+    memcpy(&wbits, w + (n > 1), sizeof(wbits));     // w[0] is 1 in most models: w[1] tells heads apart
+    slot & e = memo[((uint32_t) p/FA_TILE_KV ^ (wbits*0x9E3779B1u >> 26)) % N_SLOTS];
+    if (e.p == p && e.w.size() == (size_t) n && std::equal(w, w + n, e.w.begin())) {
+        std::copy(e.c.begin(), e.c.end(), c);
+        std::copy(e.s.begin(), e.s.end(), s);
+        return;
+    }
+    for (int j = 0; j < n; ++j) {
+        const double th = (double) p*w[j];
+        c[j] = cos(th);
+        s[j] = sin(th);
+    }
+    e.p = p;
+    e.w.assign(w, w + n);
+    e.c.assign(c, c + n);
+    e.s.assign(s, s + n);
+}
+
+
+// rows Qr = R(p0)ᵀ Q for the R query rows, given cos/sin of p0*w per pair
+void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp, const float * Q, int64_t R, int64_t DK, float * Qr) {
+    memcpy(Qr, Q, R*DK*sizeof(float));
+    for (int64_t r = 0; r < R; ++r) {
+        const float * q = Q + r*DK;
+        float * y = Qr + r*DK;
+        for (int i = 0; i < pr.n_dims/2; ++i) {
+            int a, b;
+            fa_rope_pair(pr, i, &a, &b);
+            const float c = (float) cp[i], s = (float) sp[i];
+            y[a] = q[a]*c + q[b]*s;
+            y[b] = q[b]*c - q[a]*s;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// fa_prerope_tile_rel with each row held in registers through the transform, scale, mean and
+// rotation (head sizes 64 and 128, full rotary, Hadamard blocks of 8 .. DK). NVH (the Hadamard
+// block in vectors, 0: none) and SKV (the left-out butterfly stride in vectors, 0: none) are template
+// arguments so that every index into v[] is a constant.
+template <int NV, int NVH, int SKV = 0>
+void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, const float * sc, const fa_rope_tab & tab) {
+    constexpr int DK = 8*NV;
+    const float * mu = pr.mean + ik2*DK;
+    for (int64_t t = 0; t < n; ++t) {
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m256 v[NV];
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_loadu_ps(x + 8*i);
+        }
+        if (NVH) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; ++i) {
+                v[i] = fa_fwht8(v[i]);
+            }
+            #pragma GCC unroll 16
+            for (int h = 1; h < NVH; h *= 2) {
+                if (h == SKV) {
+                    continue;
+                }
+                #pragma GCC unroll 16
+                for (int i = 0; i < NV; i += 2*h) {
+                    #pragma GCC unroll 16
+                    for (int j = i; j < i + h; ++j) {
+                        const __m256 a = v[j], b = v[j + h];
+                        v[j]     = _mm256_add_ps(a, b);
+                        v[j + h] = _mm256_sub_ps(a, b);
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
+        }
+        if (pr.neox) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV/2; ++i) {
+                const int ib = i + NV/2;
+                const __m256 a = v[i], b = v[ib];
+                v[i]  = _mm256_fmadd_ps(a, _mm256_loadu_ps(c + 8*i),  _mm256_mul_ps(b, _mm256_loadu_ps(s + 8*i)));
+                v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
+            }
+        } else {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            _mm256_storeu_ps(x + 8*i, v[i]);
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__)
+// GCC 12 takes the undefined pass-through of its AVX-512 permute intrinsics for an uninitialized read (GCC bug 105593)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// one butterfly stage of stride H < 16 within 16 lanes: lane j becomes v[j]*sign + v[j ^ H]
+template <int H>
+inline __m512 fa_fwht16_stage(__m512 v) {
+    constexpr __mmask16 neg = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;   // lanes with j & H
+    const __m512 sg = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    __m512 partner;
+    if constexpr (H == 1) {
+        partner = _mm512_permute_ps(v, 0xB1);
+    } else if constexpr (H == 2) {
+        partner = _mm512_permute_ps(v, 0x4E);
+    } else if constexpr (H == 4) {
+        partner = _mm512_shuffle_f32x4(v, v, 0xB1);
+    } else {
+        partner = _mm512_shuffle_f32x4(v, v, 0x4E);
+    }
+    return _mm512_fmadd_ps(v, sg, partner);
+}
+
+// fa_prerope_rows in 16 lanes: a 64-wide row is 4 registers, so the transform takes half the instructions, and the
+// head's scale and mean stay in registers over the tile. The same butterflies in the same order (a multiply by
+// +-1 in an FMA is exact): the same bits as the 8-lane version. HB: the Hadamard block in values (0: none),
+// SKIP: the left-out butterfly stride in values (0: none, else >= 16).
+template <int NV, int HB, int SKIP = 0>
+void fa_prerope_rows16(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, const float * sc, const fa_rope_tab & tab) {
+    static_assert(SKIP == 0 || SKIP >= 16, "strides below a register are always applied");
+    constexpr int DK = 16*NV;
+    const float * mu = pr.mean + ik2*DK;
+    __m512 vsc[NV], vmu[NV];
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        vsc[i] = _mm512_loadu_ps(sc + 16*i);
+        vmu[i] = _mm512_loadu_ps(mu + 16*i);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m512 v[NV];
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm512_loadu_ps(x + 16*i);
+            if (HB > 1) { v[i] = fa_fwht16_stage<1>(v[i]); }
+            if (HB > 2) { v[i] = fa_fwht16_stage<2>(v[i]); }
+            if (HB > 4) { v[i] = fa_fwht16_stage<4>(v[i]); }
+            if (HB > 8) { v[i] = fa_fwht16_stage<8>(v[i]); }
+        }
+        #pragma GCC unroll 16
+        for (int h = 1; 16*h < HB; h *= 2) {
+            if (16*h == SKIP) {
+                continue;
+            }
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; i += 2*h) {
+                #pragma GCC unroll 16
+                for (int j = i; j < i + h; ++j) {
+                    const __m512 a = v[j], b = v[j + h];
+                    v[j]     = _mm512_add_ps(a, b);
+                    v[j + h] = _mm512_sub_ps(a, b);
+                }
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm512_fmadd_ps(v[i], vsc[i], vmu[i]);
+        }
+        if (pr.neox) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV/2; ++i) {
+                const int ib = i + NV/2;
+                const __m512 a = v[i], b = v[ib];
+                v[i]  = _mm512_fmadd_ps(a, _mm512_loadu_ps(c + 16*i),  _mm512_mul_ps(b, _mm512_loadu_ps(s + 16*i)));
+                v[ib] = _mm512_fmadd_ps(b, _mm512_loadu_ps(c + 16*ib), _mm512_mul_ps(a, _mm512_loadu_ps(s + 16*ib)));
+            }
+        } else {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; ++i) {
+                v[i] = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(c + 16*i),
+                                       _mm512_mul_ps(_mm512_permute_ps(v[i], 0xB1), _mm512_loadu_ps(s + 16*i)));
+            }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            _mm512_storeu_ps(x + 16*i, v[i]);
+        }
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+namespace {
+
+// fa_prerope_rows for this head size and layout, or false
+bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float * Kf, int64_t n, const float * sc,
+                         const fa_rope_tab & tab) {
+#if defined(__AVX512F__)
+    if (pr.n_dims == DK && (DK == 64 || DK == 128)) {
+        using fn = void (*)(const fa_prerope &, int64_t, float *, int64_t, const float *, const fa_rope_tab &);
+        // by head size, then Hadamard block: none, 8, 16, 32, 64, 128 (a block no larger than the head)
+        static const fn t64[]  = { fa_prerope_rows16<4, 0>, fa_prerope_rows16<4, 8>,  fa_prerope_rows16<4, 16>,
+                                   fa_prerope_rows16<4, 32>, fa_prerope_rows16<4, 64> };
+        static const fn t128[] = { fa_prerope_rows16<8, 0>, fa_prerope_rows16<8, 8>,  fa_prerope_rows16<8, 16>,
+                                   fa_prerope_rows16<8, 32>, fa_prerope_rows16<8, 64>, fa_prerope_rows16<8, 128> };
+        fn f = nullptr;
+        const int b = pr.n_rot_h == 0 ? 0 : pr.n_rot_h >= 8 && pr.n_rot_h <= DK && (pr.n_rot_h & (pr.n_rot_h - 1)) == 0
+                    ? __builtin_ctz(pr.n_rot_h) - 2 : -1;     // 8 -> 1, 16 -> 2, ...
+        if (pr.h_skip == 0 && b >= 0) {
+            f = DK == 64 ? t64[b] : t128[b];
+        } else if (DK == 128 && pr.n_rot_h == 128 && pr.h_skip == 32) {
+            f = fa_prerope_rows16<8, 128, 32>;    // q53_64 keys on a 128 head (llama_kvq_new_k_rot)
+        }
+        if (f) {
+            f(pr, ik2, Kf, n, sc, tab);
+            return true;
+        }
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (pr.n_dims == DK) {
+        using fn = void (*)(const fa_prerope &, int64_t, float *, int64_t, const float *, const fa_rope_tab &);
+        fn f = nullptr;
+        // by head size, then Hadamard block: none, 8, 16, 32, 64, 128 (a block no larger than the head)
+        static const fn t64[]  = { fa_prerope_rows<8, 0>,  fa_prerope_rows<8, 1>,  fa_prerope_rows<8, 2>,
+                                   fa_prerope_rows<8, 4>,  fa_prerope_rows<8, 8> };
+        static const fn t128[] = { fa_prerope_rows<16, 0>, fa_prerope_rows<16, 1>, fa_prerope_rows<16, 2>,
+                                   fa_prerope_rows<16, 4>, fa_prerope_rows<16, 8>, fa_prerope_rows<16, 16> };
+        int i = -1;
+        for (int b = 0, n = 0; n <= DK; n = n ? 2*n : 8, ++b) {
+            if (pr.n_rot_h == n) {
+                i = b;
+                break;
+            }
+        }
+        if (pr.h_skip == 0) {
+            f = i < 0 ? nullptr : DK == 64 ? t64[i] : DK == 128 ? t128[i] : nullptr;
+        } else if (DK == 128 && pr.n_rot_h == 128 && pr.h_skip == 32) {
+            f = fa_prerope_rows<16, 16, 4>;    // q53_64 keys on a 128 head (llama_kvq_new_k_rot)
+        }
+        if (f) {
+            f(pr, ik2, Kf, n, sc, tab);
+            return true;
+        }
+    }
+#endif
+    GGML_UNUSED(pr); GGML_UNUSED(ik2); GGML_UNUSED(DK); GGML_UNUSED(Kf); GGML_UNUSED(n); GGML_UNUSED(sc);
+    GGML_UNUSED(tab);
+    return false;
+}
+
+}  // namespace
+
+// k rows of a consecutive tile: undo the Hadamard, restore scale and mean, turn row t by R(t)
+void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t n, float * Kf, const float * sc,
+                         const fa_rope_tab & tab) {
+    if (fa_prerope_rows_any(pr, ik2, DK, Kf, n, sc, tab)) {
+        return;
+    }
+    const float * mu = pr.mean + ik2*DK;
+    for (int64_t t = 0; t < n; ++t) {
+        float * x = Kf + t*DK;
+        if (pr.n_rot_h) {
+            fa_fwht(x, DK, pr.n_rot_h, pr.h_skip);
+        }
+        fa_restore_rotate_row(pr, x, DK, sc, mu, tab.c.data() + t*DK, tab.s.data() + t*DK);
+    }
+}
+
+}  // namespace kvq_fa
