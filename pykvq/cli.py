@@ -161,6 +161,10 @@ def cmd_info(args) -> int:
     print(f"system: {system_info()}")
     if args.no_model:
         return 0
+    if args.file:
+        if args.model and args.model != args.file:
+            raise PykvqError(f"two models given: -m {args.model} and {args.file}")
+        args.model = args.file
     m = _open(args)
     print(f"model: {m.path} ({m.description}, arch {m.arch}, {m.n_layer} layers, "
           f"{m.n_head}/{m.n_head_kv} heads, head dim {m.head_dim_k})")
@@ -358,8 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(llama-perplexity --kl-divergence-base format)")
     p.set_defaults(func=cmd_kld)
 
-    p = sub.add_parser("info", help="library, system and model info with the KV-cache size")
+    p = sub.add_parser("info", help="library, system and model info with the KV-cache size; for a converted file "
+                       "what it will do (types, window, bits at 4k / 32k, the KLD to expect)")
     _model_arg(p)
+    p.add_argument("file", nargs="?", default=None, help="the GGUF (the same as -m)")
     _cache_args(p)
     p.add_argument("--no-model", action="store_true", help="only library and system info")
     p.add_argument("--check-keys", action="store_true",

@@ -55,7 +55,7 @@ def test_info_checks_the_keys(capsys):
 def test_info_of_a_converted_file_gives_its_outlook(smollm2_prerope, capsys):
     """A pre-RoPE file: its cache's bits, the window counted at 4k and 32k (by hand: + 16 x (4 + 64 + 1) / 4096 =
     0.27 and / 32768 = 0.034), and the KLD class those bits gave on the suite's models."""
-    assert main(["info", "-m", str(smollm2_prerope)]) == 0
+    assert main(["info", str(smollm2_prerope)]) == 0
     out = capsys.readouterr().out
     m = re.search(r"outlook: ([\d.]+) bits/value in the cache, exact window: first 4 \+ last 64 cells \(f16\): "
                   r"([\d.]+) bits/value at 4k tokens, ([\d.]+) at 32k; expected mean KLD against f16 at 4k: ", out)

@@ -717,16 +717,33 @@ def _report(bad):
     return "\n".join(f"{json.dumps(r)}\n    -> {why[:600]}" for r, why in bad)
 
 
+def test_sanitized_driver_is_instrumented():
+    """What the campaigns below run on (make build-asan, required by .ci/run): the driver and the libraries it loads
+    our code and upstream's from link AddressSanitizer and UBSan, so a bad read aborts there instead of passing."""
+    exe = sanitized_exe()
+    if exe.parent.parent.name != "build-asan":
+        pytest.skip("no sanitizer build (make build-asan); the campaigns run on the normal driver")
+    for f in (exe, exe.parent / "libllama.so", exe.parent / "libggml-base.so", exe.parent / "libggml-cpu.so"):
+        res = subprocess.run(["readelf", "--dynamic", "--dyn-syms", "--wide", str(f)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", res.stdout)
+        assert any(n.startswith("libasan") for n in needed), (f.name, needed)
+        assert any(n.startswith("libubsan") for n in needed), (f.name, needed)
+        assert "__asan_report_" in res.stdout and "__ubsan_handle_" in res.stdout, f"{f.name}: no sanitizer calls"
+
+
 def test_fixed_hostile_files(seeds, tmp_path):
-    """One case per kind of damage: each is refused with the tensor or key named, or loads if harmless."""
-    bad, results, dt = run_recipes(FIXED, seeds, driver_exe(), tmp_path)
+    """One case per kind of damage: each is refused with the tensor or key named, or loads if harmless (on the
+    ASan + UBSan build when it is there, as every campaign below)."""
+    bad, results, dt = run_recipes(FIXED, seeds, sanitized_exe(), tmp_path)
     for r, res in results:
         print(json.dumps(r), "->", res[:300])
     assert not bad, _report(bad)
 
 
 def test_seeds_load_and_decode(seeds, tmp_path):
-    drv = Driver(driver_exe())
+    """The undamaged seeds, the campaigns' controls: each loads and decodes to finite logits (sanitized build)."""
+    drv = Driver(sanitized_exe())
     try:
         for name, sd in seeds.items():
             res = drv.run(sd.path)
