@@ -141,6 +141,10 @@ void llama_kvq_params_free(struct llama_kvq_params * params);
 bool llama_kvq_params_set(struct llama_kvq_params * params, const char * name, const char * value);
 bool llama_kvq_set_default(const char * name, const char * value);
 const char * llama_kvq_settings_error(void);
+int32_t llama_kvq_setting_count(void);
+const char * llama_kvq_setting_name(int32_t i);
+const char * llama_kvq_setting_values(int32_t i);
+const char * llama_kvq_setting_env(int32_t i);
 struct llama_context * llama_kvq_init_from_model_params(struct llama_model * model, struct llama_context_params params,
                                                         const struct llama_kvq_params * kvq);
 int32_t llama_kvq_get(const struct llama_context * ctx, const char * name, char * buf, size_t size);
@@ -241,14 +245,26 @@ def llama_cpp_lib_path() -> str:
     return str(lib_path().parent)
 
 
-# the per-context settings a caller may leave to the environment (the tools' --kv-* flags read the same variables)
-SETTING_ENV = {"k_domain": "PYKVQ_K_DOMAIN", "encoder": "PYKVQ_ENCODER", "k_centre_residual": "PYKVQ_K_CENTRE_RESIDUAL",
-               "kv_window": "PYKVQ_KV_WINDOW", "kv_sinks": "PYKVQ_KV_SINKS"}
+def settings() -> dict[str, tuple[str, str | None]]:
+    """The library's settings table (llama_kvq_setting_*): {name: (the values it takes, its PYKVQ_* variable or
+    None)}, in the table's order. The tools' --kv-* flags and llama-bench fall back to the same variables."""
+    L = lib()
+    out = {}
+    for i in range(L.llama_kvq_setting_count()):
+        env = L.llama_kvq_setting_env(i)
+        out[ffi.string(L.llama_kvq_setting_name(i)).decode()] = (
+            ffi.string(L.llama_kvq_setting_values(i)).decode(), ffi.string(env).decode() if env != ffi.NULL else None)
+    return out
+
+
+def setting_envs() -> dict[str, str]:
+    """{setting: its environment variable} for the settings a caller may leave to the environment."""
+    return {name: env for name, (_, env) in settings().items() if env}
 
 
 def setting_from_env(name: str) -> str | None:
     """The environment's value for a pykvq setting (None when unset or the setting has no variable)."""
-    env = SETTING_ENV.get(name)
+    env = setting_envs().get(name)
     return os.environ.get(env) if env else None
 
 
@@ -259,14 +275,14 @@ def set_setting(setter, name: str, value, *, from_env: bool = False) -> None:
     if not setter(name.encode(), str(value).encode()):
         why = ffi.string(lib().llama_kvq_settings_error()).decode()
         if from_env:
-            why = f"{SETTING_ENV[name]} = '{value}': " + why.split(": ", 1)[-1]
+            why = f"{setting_envs()[name]} = '{value}': " + why.split(": ", 1)[-1]
         raise SettingError(why)
 
 
 def apply_settings(setter, values: dict) -> None:
-    """set_setting for each setting given in values; one given as None, or a SETTING_ENV one not given, takes
-    its PYKVQ_* environment variable when that is set (the callers' fallback: the library reads none)."""
-    for name in dict.fromkeys([*values, *SETTING_ENV]):
+    """set_setting for each setting given in values; one given as None, or one with a variable (setting_envs) not
+    given, takes its PYKVQ_* environment variable when that is set (the callers' fallback: the library reads none)."""
+    for name in dict.fromkeys([*values, *setting_envs()]):
         value, from_env = values.get(name), False
         if value is None:
             value, from_env = setting_from_env(name), True

@@ -524,3 +524,11 @@ def test_tools_take_the_settings_as_flags(smol_pre, tmp_path):
     assert res.returncode == 0 and "pre-RoPE key cache off (k_domain = post)" in res.stderr, res.stderr[-2000:]
     res = run_tool("llama-bench", *bench, timeout=300, env={"PYKVQ_K_DOMAIN": "sideways"})
     assert res.returncode != 0 and "PYKVQ_K_DOMAIN: k_domain = 'sideways': expected auto" in res.stderr, res.stderr[-2000:]
+    # every setting with a variable in the library's table, PYKVQ_K_CENTRE_RESIDUAL included (once missed)
+    from pykvq._lib import setting_envs
+    assert setting_envs() == {"k_domain": "PYKVQ_K_DOMAIN", "encoder": "PYKVQ_ENCODER",
+                              "k_centre_residual": "PYKVQ_K_CENTRE_RESIDUAL", "kv_window": "PYKVQ_KV_WINDOW",
+                              "kv_sinks": "PYKVQ_KV_SINKS"}
+    for name, env in setting_envs().items():
+        res = run_tool("llama-bench", *bench, timeout=300, env={env: "-1"})
+        assert res.returncode != 0 and f"{env}: {name} = '-1'" in res.stderr, (env, res.stderr[-2000:])

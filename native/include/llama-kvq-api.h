@@ -33,10 +33,11 @@ LLAMA_API void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_
 //   k_domain                auto | post | pre | centred   where a --prerope-k file's quantized keys are cached
 //   encoder                 auto | stock | lsq     how q4_0 / q5_0 cache rows are written (auto: lsq for a converted file)
 //   k_centre_residual       a number >= 0          the mean energy a centred cache may leave uncorrected (x the variance)
+//   kv_window, kv_sinks     a number >= 0          the exact window of a pre-RoPE cache: last cells, first positions
 // A context takes each setting from the llama_kvq_params it is made with, else the process default
 // (llama_kvq_set_default: the tools' flags), else auto. The library reads no environment variable for them: the
-// tools' --kv-* flags fall back to PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL (as upstream's set_env),
-// and pykvq (Model, use_with_llama_cpp) does the same on the Python side.
+// tools' --kv-* flags fall back to PYKVQ_* variables (llama_kvq_setting_env; as upstream's set_env), llama-bench reads
+// the same variables, and pykvq (Model, use_with_llama_cpp) does the same on the Python side.
 struct llama_kvq_params;
 
 LLAMA_API struct llama_kvq_params * llama_kvq_params_init(void);       // every setting left to the defaults
@@ -45,6 +46,13 @@ LLAMA_API void llama_kvq_params_free(struct llama_kvq_params * params);
 LLAMA_API bool llama_kvq_params_set(struct llama_kvq_params * params, const char * name, const char * value);
 LLAMA_API bool llama_kvq_set_default(const char * name, const char * value);
 LLAMA_API const char * llama_kvq_settings_error(void);                 // the last refusal on this thread
+
+// the table itself, for tools and bindings: setting i's name, the values it takes, and the environment variable a
+// tool's flag falls back to (NULL: none); NULL past the last one
+LLAMA_API int32_t      llama_kvq_setting_count(void);
+LLAMA_API const char * llama_kvq_setting_name(int32_t i);
+LLAMA_API const char * llama_kvq_setting_values(int32_t i);
+LLAMA_API const char * llama_kvq_setting_env(int32_t i);
 
 // llama_init_from_model with the settings of kvq (NULL: the defaults)
 LLAMA_API struct llama_context * llama_kvq_init_from_model_params(

@@ -23,6 +23,7 @@ namespace {
 
 struct kvq_setting {
     const char * name;
+    const char * env;      // the variable the tools' flag falls back to (nullptr: none); the library reads none
     const char * values;   // what it takes, for messages and --help
     bool (*parse)(llama_kvq_ctx_opts & o, const char * v);   // false: not a value it takes
 };
@@ -53,32 +54,32 @@ int kvq_index_of(const char * v, std::initializer_list<const char *> names) {
 }
 
 const kvq_setting k_settings[] = {
-    { "attn_rot_k", "auto, on or off",
+    { "attn_rot_k", nullptr, "auto, on or off",
       [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_k, v); } },
-    { "attn_rot_v", "auto, on or off",
+    { "attn_rot_v", nullptr, "auto, on or off",
       [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_v, v); } },
-    { "k_domain", "auto, post, pre or centred",
+    { "k_domain", "PYKVQ_K_DOMAIN", "auto, post, pre or centred",
       [](llama_kvq_ctx_opts & o, const char * v) {
           const int i = kvq_index_of(v, { "auto", "post", "pre", "centred" });
           o.k_domain = i - 1;   // LLAMA_KVQ_K_DOMAIN_AUTO = -1, POST, PRE, CENTRED
           return i >= 0;
       } },
-    { "encoder", "auto, stock or lsq",
+    { "encoder", "PYKVQ_ENCODER", "auto, stock or lsq",
       [](llama_kvq_ctx_opts & o, const char * v) {
           const int i = kvq_index_of(v, { "auto", "stock", "lsq" });
           o.encoder = i == 1 ? GGML_KVQ_ENCODER_STOCK : i == 2 ? GGML_KVQ_ENCODER_LSQ : -1;
           return i >= 0;
       } },
-    { "k_centre_residual", "a number >= 0",
+    { "k_centre_residual", "PYKVQ_K_CENTRE_RESIDUAL", "a number >= 0",
       [](llama_kvq_ctx_opts & o, const char * v) {
           char * end = nullptr;
           const double x = strtod(v, &end);
           o.centre_residual = x;
           return end != v && *end == '\0' && x >= 0.0 && x < 1e30;
       } },
-    { "kv_window", "a number of cells >= 0",
+    { "kv_window", "PYKVQ_KV_WINDOW", "a number of cells >= 0",
       [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_window, v); } },
-    { "kv_sinks", "a number of positions >= 0",
+    { "kv_sinks", "PYKVQ_KV_SINKS", "a number of positions >= 0",
       [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_sinks, v); } },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
@@ -150,6 +151,22 @@ bool llama_kvq_params_set(llama_kvq_params * params, const char * name, const ch
 bool llama_kvq_set_default(const char * name, const char * value) {
     std::lock_guard<std::mutex> lock(g_defaults_mutex);
     return g_defaults.set(name, value);
+}
+
+int32_t llama_kvq_setting_count(void) {
+    return k_n_settings;
+}
+
+const char * llama_kvq_setting_name(int32_t i) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].name : nullptr;
+}
+
+const char * llama_kvq_setting_values(int32_t i) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].values : nullptr;
+}
+
+const char * llama_kvq_setting_env(int32_t i) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].env : nullptr;
 }
 
 const char * llama_kvq_settings_error(void) {
