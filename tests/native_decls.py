@@ -19,6 +19,8 @@ struct llama_context * llama_kvq_init_from_model(struct llama_model * model, str
 
 /* pykvq native (ggml-kvq.h, ggml-kvq-cpu.h): reference codecs in ggml-base, kernels in ggml-cpu */
 const char * ggml_kvq_version(void);
+bool ggml_kvq_cpu_set_fa_mode(const char * mode);
+const char * ggml_kvq_cpu_fa_mode(void);
 void quantize_row_bfp4_32_ref(const float * x, void * y, int64_t k);
 void quantize_row_bfp4_64_ref(const float * x, void * y, int64_t k);
 void quantize_row_bfp8_32_ref(const float * x, void * y, int64_t k);

@@ -7,7 +7,6 @@ upstream's per-row path (GGML_KVQ_FA=0), which the 'match' mode reproduces to fl
 rounding. Model level: SmolLM2 with the new path against the per-row path."""
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,19 +20,13 @@ from ggml_graph import Graph
 
 @contextmanager
 def fa_mode(mode: str | None):
-    """GGML_KVQ_FA for the block (read by the kernel on every node)."""
-    old = os.environ.get("GGML_KVQ_FA")
-    if mode is None:
-        os.environ.pop("GGML_KVQ_FA", None)
-    else:
-        os.environ["GGML_KVQ_FA"] = mode
+    """The CPU flash attention's path for the block (ggml_kvq_cpu_set_fa_mode; None: the default, "1")."""
+    old = ffi.string(lib().ggml_kvq_cpu_fa_mode()).decode()
+    assert lib().ggml_kvq_cpu_set_fa_mode((mode or "1").encode()), mode
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("GGML_KVQ_FA", None)
-        else:
-            os.environ["GGML_KVQ_FA"] = old
+        lib().ggml_kvq_cpu_set_fa_mode(old.encode())
 
 
 def cb_ptr(cb):

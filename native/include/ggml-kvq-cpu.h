@@ -69,14 +69,19 @@ ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type);
 // Flash attention for the caches upstream's fast CPU paths leave to the per-row
 // loop (every quantized type, mixed K/V types): native/ggml/cpu/fattn.cpp, patch 0008.
 // _supported is false for f16/f32 K and V of one type (upstream's tiled and
-// split-KV paths), for inputs it does not take, and for every node when the
-// environment sets GGML_KVQ_FA=0 (the per-row path, for comparisons); with use_ref
+// split-KV paths), for inputs it does not take, and for every node in mode "0" (the
+// per-row path, for comparisons: ggml_kvq_cpu_set_fa_mode); with use_ref
 // (the CPU backend as test-backend-ops' reference) for every node but a pre-RoPE K
 // cache's, which only ggml_kvq_fattn reads.
 struct ggml_compute_params;
 bool   ggml_kvq_fattn_supported(const struct ggml_tensor * dst, bool use_ref);
 size_t ggml_kvq_fattn_work_size(const struct ggml_tensor * dst, int n_threads);
 void   ggml_kvq_fattn(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+// Which path quantized caches take: "1" this one (default), "0" upstream's per-row loop, "match" this one with Q
+// rounded through K's vec_dot type as the per-row loop does, "all" this one for f16/f32 caches too (the
+// equivalence tests). GGML_KVQ_FA, read once at the first node, sets it for a process; false for another name.
+GGML_BACKEND_API bool         ggml_kvq_cpu_set_fa_mode(const char * mode);
+GGML_BACKEND_API const char * ggml_kvq_cpu_fa_mode(void);
 
 // Every compiled kernel variant ("generic", "avx2", "avx512", "neon", ...), so
 // the tests can hold each one against the reference. The last one is in use.

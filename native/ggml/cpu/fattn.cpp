@@ -25,6 +25,8 @@
 #include "simd-gemm.h"
 #include "vec.h"
 
+#include <atomic>
+
 namespace kvq_fa {
 namespace {
 
@@ -80,16 +82,29 @@ fa_plan fa_make_plan(const ggml_tensor * dst, int nth) {
 // caches too (both for the equivalence tests).
 enum fa_mode { FA_ON, FA_OFF, FA_MATCH, FA_ALL };
 
-// read on every node (a few per layer; getenv is cheap next to attention) so a
-// test can switch paths within one process
-fa_mode fa_env_mode() {
-    const char * e = getenv("GGML_KVQ_FA");
-    if (e == nullptr) {
-        return FA_ON;
+const char * const FA_MODE_NAMES[] = { "1", "0", "match", "all" };   // by fa_mode
+
+int fa_mode_of(const char * name) {
+    for (int i = 0; i < 4; ++i) {
+        if (strcmp(name, FA_MODE_NAMES[i]) == 0) {
+            return i;
+        }
     }
-    return strcmp(e, "0")     == 0 ? FA_OFF   :
-           strcmp(e, "match") == 0 ? FA_MATCH :
-           strcmp(e, "all")   == 0 ? FA_ALL   : FA_ON;
+    return -1;
+}
+
+// the process's mode: GGML_KVQ_FA read once, at the first node that asks (an unknown value: this path),
+// then what ggml_kvq_cpu_set_fa_mode sets
+std::atomic<int> g_fa_mode{-1};
+
+fa_mode fa_env_mode() {
+    int m = g_fa_mode.load(std::memory_order_relaxed);
+    if (m < 0) {
+        const char * e = getenv("GGML_KVQ_FA");
+        m = e != nullptr && fa_mode_of(e) >= 0 ? fa_mode_of(e) : FA_ON;
+        g_fa_mode.store(m, std::memory_order_relaxed);
+    }
+    return (fa_mode) m;
 }
 
 inline float fa_slope(float max_bias, uint32_t h, uint32_t n_head) {
@@ -554,6 +569,18 @@ void fa_finish_row(const ggml_tensor * dst, int64_t iq1, int64_t h, int64_t iq3,
 using namespace kvq_fa;
 
 static bool fa_supported(const ggml_tensor * dst);
+
+bool ggml_kvq_cpu_set_fa_mode(const char * mode) {
+    const int m = mode != nullptr ? fa_mode_of(mode) : -1;
+    if (m >= 0) {
+        g_fa_mode.store(m, std::memory_order_relaxed);
+    }
+    return m >= 0;
+}
+
+const char * ggml_kvq_cpu_fa_mode(void) {
+    return FA_MODE_NAMES[fa_env_mode()];
+}
 
 bool ggml_kvq_fattn_supported(const ggml_tensor * dst, bool use_ref) {
     // use_ref (test-backend-ops' CPU reference) asks for upstream's per-row loop, which reads every cache
