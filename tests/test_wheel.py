@@ -18,7 +18,7 @@ import pytest
 
 from conftest import BIN, REPO, run_tool
 
-TOOLS = ("llama-cli", "llama-completion", "llama-perplexity", "llama-bench", "llama-server", "ggml-rpc-server")
+from pykvq.tools import TOOLS
 PROMPT = "What is the capital of France?"
 
 
