@@ -7,6 +7,7 @@ their underlying int. The library is found via $PYKVQ_LIB, next to the package
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -245,9 +246,11 @@ def llama_cpp_lib_path() -> str:
     return str(lib_path().parent)
 
 
+@functools.cache
 def settings() -> dict[str, tuple[str, str | None]]:
     """The library's settings table (llama_kvq_setting_*): {name: (the values it takes, its PYKVQ_* variable or
-    None)}, in the table's order. The tools' --kv-* flags and llama-bench fall back to the same variables."""
+    None)}, in the table's order. The tools' --kv-* flags and llama-bench fall back to the same variables. Read once:
+    the table is fixed in the library (callers must not change the dict)."""
     L = lib()
     out = {}
     for i in range(L.llama_kvq_setting_count()):
@@ -257,6 +260,7 @@ def settings() -> dict[str, tuple[str, str | None]]:
     return out
 
 
+@functools.cache
 def setting_envs() -> dict[str, str]:
     """{setting: its environment variable} for the settings a caller may leave to the environment."""
     return {name: env for name, (_, env) in settings().items() if env}

@@ -139,12 +139,13 @@ def cmd_kld(args) -> int:
     from .diagnose import Run, advice
     from .keys import Keys, Values
     prepared = m.meta(Keys.Cache.K_DOMAIN) == Values.K_DOMAIN_PREROPE
-    file_types = (m.meta(Keys.Cache.TYPE_K), m.meta(Keys.Cache.TYPE_V))
-    if "caller" not in m.cache_type_source.values():
-        file_types = (None, None)           # the run took the file's own types (per layer, where it has them)
+    file_types = None                       # a run of the file's own types (per layer, where it has them): none
+    if "caller" in m.cache_type_source.values():
+        made_for = (m.meta(Keys.Cache.TYPE_K), m.meta(Keys.Cache.TYPE_V))
+        file_types = made_for if None not in made_for else None
     fallback = sum(src == "fallback" for layer in m.codebook_sources() for src in layer)
     tip = advice(Run(str(m.path), m.cache_type_k, m.cache_type_v, m.k_domain, prepared, r.mean_kld,
-                     file_types=file_types if None not in file_types else None, fallback_codebooks=fallback))
+                     file_types=file_types, fallback_codebooks=fallback))
     if args.json:
         print(json.dumps(dict(r.as_dict(), cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v, advice=tip)))
     else:

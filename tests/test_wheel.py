@@ -19,6 +19,7 @@ import pytest
 from conftest import BIN, REPO, run_tool
 
 from pykvq.tools import TOOLS
+
 PROMPT = "What is the capital of France?"
 
 
@@ -49,7 +50,7 @@ def venv(wheel, module_tmp, smollm2) -> Path:
 
 
 def test_wheel_holds_the_native_build(wheel):
-    assert wheel.name.endswith("linux_x86_64.whl") or "linux" in wheel.name, "a native wheel is platform-tagged"
+    assert "linux" in wheel.name, "a native wheel is platform-tagged"
     with zipfile.ZipFile(wheel) as z:
         info = {i.filename: i for i in z.infolist()}
     for name in ("libllama.so", "libggml-base.so", "libggml-cpu.so", *TOOLS):
