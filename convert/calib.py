@@ -70,6 +70,8 @@ class Calib:
     km: list[KeyMoments] | None = None   # runtime calibration: per-layer K moments (always there)
     sensitivity: str = "backprop"        # where gk / gv / km.fisher come from: "backprop" or "forward"
     tokens_per_s: float | None = None    # runtime calibration: its speed (for the converter's summary)
+    slot_price: dict | None = None       # --sensitivity probe: {(layer, "k" | "v"): price} (convert/slot_prices.py)
+    probe_report: dict | None = None
 
     def k_pair_rms(self, layer: int) -> np.ndarray:
         """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""

@@ -578,6 +578,8 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
                     xt = x_plain
                 f = xt.fisher if reads is None else xt.fisher * reads[which][:, :, None]
                 errs[(which, t)] = codebook.weighted_error(xt.x, f, t, cbs.get(t))
+                if opts.kv_bits is not None and calib.slot_price:    # the runtime's price of this slot's errors
+                    errs[(which, t)] *= calib.slot_price[(i, which)]
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}
             # per-layer decisions are global (the budget is shared): record errors, decide after the loop

@@ -161,14 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     g.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
     g.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    g.add_argument("--sensitivity", choices=("forward", "backprop"), default=None,
+    g.add_argument("--sensitivity", choices=("forward", "probe", "backprop"), default=None,
                    help="where calibration's channel weights come from. forward (the default for a GGUF input "
                         "without codebooks or --kv-bits): pykvq's runtime runs "
                         "the GGUF (any architecture with standard RoPE, memory about the model's); the keys' "
                         "weight is the energy of the queries that read each channel, V's the norm of its W_o "
                         "columns. backprop: the diagonal Fisher from transformers' backward pass on an f32 HF "
                         "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for an HF input, with --hf-dir, "
-                        "and for codebooks / --kv-bits, whose budgets compare layers: forward weights cannot)")
+                        "and for codebooks / --kv-bits, whose budgets compare layers: forward weights cannot). "
+                        "probe: forward weights within each layer's K and V, and --kv-bits' prices across them "
+                        "measured in the runtime (noise into one slot at a time, the KL divergence it causes: "
+                        "2 x layers + 4 forward passes of --probe-len tokens, in the model's own memory)")
+    g.add_argument("--probe-len", type=int, default=512, metavar="N",
+                   help="with --sensitivity probe: tokens per probe pass (default 512)")
     g.add_argument("--hf-dir", default=None,
                    help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
                         "cached under $PYKVQ_CACHE/hf)")
@@ -395,7 +400,15 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
                   for i in range(g.n_layer)]
     log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
              st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
-    return calib_mod.from_runtime(st, g, v_sens), g
+    calib = calib_mod.from_runtime(st, g, v_sens)
+    if args.sensitivity == "probe" and opts.kv_bits is not None:
+        from convert import slot_prices
+        calib.slot_price, calib.probe_report = slot_prices.measure(gguf_path, text, st, g, v_sens,
+                                                                   seq_len=args.probe_len, progress=progress)
+        r = calib.probe_report
+        log.info("priced %d cache slots in the runtime: %d tokens in %.0f s", len(calib.slot_price), r["tokens"],
+                 r["seconds"])
+    return calib, g
 
 
 def convert(args) -> dict:
@@ -465,7 +478,7 @@ def convert(args) -> dict:
             # compare errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder
             # --kv-bits 3.6: KLD 0.104 forward vs 0.036 backprop), so they keep the backward pass.
             args.sensitivity = "backprop" if (hf or args.hf_dir or opts.needs_fisher()) else "forward"
-        forward = args.sensitivity == "forward"
+        forward = args.sensitivity in ("forward", "probe")
         stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
                                               or opts.learn_k or opts.needs_fisher()
                                               or opts.halves_k()))
@@ -536,6 +549,9 @@ def convert(args) -> dict:
         "inexact_block_scales": rep.scale_stats.get("inexact", 0), "block_scales": rep.scale_stats.get("fields", 0),
         "prerope_k": dict(rep.prerope) if opts.prerope_k else None,
         "sensitivity": args.sensitivity if calib is not None else None,
+        "slot_prices": ({f"{i}{w}": round(v, 4) for (i, w), v in calib.slot_price.items()}
+                        if calib is not None and calib.slot_price else None),
+        "probe": calib.probe_report if calib is not None and calib.slot_price else None,
         "calibration_tokens_per_s": round(calib.tokens_per_s, 1) if calib is not None and calib.tokens_per_s else None,
         "codebook_errors": rep.cb_errors,
     }
@@ -579,6 +595,12 @@ def main(argv=None) -> int:
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")
               + (f" + the window's {s['window_bits']:.3f} at {s['kv_bits_ctx']} cells" if s.get("window_bits") else ""))
+    if s.get("probe"):
+        r, pr = s["probe"], s["slot_prices"]
+        top = sorted(pr, key=pr.get, reverse=True)[:4]
+        when = "(cached)" if r.get("cached") else f"({r['tokens']} tokens, {r['seconds']:.0f} s)"
+        print(f"budget prices measured in the runtime {when}: dearest "
+              + ", ".join(f"{x[:-1]} {x[-1].upper()} {pr[x]:.2f}" for x in top) + " (mean 1)")
     if s.get("budget_weights") == "window" and s["layer_types_k"]:
         print("budget: counts the errors of reads the window leaves quantized (--kv-bits-weights window)")
     if s.get("window_share"):

@@ -46,5 +46,6 @@ set(LLAMA_KVQ_SOURCES
     ${GGML_KVQ_DIR}/llama/llama-kvq-model.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-prerope.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-calib.cpp
+    ${GGML_KVQ_DIR}/llama/llama-kvq-probe.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-window.cpp
     CACHE INTERNAL "pykvq's libllama sources")

@@ -165,6 +165,16 @@ bool llama_kvq_calib_shape(const struct llama_kvq_calib * calib, int32_t il, int
                            int64_t * head_dim, int64_t * n_head, int64_t * n_tokens);
 int64_t llama_kvq_calib_get(const struct llama_kvq_calib * calib, int32_t il, int32_t which, const char * what,
                             void * dst, int64_t capacity);
+/* sensitivity probes (native/llama/llama-kvq-probe.cpp; pykvq/sensitivity.py); which: 1 k, 2 v */
+struct llama_kvq_probe;
+struct llama_kvq_probe * llama_kvq_probe_init(void);
+void llama_kvq_probe_free(struct llama_kvq_probe * probe);
+void llama_kvq_probe_attach(struct llama_kvq_probe * probe, struct llama_context_params * params);
+bool llama_kvq_probe_set(struct llama_kvq_probe * probe, int32_t il, int32_t which, const float * sigma, int64_t n,
+                         uint64_t seed);
+void llama_kvq_probe_next_batch(struct llama_kvq_probe * probe, uint64_t seed);
+int64_t llama_kvq_probe_hits(const struct llama_kvq_probe * probe);
+const char * llama_kvq_probe_error(const struct llama_kvq_probe * probe);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);

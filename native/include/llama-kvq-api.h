@@ -114,6 +114,26 @@ LLAMA_API bool llama_kvq_calib_shape(const struct llama_kvq_calib * calib, int32
 LLAMA_API int64_t llama_kvq_calib_get(const struct llama_kvq_calib * calib, int32_t il, int32_t which,
                                       const char * what, void * dst, int64_t capacity);
 
+// ---- sensitivity probes (native/llama/llama-kvq-probe.cpp; pykvq.sensitivity) ---------------------------------------
+// Gaussian noise of a given standard deviation per [n_head_kv, head_dim] channel added to one layer's K (the output
+// of the ROPE node Kcur-<il>) or V (its first Vcur-<il> node per batch) as the graph computes it: the change of the
+// output distribution prices an error in that cache slot. A context made with attached params runs on the CPU.
+struct llama_kvq_probe;
+
+LLAMA_API struct llama_kvq_probe * llama_kvq_probe_init(void);
+LLAMA_API void llama_kvq_probe_free(struct llama_kvq_probe * probe);
+LLAMA_API void llama_kvq_probe_attach(struct llama_kvq_probe * probe, struct llama_context_params * params);
+LLAMA_API bool llama_kvq_probe_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
+
+// perturb layer il's which (1 K, 2 V) by sigma [n] (n = n_head_kv * head_dim); il < 0: no noise. Resets the hits.
+LLAMA_API bool llama_kvq_probe_set(struct llama_kvq_probe * probe, int32_t il, int32_t which, const float * sigma,
+                                   int64_t n, uint64_t seed);
+// before each llama_decode after the first: a new batch (its own noise from seed)
+LLAMA_API void llama_kvq_probe_next_batch(struct llama_kvq_probe * probe, uint64_t seed);
+// tensors changed since the last set (0 after a decode: the model names its K / V otherwise); the last error
+LLAMA_API int64_t llama_kvq_probe_hits(const struct llama_kvq_probe * probe);
+LLAMA_API const char * llama_kvq_probe_error(const struct llama_kvq_probe * probe);
+
 #ifdef __cplusplus
 }
 #endif

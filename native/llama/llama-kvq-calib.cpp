@@ -12,6 +12,7 @@
 // build_attn takes, before upstream's online V rotation).
 
 #include "llama-kvq-api.h"
+#include "llama-kvq-names.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -51,21 +52,6 @@ struct llama_kvq_calib {
 };
 
 namespace {
-
-// "<prefix>...-<il>" -> il, or -1
-int layer_of(const char * name, const char * prefix) {
-    const size_t np = strlen(prefix);
-    if (strncmp(name, prefix, np) != 0) {
-        return -1;
-    }
-    const char * dash = strrchr(name, '-');
-    if (dash == nullptr || dash[1] == '\0') {
-        return -1;
-    }
-    char * end = nullptr;
-    const long il = strtol(dash + 1, &end, 10);
-    return (*end == '\0' && il >= 0 && il < 100000) ? (int) il : -1;
-}
 
 bool readable(const ggml_tensor * t) {
     return (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16) && t->ne[3] == 1;
@@ -154,17 +140,17 @@ bool accumulate(llama_kvq_calib * c, int il, int which, const kvq_calib_captured
 }
 
 bool wants(const ggml_tensor * t) {
-    const bool qk = layer_of(t->name, "Qcur") >= 0 || layer_of(t->name, "Kcur") >= 0;
+    const bool qk = llama_kvq_layer_of(t->name, "Qcur") >= 0 || llama_kvq_layer_of(t->name, "Kcur") >= 0;
     if (t->op == GGML_OP_ROPE) {
         return qk;
     }
     // a candidate of a type read_f32 cannot read is not what a ROPE takes (and if it is, on_rope says so)
-    return (qk || layer_of(t->name, "Vcur") >= 0) && readable(t);
+    return (qk || llama_kvq_layer_of(t->name, "Vcur") >= 0) && readable(t);
 }
 
 bool on_rope(llama_kvq_calib * c, const ggml_tensor * t) {
-    const bool is_q = layer_of(t->name, "Qcur") >= 0;
-    const int il = is_q ? layer_of(t->name, "Qcur") : layer_of(t->name, "Kcur");
+    const bool is_q = llama_kvq_layer_of(t->name, "Qcur") >= 0;
+    const int il = is_q ? llama_kvq_layer_of(t->name, "Qcur") : llama_kvq_layer_of(t->name, "Kcur");
     const ggml_tensor * src = t->src[0];
     if (!is_q) {
         const int32_t mode = ((const int32_t *) t->op_params)[2], n_dims = ((const int32_t *) t->op_params)[1];
@@ -226,7 +212,7 @@ bool llama_kvq_calib_eval_cb(struct ggml_tensor * t, bool ask, void * user_data)
     if (!read_f32(c, t, x)) {
         return true;
     }
-    const int iv = layer_of(t->name, "Vcur");
+    const int iv = llama_kvq_layer_of(t->name, "Vcur");
     if (iv >= 0) {
         c->pending_v[iv].push_back(std::move(x));
     } else {
