@@ -171,9 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "and for codebooks / --kv-bits, whose budgets compare layers: forward weights cannot). "
                         "probe: forward weights within each layer's K and V, and --kv-bits' prices across them "
                         "measured in the runtime (noise into one slot at a time, the KL divergence it causes: "
-                        "2 x layers + 4 forward passes of --probe-len tokens, in the model's own memory)")
-    g.add_argument("--probe-len", type=int, default=512, metavar="N",
-                   help="with --sensitivity probe: tokens per probe pass (default 512)")
+                        "2 x layers + 5 forward passes of --probe-len tokens, in the model's own memory; "
+                        "the default for --kv-bits where the backward pass cannot run: no torch, or less memory "
+                        "than it needs)")
+    g.add_argument("--probe-len", type=int, default=256, metavar="N",
+                   help="with --sensitivity probe: tokens per probe pass (default 256; Qwen2.5-Coder-1.5B at 3.5 "
+                        "bits: 512 tokens +7%% KLD against the backward pass, 256 +10%% in half the time)")
     g.add_argument("--hf-dir", default=None,
                    help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
                         "cached under $PYKVQ_CACHE/hf)")
@@ -363,27 +366,71 @@ def _check_resources(gguf_path: Path, out: Path, runtime: bool, out_bytes: int |
         raise ConvertError(f"not enough disk for {out.name}: {free / 2**30:.2f} GiB free in {where}, the output "
                            f"needs about {out_need / 2**30:.2f} GiB ({what})")
     if runtime:
-        avail = None
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        avail = _mem_available()
         if avail is not None and avail < need * 0.5:
             raise ConvertError(f"not enough memory to calibrate {gguf_path.name}: {avail / 2**30:.2f} GiB "
                                f"available, running the model needs about {need / 2**30:.2f} GiB")
 
 
+def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool) -> str:
+    """An HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets compare
+    errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder --kv-bits 3.6: KLD
+    0.104 forward vs 0.036 backprop), so they keep the backward pass where it can run; where it cannot (no torch,
+    or less memory than it needs) a budget is priced by the runtime (probe: Qwen2.5-Coder-1.5B at 3.5 bits and 4096
+    tokens +7% KLD against the backward pass, SmolLM2 +38%) and codebooks take the forward weights."""
+    if hf_at_hand:
+        return "backprop"
+    if not opts.needs_fisher():
+        return "forward"
+    why = _backprop_unavailable(m)
+    if why is None:
+        return "backprop"
+    choice = "probe" if opts.kv_bits is not None else "forward"
+    log.info("%s: --sensitivity %s (the budget priced in the runtime, no backward pass)" if choice == "probe" else
+             "%s: --sensitivity %s (forward channel weights)", why, choice)
+    return choice
+
+
+def _backprop_unavailable(m: GGUFModel) -> str | None:
+    """Why the backward pass cannot run here, or None. Its memory (measured: Qwen2.5-Coder-1.5B 13.1 GB, SmolLM2
+    4.7 GB) is taken as 2.2x the f32 weights + 4 GiB."""
+    import importlib.util
+    if m.arch not in SUPPORTED_ARCHS:
+        return f"the backward pass runs llama / qwen2 only, not {m.arch}"
+    for mod in ("torch", "transformers"):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                raise ImportError
+        except (ImportError, ValueError):
+            return f"{mod} is not installed (pip install 'pykvq[convert]' for the backward pass)"
+    need = 2.2 * 4 * sum(_n_values(t) for t in m.tensors.values()) + (4 << 30)
+    avail = _mem_available()
+    if avail is not None and avail < need:
+        return (f"the backward pass needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available")
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, args, opts, progress,
-                   unknown_arch: bool):
+                   unknown_arch: bool, tmp: str):
     """Calibration in pykvq's runtime (pykvq.calibrate) -> (Calib, the geometry with the runtime's rope layout)."""
     from convert import rows
     from pykvq import calibrate
     from pykvq.errors import PykvqError
     try:
+        # every token's Q / K / V stays in memory only (0.45 GB for a 1.5B model): the cache keeps the moments
         st = calibrate.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                      samples=opts.needs_samples(), source=source, progress=progress)
+                                      samples=opts.needs_samples(), source=source, progress=progress,
+                                      cache_samples=False)
     except PykvqError as e:
         raise ConvertError(f"calibration in the runtime failed: {e}") from None
     if unknown_arch:
@@ -400,14 +447,21 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
                   for i in range(g.n_layer)]
     log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
              st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
-    calib = calib_mod.from_runtime(st, g, v_sens)
+    price = report = None
     if args.sensitivity == "probe" and opts.kv_bits is not None:
         from convert import slot_prices
-        calib.slot_price, calib.probe_report = slot_prices.measure(gguf_path, text, st, g, v_sens,
-                                                                   seq_len=args.probe_len, progress=progress)
-        r = calib.probe_report
-        log.info("priced %d cache slots in the runtime: %d tokens in %.0f s", len(calib.slot_price), r["tokens"],
-                 r["seconds"])
+        parked = Path(tmp) / "calibration.npz"     # the probe needs the moments only: the model runs beside less
+        st.save(parked)
+        for ls in st.layers:
+            ls.samples = {}
+        price, report = slot_prices.measure(gguf_path, text, st, g, v_sens, seq_len=args.probe_len,
+                                            progress=progress)
+        log.info("priced %d cache slots in the runtime: %d tokens in %.0f s", len(price), report["tokens"],
+                 report["seconds"])
+        st = calibrate.RuntimeStats.load(parked)
+        parked.unlink()
+    calib = calib_mod.from_runtime(st, g, v_sens)
+    calib.slot_price, calib.probe_report = price, report
     return calib, g
 
 
@@ -474,10 +528,7 @@ def convert(args) -> dict:
             exact = args.dequantize or _weights_all_f32(m)
             opts.requant_type = ("f32" if exact else "q8_0") if args.outtype == "auto" else args.outtype
         if args.sensitivity is None:
-            # an HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets
-            # compare errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder
-            # --kv-bits 3.6: KLD 0.104 forward vs 0.036 backprop), so they keep the backward pass.
-            args.sensitivity = "backprop" if (hf or args.hf_dir or opts.needs_fisher()) else "forward"
+            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir))
         forward = args.sensitivity in ("forward", "probe")
         stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
                                               or opts.learn_k or opts.needs_fisher()
@@ -502,7 +553,7 @@ def convert(args) -> dict:
             log.info("calibrating on %s: %d x %d tokens (%s)", source, args.calib_seqs, args.calib_len,
                      "in pykvq's runtime, forward sensitivities" if forward else "transformers, backprop Fisher")
             if forward:
-                calib, g = _runtime_calib(gguf_path, m, g, text, source, args, opts, progress, unknown_arch)
+                calib, g = _runtime_calib(gguf_path, m, g, text, source, args, opts, progress, unknown_arch, tmp)
             else:
                 hf_dir = src if hf else _calibration_hf_dir(src, args)
                 calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
@@ -512,6 +563,8 @@ def convert(args) -> dict:
                                                          else None))
             t_cal = time.time() - t1
         rep = pipeline.apply(m, opts, calib, progress=progress, geometry=g)
+        if calib is not None:           # every token's Q / K / V: not needed to write, and as large as a small model
+            calib.q = calib.k = calib.v = calib.gk = calib.gv = None
         if hf:
             _cast_weights(m, "f16" if args.outtype == "auto" else args.outtype)
         if args.dequantize:

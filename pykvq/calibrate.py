@@ -130,7 +130,10 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
                 rate = (i + 1) * seq_len / max(time.time() - t0, 1e-9)
                 bar.set_postfix_str(f"{rate:.0f} tok/s")
         seconds = time.time() - t0
-        layers = _read(L, calib, m.n_layer, Path(model_path).name)
+        n_layer = m.n_layer
+        m.close()                   # the model's memory goes before the samples are copied out of the collector
+        m = None
+        layers = _read(L, calib, n_layer, Path(model_path).name)
         mode, n_dims = ffi.new("int32_t *"), ffi.new("int32_t *")
         L.llama_kvq_calib_rope(calib, mode, n_dims)
         if mode[0] not in ROPE_LAYOUTS:
@@ -195,8 +198,10 @@ def cache_key(model_path: str | os.PathLike, text: str, n_seq: int, seq_len: int
 
 
 def collect_cached(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len: int = 512,
-                   samples: bool = False, source: str = "", progress: bool | None = None) -> RuntimeStats:
-    """collect(), kept in $PYKVQ_CACHE/calib/runtime: several conversions of one model calibrate once."""
+                   samples: bool = False, source: str = "", progress: bool | None = None,
+                   cache_samples: bool = True) -> RuntimeStats:
+    """collect(), kept in $PYKVQ_CACHE/calib/runtime: several conversions of one model calibrate once.
+    cache_samples=False keeps the moments only (kilobytes; every token's Q / K / V is ~0.45 GB for a 1.5B model)."""
     from .paths import cache_dir
     d = cache_dir() / "calib" / "runtime"
     keys = [cache_key(model_path, text, n_seq, seq_len, s) for s in ((True, False) if not samples else (True,))]
@@ -209,5 +214,8 @@ def collect_cached(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, 
                 f.unlink(missing_ok=True)
     st = collect(model_path, text, n_seq=n_seq, seq_len=seq_len, samples=samples, source=source, progress=progress)
     d.mkdir(parents=True, exist_ok=True)
-    st.save(d / f"{cache_key(model_path, text, n_seq, seq_len, samples)}.npz")
+    keep = samples and cache_samples
+    RuntimeStats([LayerStats(ls.n, ls.mean, ls.sq, ls.lo, ls.hi, ls.samples if keep else {}) for ls in st.layers],
+                 st.n_seq, st.seq_len, st.source, st.seconds, st.rope_layout, st.n_rot) \
+        .save(d / f"{cache_key(model_path, text, n_seq, seq_len, keep)}.npz")
     return st

@@ -120,3 +120,21 @@ def test_convert_with_probe_prices(smollm2, tmp_path):
 def test_unknown_layer_is_a_clear_error(smollm2, text):
     with pytest.raises(sensitivity.ProbeError, match="not found in the graph"):
         sensitivity.probe(smollm2, text, {(99, "k"): np.ones((3, 64), np.float32)}, seq_len=64, n_threads=2)
+
+
+def test_budget_without_torch_is_priced_by_the_runtime(smollm2, tmp_path, monkeypatch):
+    """A plain `pip install pykvq` has no torch: --kv-bits then takes --sensitivity probe by itself (and says
+    why) where it used to stop at the backward pass; codebooks alone take the forward weights."""
+    import sys
+
+    from convert import to_gguf
+    from convert.gguf_io import read_gguf
+    monkeypatch.setitem(sys.modules, "torch", None)          # import torch now fails, as without the extra
+    assert "torch is not installed" in to_gguf._backprop_unavailable(read_gguf(smollm2))
+    args = ["--calib-seqs", "1", "--calib-len", "192", "--probe-len", "128", "--no-progress"]
+    s = to_gguf.convert(to_gguf.build_parser().parse_args(
+        [str(smollm2), "-o", str(tmp_path / "a.gguf"), "--prerope-k", "--kv-bits", "3.5", *args]))
+    assert s["sensitivity"] == "probe" and len(s["slot_prices"]) == 60
+    s = to_gguf.convert(to_gguf.build_parser().parse_args(
+        [str(smollm2), "-o", str(tmp_path / "b.gguf"), "--prerope-k", "--cache-type-k", "nuq3", "--cache-type-v", "nuq3", *args]))
+    assert s["sensitivity"] == "forward"
