@@ -64,7 +64,8 @@ def geometry(m: GGUFModel, layout: str | None = None) -> Geometry:
     if arch not in SUPPORTED_ARCHS and layout is None:
         raise ConvertError(f"architecture {arch!r} is not supported; the converter handles "
                            f"{', '.join(SUPPORTED_ARCHS)} (llama covers Mistral and SmolLM), and any architecture "
-                           "for --prerope-k alone (calibrated in the runtime)")
+                           "for --prerope-k without weight transforms (cache types, codebooks, --kv-bits: calibrated and "
+                           "priced in the runtime)")
     n_head = _scalar(m.arch_meta("attention.head_count"), "head counts")
     n_head_kv = _scalar(m.arch_meta("attention.head_count_kv", n_head), "KV head counts")
     n_embd = int(m.arch_meta("embedding_length"))
