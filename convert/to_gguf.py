@@ -174,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "2 x layers + 5 forward passes of --probe-len tokens, in the model's own memory; "
                         "the default for --kv-bits where the backward pass cannot run: no torch, or less memory "
                         "than it needs)")
-    g.add_argument("--probe-len", type=int, default=256, metavar="N",
-                   help="with --sensitivity probe: tokens per probe pass (default 256; Qwen2.5-Coder-1.5B at 3.5 "
-                        "bits: 512 tokens +7%% KLD against the backward pass, 256 +10%% in half the time)")
+    g.add_argument("--probe-len", type=int, default=128, metavar="N",
+                   help="with --sensitivity probe: tokens per probe pass (default 128; Qwen2.5-Coder-1.5B at 3.5 "
+                        "bits and 4096 tokens, KLD against the backward pass: 128 +8%%, 256 +10%%, 512 +7%%, "
+                        "the probe taking 54 / 104 / 288 s)")
     g.add_argument("--hf-dir", default=None,
                    help="GGUF input: HF checkpoint to calibrate with (default: one dequantized from the GGUF, "
                         "cached under $PYKVQ_CACHE/hf)")
@@ -377,7 +378,7 @@ def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool) -> str:
     errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder --kv-bits 3.6: KLD
     0.104 forward vs 0.036 backprop), so they keep the backward pass where it can run; where it cannot (no torch,
     or less memory than it needs) a budget is priced by the runtime (probe: Qwen2.5-Coder-1.5B at 3.5 bits and 4096
-    tokens +7% KLD against the backward pass, SmolLM2 +38%) and codebooks take the forward weights."""
+    tokens +8% KLD against the backward pass, SmolLM2 +37%) and codebooks take the forward weights."""
     if hf_at_hand:
         return "backprop"
     if not opts.needs_fisher():
