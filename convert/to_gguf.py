@@ -531,15 +531,12 @@ def convert(args) -> dict:
         if args.sensitivity is None:
             args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir))
         forward = args.sensitivity in ("forward", "probe")
-        stats_only = (opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
-                                              or opts.learn_k or opts.needs_fisher()
-                                              or opts.halves_k()))
         # an architecture outside the converter's table: the pre-RoPE statistics, codebooks and a runtime-priced
         # budget (no weight transforms), with the layout the runtime's graph tells (checked against the file's rope
         # dimension count after calibration)
         runtime_only = opts.prerope_k and not (opts.ksort or opts.smooth_qk or opts.rotate_v != "none"
                                                or opts.learn_k)
-        g = geometry(m, layout="norm" if forward and (stats_only or runtime_only) else None)
+        g = geometry(m, layout="norm" if forward and runtime_only else None)
         unknown_arch = g.arch not in SUPPORTED_ARCHS
         pipeline.check_file(m, opts, g)     # what the metadata rules out, before minutes of calibration
         _check_resources(gguf_path, out, forward and not hf,

@@ -58,13 +58,14 @@ class RuntimeStats:
     def tokens_per_s(self) -> float:
         return self.n_seq * self.seq_len / self.seconds if self.seconds > 0 else 0.0
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, samples: bool = True) -> None:
+        """samples=False: the moments only."""
         arrays = {"meta": np.array([self.n_seq, self.seq_len, self.seconds, self.n_rot], np.float64),
                   "source": np.array(self.source), "rope_layout": np.array(self.rope_layout)}
         for i, ls in enumerate(self.layers):
             arrays[f"n{i}"] = np.array(ls.n)
             for w in ls.mean:
-                for what in ("mean", "sq", "lo", "hi", "samples"):
+                for what in ("mean", "sq", "lo", "hi", "samples")[:5 if samples else 4]:
                     d = getattr(ls, what)
                     if w in d:
                         arrays[f"{what}.{w}{i}"] = d[w]
@@ -215,7 +216,5 @@ def collect_cached(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, 
     st = collect(model_path, text, n_seq=n_seq, seq_len=seq_len, samples=samples, source=source, progress=progress)
     d.mkdir(parents=True, exist_ok=True)
     keep = samples and cache_samples
-    RuntimeStats([LayerStats(ls.n, ls.mean, ls.sq, ls.lo, ls.hi, ls.samples if keep else {}) for ls in st.layers],
-                 st.n_seq, st.seq_len, st.source, st.seconds, st.rope_layout, st.n_rot) \
-        .save(d / f"{cache_key(model_path, text, n_seq, seq_len, keep)}.npz")
+    st.save(d / f"{cache_key(model_path, text, n_seq, seq_len, keep)}.npz", samples=keep)
     return st

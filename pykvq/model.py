@@ -185,11 +185,11 @@ class Model(Generation, Evaluation):
         cp.type_k = type_k if cache_type_k else KV_CACHE_TYPE_MODEL
         cp.type_v = type_v if cache_type_v else KV_CACHE_TYPE_MODEL
         cp.no_perf = True
-        if _calibration is not None:    # pykvq.calibrate: its collector reads the graph; a decode is one ubatch
+        if _calibration is not None or _probe is not None:    # an eval callback reads the graph: one ubatch a decode
             cp.n_ubatch = cp.n_batch
+        if _calibration is not None:    # pykvq.calibrate: its collector reads Q / K / V
             L.llama_kvq_calib_attach(_calibration, ffi.addressof(cp))
         if _probe is not None:          # pykvq.sensitivity: noise into one layer's K / V as the graph computes it
-            cp.n_ubatch = cp.n_batch
             L.llama_kvq_probe_attach(_probe, ffi.addressof(cp))
         log.clear()
         settings = dict(attn_rot_k=_ROT_NAMES[rot_k], attn_rot_v=_ROT_NAMES[rot_v], k_domain=k_domain,

@@ -40,6 +40,9 @@ def probe(model_path: str | Path, text: str, sigmas: dict, *, n_seq: int = 1, se
     from ._lib import lib
     from .calibrate import CalibrationError, windows
     from .model import Model
+    bad = [k for k in sigmas if len(k) < 2 or k[1] not in WHICH]
+    if bad:
+        raise ProbeError(f"probe keys are (layer, 'k' | 'v', ...); got {bad[0]!r}")
     L = lib()
     p = L.llama_kvq_probe_init()
     m = None

@@ -120,6 +120,10 @@ def test_convert_with_probe_prices(smollm2, tmp_path):
 def test_unknown_layer_is_a_clear_error(smollm2, text):
     with pytest.raises(sensitivity.ProbeError, match="not found in the graph"):
         sensitivity.probe(smollm2, text, {(99, "k"): np.ones((3, 64), np.float32)}, seq_len=64, n_threads=2)
+    with pytest.raises(sensitivity.ProbeError, match="'k' \\| 'v'"):
+        sensitivity.probe(smollm2, text, {(3, "q"): np.ones((3, 64), np.float32)}, seq_len=64, n_threads=2)
+    with pytest.raises(sensitivity.ProbeError, match="values per token"):     # sigma of the wrong shape
+        sensitivity.probe(smollm2, text, {(3, "v"): np.ones((2, 64), np.float32)}, seq_len=64, n_threads=2)
 
 
 def test_budget_without_torch_is_priced_by_the_runtime(smollm2, tmp_path, monkeypatch):
