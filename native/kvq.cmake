@@ -1,4 +1,4 @@
-# Included from ggml/src/CMakeLists.txt (patch 0001) once ggml-base exists.
+# Included from ggml/src/CMakeLists.txt (the build seam, 0001-kvq-build.patch) once ggml-base exists.
 # GGML_KVQ_DIR is this directory; the top-level CMakeLists.txt sets it.
 #
 # Sources that extend ggml-base (type traits, reference quantizers) go here;
@@ -18,7 +18,7 @@ target_include_directories(ggml-base PUBLIC ${GGML_KVQ_DIR}/include)
 target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
 
 # CPU kernels: added to every ggml-cpu variant with that variant's arch flags
-# (patch 0002, ggml/src/ggml-cpu/CMakeLists.txt).
+# (the build seam, ggml/src/ggml-cpu/CMakeLists.txt).
 set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/ggml/cpu/bfp.c
     ${GGML_KVQ_DIR}/ggml/cpu/nuq.c
@@ -30,7 +30,7 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/ggml/cpu/fattn-centred.cpp
 )
 
-# CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by patch 0009, compiled with its flags
+# CUDA kernels (PYKVQ_CUDA=ON): added to ggml-cuda by the build seam, compiled with its flags
 # and architectures; they include ggml-cuda's own headers (common.cuh, fattn.cuh).
 set(GGML_KVQ_CUDA_SOURCES
     ${GGML_KVQ_DIR}/ggml/cuda/kvq-cuda.cu
@@ -39,7 +39,7 @@ set(GGML_KVQ_CUDA_SOURCES
     ${GGML_KVQ_DIR}/ggml/cuda/kvq-fattn-d256.cu
 )
 
-# libllama's side (src/CMakeLists.txt, patch 0003): a cache variable, since llama's directory is ggml's sibling
+# libllama's side (src/CMakeLists.txt, the build seam): a cache variable, since llama's directory is ggml's sibling
 set(LLAMA_KVQ_SOURCES
     ${GGML_KVQ_DIR}/llama/llama-kvq.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-memory.cpp

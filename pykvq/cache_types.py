@@ -75,7 +75,7 @@ GGML_TYPES: dict[str, int] = {f"GGML_TYPE_{name.upper()}": tid for name, tid in 
 
 UNQUANTIZED = {"f32", "f16", "bf16"}
 
-# llama.cpp's auto/off/on settings (llama_flash_attn_type, llama_attn_rot_type of patch 0003)
+# llama.cpp's auto/off/on settings (llama_flash_attn_type, llama_attn_rot_type of the tool flags seam)
 AUTO_OFF_ON = {None: -1, "auto": -1, False: 0, "off": 0, True: 1, "on": 1}
 
 

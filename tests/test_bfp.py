@@ -221,7 +221,7 @@ def test_context_shift_with_bfp_cache(smollm2, passage, k_type, rot):
     in place: dequantize, rope, requantize), decode the second half there, move
     everything back, then decode one token. Relative positions always agree, so the
     logits must match a run without shifts. rot=off with a quantized K used to
-    dereference a null rotation tensor upstream (patch 0003 fixes it)."""
+    dereference a null rotation tensor upstream (the KV cache seam fixes it)."""
     with Model(smollm2, n_ctx=512, cache_type_k=k_type, cache_type_v="f16", flash_attn=True,
                attn_rot_k=rot, attn_rot_v="off") as m:
         t = m.tokenize(passage)[:151]                  # BOS + 150 tokens

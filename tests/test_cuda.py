@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 NATIVE = REPO / "native"
 GGML = REPO / "third_party" / "llama.cpp" / "ggml"
 
-# every .cu of ours, and the upstream TUs patches 0009-0010 change (the hooks, the 2-D rope factors)
+# every .cu of ours, and the upstream TUs the CUDA dispatch seam changes (the hooks, the 2-D rope factors)
 CUDA_TUS = sorted(str(p) for p in (NATIVE / "ggml" / "cuda").glob("*.cu")) + [
     str(GGML / "src" / "ggml-cuda" / "ggml-cuda.cu"),
     str(GGML / "src" / "ggml-cuda" / "rope.cu"),

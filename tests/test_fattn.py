@@ -1,4 +1,4 @@
-"""CPU flash attention for quantized and mixed KV caches (native/ggml/cpu/fattn.cpp, patch 0008).
+"""CPU flash attention for quantized and mixed KV caches (native/ggml/cpu/fattn.cpp, the CPU dispatch seam).
 
 Op level: FLASH_ATTN_EXT on real ggml graphs against a float64 numpy attention over
 the dequantized cache, for every cache type and mixed pairs, decode (split KV) and

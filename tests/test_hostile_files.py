@@ -593,7 +593,7 @@ class Driver:
 
 # Aborts in upstream llama.cpp code that a bit flip anywhere in the header reaches (not pykvq's to fix without a
 # patch; each is reported with its fix): such a crash is counted, not failed. Any other crash fails.
-# (none known: patch 0014 turned the vocabulary loader's abort on duplicate token strings into a load error)
+# (none known: the upstream-fixes patch turned the vocabulary loader's abort on duplicate token strings into a load error)
 UPSTREAM_ABORTS: dict[str, str] = {}
 
 

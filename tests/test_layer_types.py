@@ -1,4 +1,4 @@
-"""Per-layer KV-cache types and nuq codebooks from the GGUF (patches 0006-0007).
+"""Per-layer KV-cache types and nuq codebooks from the GGUF (the model loading and KV cache seams).
 
 Each test works on a copy of SmolLM2 with pykvq.cache.* keys (and blk.N.kvq_codebook_k/v tensors)
 added; the weights are untouched, so a run with per-layer keys can be compared with a run of the

@@ -32,8 +32,9 @@ def test_pin_is_exact():
 def test_fresh_extract_applies_all_patches_and_rerun_is_noop(patch_env, capsys):
     tree, patches = patch_env
     fetch.fetch(tree=tree)
-    log = fetch.git(tree, "log", "--format=%s", capture=True).split()
-    assert log == sorted(p.name for p in patches.glob("*.patch"))[::-1] + ["upstream"]
+    log = fetch.git(tree, "log", "--format=%B%x00", capture=True).split("\0")
+    want = [fetch.patch_message(p) for p in fetch.patch_files(patches)][::-1] + ["upstream"]
+    assert [m.strip() for m in log if m.strip()] == want
     # the first hook is in place
     assert "GGML_KVQ_DIR" in (tree / "ggml/src/CMakeLists.txt").read_text()
     assert "ggml_kvq_version" in (tree / "src/llama.cpp").read_text()
@@ -66,3 +67,27 @@ def test_refresh_patch_round_trip(patch_env):
     assert (tree / fetch.STAMP).read_text() == fetch.wanted_stamp(fetch.read_pin(), fetch.patch_files(patches))
     fetch.fetch(tree=tree, force=True)
     assert f.read_text().endswith("// pykvq test edit\n")
+
+
+def test_patches_are_one_per_seam_with_a_message(patch_env):
+    """Issue 60's shape: at most 10 patches, each a git format-patch file whose message says what its seam is for,
+    no upstream file in two of them (so none edits another's lines), and a fresh tree writes them back
+    byte for byte (refresh_patch's format is deterministic)."""
+    tree, patches = patch_env
+    files = fetch.patch_files(patches)
+    assert 1 <= len(files) <= 10
+    owner = {}
+    for p in files:
+        msg = fetch.patch_message(p)
+        subject, _, body = msg.partition("\n\n")
+        assert subject.startswith("kvq: ") and len(body.split()) >= 15, p.name
+        for line in p.read_text().splitlines():
+            if line.startswith("diff --git a/"):
+                path = line.split()[2][2:]
+                assert path not in owner, f"{path} is patched by {owner.get(path)} and {p.name}"
+                owner[path] = p.name
+    fetch.fetch(tree=tree)
+    before = {p.name: p.read_text() for p in files}
+    names = [p.name for p in files]
+    assert refresh_patch.write_patches(tree, patches, names) == []
+    assert {p.name: p.read_text() for p in fetch.patch_files(patches)} == before

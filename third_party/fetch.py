@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ PATCH_DIR = ROOT / "native" / "patches"
 TREE = HERE / "llama.cpp"
 CACHE = Path(os.environ.get("PYKVQ_SDIST_CACHE", HERE / ".cache"))
 STAMP = ".pykvq-stamp"
+PATCH_DATE = "2000-01-01T00:00:00Z"
 
 
 class FetchError(RuntimeError):
@@ -55,6 +57,16 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def patch_message(patch: Path) -> str:
+    """The commit message a patch file carries (git format-patch's Subject and body), else the file's name."""
+    head = patch.read_text().split("\ndiff --git ", 1)[0]
+    m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.+)$", head, re.M)
+    if m is None:
+        return patch.name
+    body = re.split(r"^---$", head[m.end():], maxsplit=1, flags=re.M)[0].strip("\n")
+    return m.group(1) + ("\n\n" + body if body else "")
 
 
 def patch_files(patch_dir: Path | None = None) -> list[Path]:
@@ -98,8 +110,10 @@ def download_sdist(pin: dict) -> Path:
 
 
 def git(tree: Path, *args: str, check: bool = True, capture: bool = False) -> str:
+    # one author and date for every commit, so git format-patch writes the same patch files on every machine
     env = dict(os.environ, GIT_AUTHOR_NAME="pykvq", GIT_AUTHOR_EMAIL="pykvq@localhost",
-               GIT_COMMITTER_NAME="pykvq", GIT_COMMITTER_EMAIL="pykvq@localhost")
+               GIT_COMMITTER_NAME="pykvq", GIT_COMMITTER_EMAIL="pykvq@localhost",
+               GIT_AUTHOR_DATE=PATCH_DATE, GIT_COMMITTER_DATE=PATCH_DATE)
     res = subprocess.run(["git", "-C", str(tree), *args], env=env, text=True,
                          stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
@@ -146,7 +160,7 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
         if res.returncode != 0:
             raise FetchError(f"patch {p.name} does not apply:\n{res.stderr.strip()}")
         git(tree, "add", "-A", "-f")
-        git(tree, "commit", "-q", "--no-verify", "--allow-empty", "-m", p.name)
+        git(tree, "commit", "-q", "--no-verify", "--allow-empty", "-m", patch_message(p))
         print(f"fetch: applied {p.name}", flush=True)
 
 

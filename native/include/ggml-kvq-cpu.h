@@ -1,6 +1,6 @@
 // pykvq: CPU kernels for the KV-cache types (compiled into ggml-cpu with its
 // arch flags; bodies in native/ggml/cpu/). Wired into ggml-cpu.c's type_traits_cpu
-// table and the flash-attention V path by patch 0002.
+// table and the flash-attention V path by the CPU dispatch seam.
 #pragma once
 
 #include "ggml-kvq.h"
@@ -48,7 +48,7 @@ void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t
 void quantize_row_q4_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_q5_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 // the from_float a SET_ROWS into dst takes instead of the type's own where the node asks for least-squares
-// scales (ggml_kvq_set_encoder) and dst is q4_0 / q5_0; NULL otherwise (patch 0016, ops.cpp)
+// scales (ggml_kvq_set_encoder) and dst is q4_0 / q5_0; NULL otherwise (the CPU dispatch seam, ops.cpp)
 GGML_BACKEND_API ggml_from_float_t ggml_kvq_cpu_encoder_from_float(const struct ggml_tensor * dst);
 
 // Codebooks for the node about to run (called first thing in ggml_compute_forward, by
@@ -67,7 +67,7 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type);
 ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type);
 
 // Flash attention for the caches upstream's fast CPU paths leave to the per-row
-// loop (every quantized type, mixed K/V types): native/ggml/cpu/fattn.cpp, patch 0008.
+// loop (every quantized type, mixed K/V types): native/ggml/cpu/fattn.cpp, the CPU dispatch seam.
 // _supported is false for f16/f32 K and V of one type (upstream's tiled and
 // split-KV paths), for inputs it does not take, and for every node in mode "0" (the
 // per-row path, for comparisons: ggml_kvq_cpu_set_fa_mode); with use_ref
@@ -99,7 +99,7 @@ ggml_vec_dot_t    ggml_kvq_nuq_cpu_impl_vec_dot(int i, enum ggml_type type);
 ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float(int i, enum ggml_type type);
 ggml_to_float_t   ggml_kvq_nuq_cpu_impl_to_float_k(int i, enum ggml_type type);
 
-// Entries for ggml-cpu.c's type_traits_cpu table (patch 0002), one per row of ggml-kvq-types.h.
+// Entries for ggml-cpu.c's type_traits_cpu table (the CPU dispatch seam), one per row of ggml-kvq-types.h.
 #define GGML_KVQ_TRAITS_CPU_ROW(name, NAME, id, qk, family, vdt, VDT, ...)     \
     [GGML_TYPE_##NAME] = {                                                      \
         .from_float   = quantize_row_##name,                                    \

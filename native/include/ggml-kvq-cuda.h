@@ -1,5 +1,5 @@
 // pykvq: the CUDA backend's view of the cache types (bodies in native/ggml/cuda/, wired into
-// ggml-cuda.cu by patch 0009). C++ only: ggml-cuda is C++/CUDA.
+// ggml-cuda.cu by the CUDA dispatch seam). C++ only: ggml-cuda is C++/CUDA.
 #pragma once
 
 #include "ggml.h"

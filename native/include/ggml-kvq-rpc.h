@@ -1,6 +1,6 @@
 #pragma once
 
-// pykvq over llama.cpp's RPC backend (patch 0013-kvq-rpc). pykvq's cache types and their node parameters
+// pykvq over llama.cpp's RPC backend (the RPC seam, 0005-kvq-rpc.patch). pykvq's cache types and their node parameters
 // (codebooks and pre-RoPE tags in op_params, src[5..8]) travel in ggml-rpc's tensor serialisation unchanged;
 // what a stock worker lacks is the code to run them. A pykvq worker answers HELLO with a mark in the
 // response's padding byte, where a stock worker sends 0, and a pykvq client refuses any other worker.

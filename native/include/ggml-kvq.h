@@ -400,7 +400,7 @@ GGML_API void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t
 GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k);
 GGML_API void quantize_row_q42_64_ref(const float * x, block_q42_64 * y, int64_t k);
 GGML_API void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k);
-// Row validation for ggml_validate_row_data (patch 0015): both scales of every block finite (q53_64, q42_64).
+// Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64, q42_64).
 GGML_API bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes);
 
 //
@@ -435,7 +435,7 @@ GGML_API void ggml_kvq_set_encoder(struct ggml_tensor * node, int encoder);
 GGML_API int  ggml_kvq_get_encoder(const struct ggml_tensor * node);
 // (the CPU: ggml_kvq_cpu_encoder_from_float, ggml-kvq-cpu.h)
 
-// Row validation for ggml_validate_row_data (patch 0005): d (and ov) finite, oi < 64.
+// Row validation for ggml_validate_row_data (the type registration seam): d (and ov) finite, oi < 64.
 GGML_API bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, size_t nbytes);
 
 // f16 <-> f32 by integer arithmetic only (round to nearest even; NaN keeps sign and
@@ -492,7 +492,7 @@ static inline float ggml_kvq_f16_bytes(const uint8_t * p) {
     return ggml_kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
 }
 
-// Entries for ggml.c's type_traits table (patch 0002), one per row of ggml-kvq-types.h.
+// Entries for ggml.c's type_traits table (the type registration seam), one per row of ggml-kvq-types.h.
 #define GGML_KVQ_TRAITS_ROW(name, NAME, id, qk, ...)                            \
     [GGML_TYPE_##NAME] = {                                                      \
         .type_name      = #name,                                                \

@@ -1,7 +1,7 @@
 // pykvq: the llama side of pykvq's caches in llama_kv_cache and the memories that hold it: every attention
 // KV cache of a memory (the cache-kind visitor), per-layer descriptions, codebooks, the online rotation
 // setting, the pre-RoPE key domain, and the log line that says what a context's caches hold.
-// The methods are declared in src/llama-kv-cache.h (patches 0003, 0006, 0009); their bodies live here.
+// The methods are declared in src/llama-kv-cache.h (the KV cache seam); their bodies live here.
 #include "llama-kvq.h"
 #include "llama-kvq-keys.h"
 
@@ -489,7 +489,7 @@ uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, uint32_t n_ubatch) 
         return n;
     }
     // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and
-    // build_attn's iSWA overload reads both (patch 0012). Hybrid memories build attention elsewhere: not yet.
+    // build_attn's iSWA overload reads both (the attention graph seam). Hybrid memories build attention elsewhere: not yet.
     if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
         return iswa->get_base()->kvq_set_k_domain() + iswa->get_swa()->kvq_set_k_domain();
     }

@@ -1,4 +1,4 @@
-// CPU flash attention for quantized and mixed KV caches (patch 0008 routes
+// CPU flash attention for quantized and mixed KV caches (the CPU dispatch seam routes
 // FLASH_ATTN_EXT here when ggml_kvq_fattn_supported() says so).
 //
 // Upstream's fast CPU paths (split-KV decode, tiled prefill) take only f16/f32

@@ -1,4 +1,4 @@
-// pykvq: the cache types in ggml-cuda (patch 0009 calls the two entry points below).
+// pykvq: the cache types in ggml-cuda (the CUDA dispatch seam calls the two entry points below).
 //
 //   SET_ROWS f32 -> type      quantize on write, one thread per block (the codec of kvq-codec.cuh,
 //                             bit for bit the reference quantizer); also stock q4_0 / q5_0 where the
