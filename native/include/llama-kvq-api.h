@@ -53,6 +53,11 @@ LLAMA_API int32_t      llama_kvq_setting_count(void);
 LLAMA_API const char * llama_kvq_setting_name(int32_t i);
 LLAMA_API const char * llama_kvq_setting_values(int32_t i);
 LLAMA_API const char * llama_kvq_setting_env(int32_t i);
+// the tools' flag of setting i (comma-separated aliases), its value in --help and its help: common/arg.cpp makes
+// every flag from these (a tool flag with no variable of its own falls back to LLAMA_ARG_<NAME>)
+LLAMA_API const char * llama_kvq_setting_flags(int32_t i);
+LLAMA_API const char * llama_kvq_setting_hint(int32_t i);
+LLAMA_API const char * llama_kvq_setting_help(int32_t i);
 
 // llama_init_from_model with the settings of kvq (NULL: the defaults)
 LLAMA_API struct llama_context * llama_kvq_init_from_model_params(

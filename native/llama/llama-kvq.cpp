@@ -16,7 +16,8 @@
 #include <string>
 
 //
-// per-context settings: one row per setting; a new one is a row here, a field of llama_kvq_ctx_opts and its reader
+// per-context settings: one row per setting (the tools' flags, llama-bench's variables and pykvq's are made from it);
+// a new one is a row here, a field of llama_kvq_ctx_opts and its reader
 //
 
 namespace {
@@ -26,6 +27,9 @@ struct kvq_setting {
     const char * env;      // the variable the tools' flag falls back to (nullptr: none); the library reads none
     const char * values;   // what it takes, for messages and --help
     bool (*parse)(llama_kvq_ctx_opts & o, const char * v);   // false: not a value it takes
+    const char * flags;    // the tools' flag and its aliases, comma-separated (common/arg.cpp makes them from here)
+    const char * hint;     // the flag's value in --help
+    const char * help;
 };
 
 bool kvq_parse_rot(llama_attn_rot_type & r, const char * v) {
@@ -55,32 +59,48 @@ int kvq_index_of(const char * v, std::initializer_list<const char *> names) {
 
 const kvq_setting k_settings[] = {
     { "attn_rot_k", nullptr, "auto, on or off",
-      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_k, v); } },
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_k, v); },
+      "-rotk,--attn-rot-k", "{auto,on,off}",
+      "online Hadamard rotation of the K cache (default: auto = on for quantized K with head size % 64 == 0)" },
     { "attn_rot_v", nullptr, "auto, on or off",
-      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_v, v); } },
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_rot(o.attn_rot_v, v); },
+      "-rotv,--attn-rot-v", "{auto,on,off}",
+      "online Hadamard rotation of the V cache (default: auto = on for quantized V with head size % 64 == 0)" },
     { "k_domain", "PYKVQ_K_DOMAIN", "auto, post, pre or centred",
       [](llama_kvq_ctx_opts & o, const char * v) {
           const int i = kvq_index_of(v, { "auto", "post", "pre", "centred" });
           o.k_domain = i - 1;   // LLAMA_KVQ_K_DOMAIN_AUTO = -1, POST, PRE, CENTRED
           return i >= 0;
-      } },
+      },
+      "--kv-domain", "{auto,post,pre,centred}",
+      "where a --prerope-k file's quantized keys are cached (default: auto = pre-RoPE where the file asks)" },
     { "encoder", "PYKVQ_ENCODER", "auto, stock or lsq",
       [](llama_kvq_ctx_opts & o, const char * v) {
           const int i = kvq_index_of(v, { "auto", "stock", "lsq" });
           o.encoder = i == 1 ? GGML_KVQ_ENCODER_STOCK : i == 2 ? GGML_KVQ_ENCODER_LSQ : -1;
           return i >= 0;
-      } },
+      },
+      "--kv-encoder", "{auto,stock,lsq}",
+      "encoder of q4_0 / q5_0 cache rows (default: auto = least-squares scales for a pykvq-converted file)" },
     { "k_centre_residual", "PYKVQ_K_CENTRE_RESIDUAL", "a number >= 0",
       [](llama_kvq_ctx_opts & o, const char * v) {
           char * end = nullptr;
           const double x = strtod(v, &end);
           o.centre_residual = x;
           return end != v && *end == '\0' && x >= 0.0 && x < 1e30;
-      } },
+      },
+      "--kv-centre-residual", "X",
+      "centred key cache: mean energy left uncorrected, x the head's variance (default: 0.5)" },
     { "kv_window", "PYKVQ_KV_WINDOW", "a number of cells >= 0",
-      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_window, v); } },
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_window, v); },
+      "--kv-window", "N",
+      "pre-RoPE key cache: each query reads the last N positions up to it unquantized (f16) (default: the file's "
+      "pykvq.cache.kv_window, 64 for a --prerope-k file; 0: off)" },
     { "kv_sinks", "PYKVQ_KV_SINKS", "a number of positions >= 0",
-      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_sinks, v); } },
+      [](llama_kvq_ctx_opts & o, const char * v) { return kvq_parse_count(o.kv_sinks, v); },
+      "--kv-sinks", "N",
+      "pre-RoPE key cache: keep the first N positions (attention sinks) unquantized (f16) (default: the file's "
+      "pykvq.cache.kv_sinks, 4 for a --prerope-k file; 0: off)" },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
 
@@ -167,6 +187,18 @@ const char * llama_kvq_setting_values(int32_t i) {
 
 const char * llama_kvq_setting_env(int32_t i) {
     return i >= 0 && i < k_n_settings ? k_settings[i].env : nullptr;
+}
+
+const char * llama_kvq_setting_flags(int32_t i) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].flags : nullptr;
+}
+
+const char * llama_kvq_setting_hint(int32_t i) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].hint : nullptr;
+}
+
+const char * llama_kvq_setting_help(int32_t i) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].help : nullptr;
 }
 
 const char * llama_kvq_settings_error(void) {
