@@ -20,10 +20,11 @@ target_compile_definitions(ggml-base PUBLIC GGML_KVQ)
 # CPU kernels: added to every ggml-cpu variant with that variant's arch flags
 # (the build seam, ggml/src/ggml-cpu/CMakeLists.txt).
 set(GGML_KVQ_CPU_SOURCES
-    ${GGML_KVQ_DIR}/ggml/cpu/bfp.c
-    ${GGML_KVQ_DIR}/ggml/cpu/nuq.c
-    ${GGML_KVQ_DIR}/ggml/cpu/q53.c
-    ${GGML_KVQ_DIR}/ggml/cpu/lsq.c
+    ${GGML_KVQ_DIR}/ggml/cpu/bfp-cpu.c
+    ${GGML_KVQ_DIR}/ggml/cpu/nuq-cpu.c
+    ${GGML_KVQ_DIR}/ggml/cpu/q53-cpu.c
+    ${GGML_KVQ_DIR}/ggml/cpu/lsq-cpu.c
+    ${GGML_KVQ_DIR}/ggml/cpu/kvq-dispatch.c
     ${GGML_KVQ_DIR}/ggml/cpu/fattn.cpp
     ${GGML_KVQ_DIR}/ggml/cpu/fattn-rows.cpp
     ${GGML_KVQ_DIR}/ggml/cpu/fattn-prerope.cpp

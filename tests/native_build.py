@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# cpu/bfp.c's impl table hands nuq types to cpu/nuq.c (and q53_64 to cpu/q53.c), so every check links them all
-SOURCES = [f"ggml/{s}" for s in ("cpu/bfp.c", "cpu/nuq.c", "cpu/q53.c", "cpu/lsq.c", "bfp.c", "nuq.c", "q53.c", "lsq.c",
+# cpu/kvq-dispatch.c hands each type to its family's kernels (cpu/bfp-cpu.c, cpu/nuq-cpu.c, cpu/q53-cpu.c): every check links them all
+SOURCES = [f"ggml/{s}" for s in ("cpu/kvq-dispatch.c", "cpu/bfp-cpu.c", "cpu/nuq-cpu.c", "cpu/q53-cpu.c", "cpu/lsq-cpu.c", "bfp.c", "nuq.c", "q53.c", "lsq.c",
                                   "ggml-kvq.c")]   # under native/
 # compiler flag -> the /proc/cpuinfo flag a native x86 run needs
 NEED = {"-mavx512vnni": "avx512_vnni", "-mavx512f": "avx512bw", "-mavx2": "avx2"}

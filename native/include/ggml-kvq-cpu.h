@@ -34,16 +34,16 @@ void ggml_vec_dot_nuq2_q8_0 (int n, float * GGML_RESTRICT s, size_t bs, const vo
 void ggml_vec_dot_nuq3o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 void ggml_vec_dot_nuq2o_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
-// q53_64 (cpu/q53.c): the reference quantizer; K·Q with Q in q8_0, one int32 sum per half
+// q53_64 (cpu/q53-cpu.c): the reference quantizer; K·Q with Q in q8_0, one int32 sum per half
 void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void dequantize_row_q53_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference, SIMD
 void ggml_vec_dot_q53_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
-// q42_64 (cpu/q53.c): the same with 4- and 2-bit halves
+// q42_64 (cpu/q53-cpu.c): the same with 4- and 2-bit halves
 void quantize_row_q42_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void dequantize_row_q42_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
 void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
-// least-squares block scales (cpu/lsq.c; the rule: native/ggml/lsq.c): the same bits, the candidate scales side by side
+// least-squares block scales (cpu/lsq-cpu.c; the rule: native/ggml/lsq.c): the same bits, the candidate scales side by side
 void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 void quantize_row_q4_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_q5_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
@@ -91,7 +91,13 @@ GGML_BACKEND_API ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, enum ggml_type
 GGML_BACKEND_API ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, enum ggml_type type);
 GGML_BACKEND_API ggml_from_float_t ggml_kvq_cpu_impl_from_float(int i, enum ggml_type type);
 
-// the nuq half of the variant table (cpu/nuq.c; same variants in the same order as cpu/bfp.c)
+// each family's variant table (cpu/bfp-cpu.c, cpu/nuq-cpu.c: the same variants in the same order), which
+// cpu/kvq-dispatch.c's entry points above choose from by the type's family
+int               ggml_kvq_bfp_cpu_n_impls(void);
+const char *      ggml_kvq_bfp_cpu_impl_name(int i);
+ggml_from_float_t ggml_kvq_bfp_cpu_impl_from_float(int i, enum ggml_type type);
+ggml_vec_dot_t    ggml_kvq_bfp_cpu_impl_vec_dot(int i, enum ggml_type type);
+ggml_to_float_t   ggml_kvq_bfp_cpu_impl_to_float(int i, enum ggml_type type);
 int               ggml_kvq_nuq_cpu_n_impls(void);
 const char *      ggml_kvq_nuq_cpu_impl_name(int i);
 ggml_from_float_t ggml_kvq_nuq_cpu_impl_from_float(int i, enum ggml_type type);

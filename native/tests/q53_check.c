@@ -1,4 +1,4 @@
-// Standalone check of the q53_64 and q42_64 CPU kernels (cpu/q53.c) in whatever variant this build compiles: AVX2,
+// Standalone check of the q53_64 and q42_64 CPU kernels (cpu/q53-cpu.c) in whatever variant this build compiles: AVX2,
 // aarch64 NEON (with or without the dot-product extension), or the scalar code of a pre-AVX2 x86. Built by
 // tests/test_q53.py with several -march settings (aarch64 under qemu), against the reference (native/ggml/q53.c,
 // itself held to numpy by test_q53.py):

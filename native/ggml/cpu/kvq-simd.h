@@ -1,4 +1,4 @@
-// SIMD helpers the bfp and nuq kernels share (native/ggml/cpu/bfp.c, native/ggml/cpu/nuq.c): int8 dot products, horizontal
+// SIMD helpers the bfp and nuq kernels share (native/ggml/cpu/bfp-cpu.c, native/ggml/cpu/nuq-cpu.c): int8 dot products, horizontal
 // sums, scaled int8 -> float stores. Each under the guard of the variant that uses it.
 #pragma once
 

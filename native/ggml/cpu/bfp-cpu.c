@@ -431,58 +431,28 @@ void ggml_vec_dot_bfp4_32_bfp8_32(BFP_VEC_DOT_ARGS) { BFP_BEST->vec_dot[0](n, s,
 void ggml_vec_dot_bfp4_64_bfp8_32(BFP_VEC_DOT_ARGS) { BFP_BEST->vec_dot[1](n, s, bs, vx, bx, vy, by, nrc); }
 void ggml_vec_dot_bfp8_32_bfp8_32(BFP_VEC_DOT_ARGS) { BFP_BEST->vec_dot[2](n, s, bs, vx, bx, vy, by, nrc); }
 
-// The public entry points cover both families: nuq types go to cpu/nuq.c's table,
-// which lists the same variants in the same order.
+// the bfp family's variant table, for native/ggml/cpu/kvq-dispatch.c (the same variants, in the same order, as
+// cpu/nuq-cpu.c's)
 
-ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
-    if (type == GGML_TYPE_Q53_64) {
-        return dequantize_row_q53_64_cpu;
-    }
-    if (type == GGML_TYPE_Q42_64) {
-        return dequantize_row_q42_64_cpu;
-    }
-    if (ggml_kvq_type_is_nuq(type)) {
-        return ggml_kvq_nuq_cpu_impl_to_float(ggml_kvq_nuq_cpu_n_impls() - 1, type);
-    }
-    const int slot = bfp_slot(type);
-    return slot < 0 ? NULL : BFP_BEST->to_float[slot];
-}
-
-ggml_to_float_t ggml_kvq_cpu_to_float_k(enum ggml_type type) {
-    if (ggml_kvq_type_is_nuq(type)) {
-        return ggml_kvq_nuq_cpu_impl_to_float_k(ggml_kvq_nuq_cpu_n_impls() - 1, type);
-    }
-    return ggml_kvq_cpu_to_float(type); // bfp: no codebook, K and V decode alike
-}
-
-int ggml_kvq_cpu_n_impls(void) {
+int ggml_kvq_bfp_cpu_n_impls(void) {
     return BFP_N_IMPLS;
 }
 
-const char * ggml_kvq_cpu_impl_name(int i) {
+const char * ggml_kvq_bfp_cpu_impl_name(int i) {
     return i >= 0 && i < BFP_N_IMPLS ? bfp_impls[i].name : NULL;
 }
 
-ggml_vec_dot_t ggml_kvq_cpu_impl_vec_dot(int i, enum ggml_type type) {
-    if (ggml_kvq_type_is_nuq(type)) {
-        return ggml_kvq_nuq_cpu_impl_vec_dot(i, type);
-    }
+ggml_vec_dot_t ggml_kvq_bfp_cpu_impl_vec_dot(int i, enum ggml_type type) {
     const int slot = bfp_slot(type);
     return i >= 0 && i < BFP_N_IMPLS && slot >= 0 ? bfp_impls[i].vec_dot[slot] : NULL;
 }
 
-ggml_to_float_t ggml_kvq_cpu_impl_to_float(int i, enum ggml_type type) {
-    if (ggml_kvq_type_is_nuq(type)) {
-        return ggml_kvq_nuq_cpu_impl_to_float(i, type);
-    }
+ggml_to_float_t ggml_kvq_bfp_cpu_impl_to_float(int i, enum ggml_type type) {
     const int slot = bfp_slot(type);
     return i >= 0 && i < BFP_N_IMPLS && slot >= 0 ? bfp_impls[i].to_float[slot] : NULL;
 }
 
-ggml_from_float_t ggml_kvq_cpu_impl_from_float(int i, enum ggml_type type) {
-    if (ggml_kvq_type_is_nuq(type)) {
-        return ggml_kvq_nuq_cpu_impl_from_float(i, type);
-    }
+ggml_from_float_t ggml_kvq_bfp_cpu_impl_from_float(int i, enum ggml_type type) {
     static const ggml_from_float_t bfp_from_float[3] = { quantize_row_bfp4_32, quantize_row_bfp4_64, quantize_row_bfp8_32 };
     const int slot = bfp_slot(type);
     return i >= 0 && i < BFP_N_IMPLS && slot >= 0 ? bfp_from_float[slot] : NULL;  // one quantizer: the reference

@@ -1,5 +1,5 @@
 // CPU kernels for q53_64 and q42_64 (native/ggml/q53.c has the references): quantize (the reference's rows with the SIMD
-// scale search of cpu/lsq.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
+// scale search of cpu/lsq-cpu.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
 // half gives one int32 dot product and one float scale, d5·d8 and d3·d8. The unpack to int8 runs in registers on AVX2
 // and on aarch64 NEON, scalar elsewhere.
 #include "ggml-kvq-cpu.h"

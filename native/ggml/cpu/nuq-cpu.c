@@ -704,7 +704,7 @@ struct nuq_impl {
     { to_float_nuq4_##sfx, to_float_nuq3_##sfx, to_float_nuq2_##sfx, to_float_nuq3o_##sfx, to_float_nuq2o_##sfx }, \
     { to_float_k_nuq4_##sfx, to_float_k_nuq3_##sfx, to_float_k_nuq2_##sfx, to_float_k_nuq3o_##sfx, to_float_k_nuq2o_##sfx } }
 
-// the same variants, in the same order, as cpu/bfp.c's table (ggml_kvq_cpu_impl_* index both)
+// the same variants, in the same order, as cpu/bfp-cpu.c's table (ggml_kvq_cpu_impl_* index both)
 static const struct nuq_impl nuq_impls[] = {
     NUQ_IMPL("generic", generic),
 #if defined(__AVX2__)
