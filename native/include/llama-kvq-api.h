@@ -25,9 +25,6 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model(
         struct llama_model * model, struct llama_context_params params,
         enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v);
 
-// the rotation of contexts created later in this process by llama_init_from_model (the tools' -rotk / -rotv)
-LLAMA_API void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v);
-
 // ---- per-context settings by name (native/llama/llama-kvq.cpp holds the table) -------------------------------------
 //   attn_rot_k, attn_rot_v  auto | on | off        the online Hadamard rotation of the K / V cache
 //   k_domain                auto | post | pre | centred   where a --prerope-k file's quantized keys are cached

@@ -177,37 +177,20 @@ int32_t llama_kvq_setting_count(void) {
     return k_n_settings;
 }
 
-const char * llama_kvq_setting_name(int32_t i) {
-    return i >= 0 && i < k_n_settings ? k_settings[i].name : nullptr;
+// one column of the table by row (nullptr past the last row)
+static const char * kvq_setting_column(int32_t i, const char * kvq_setting::*column) {
+    return i >= 0 && i < k_n_settings ? k_settings[i].*column : nullptr;
 }
 
-const char * llama_kvq_setting_values(int32_t i) {
-    return i >= 0 && i < k_n_settings ? k_settings[i].values : nullptr;
-}
-
-const char * llama_kvq_setting_env(int32_t i) {
-    return i >= 0 && i < k_n_settings ? k_settings[i].env : nullptr;
-}
-
-const char * llama_kvq_setting_flags(int32_t i) {
-    return i >= 0 && i < k_n_settings ? k_settings[i].flags : nullptr;
-}
-
-const char * llama_kvq_setting_hint(int32_t i) {
-    return i >= 0 && i < k_n_settings ? k_settings[i].hint : nullptr;
-}
-
-const char * llama_kvq_setting_help(int32_t i) {
-    return i >= 0 && i < k_n_settings ? k_settings[i].help : nullptr;
-}
+const char * llama_kvq_setting_name(int32_t i)   { return kvq_setting_column(i, &kvq_setting::name); }
+const char * llama_kvq_setting_values(int32_t i) { return kvq_setting_column(i, &kvq_setting::values); }
+const char * llama_kvq_setting_env(int32_t i)    { return kvq_setting_column(i, &kvq_setting::env); }
+const char * llama_kvq_setting_flags(int32_t i)  { return kvq_setting_column(i, &kvq_setting::flags); }
+const char * llama_kvq_setting_hint(int32_t i)   { return kvq_setting_column(i, &kvq_setting::hint); }
+const char * llama_kvq_setting_help(int32_t i)   { return kvq_setting_column(i, &kvq_setting::help); }
 
 const char * llama_kvq_settings_error(void) {
     return t_error.c_str();
-}
-
-void llama_kvq_set_default_attn_rot(enum llama_attn_rot_type attn_rot_k, enum llama_attn_rot_type attn_rot_v) {
-    llama_kvq_set_default("attn_rot_k", kvq_rot_str(attn_rot_k));
-    llama_kvq_set_default("attn_rot_v", kvq_rot_str(attn_rot_v));
 }
 
 llama_context * llama_kvq_init_from_model_params(llama_model * model, llama_context_params params, const llama_kvq_params * kvq) {
