@@ -383,9 +383,9 @@ def test_q53_edge_inputs_soak(name, x, cuda_codec):
 def neon_check(request, tmp_path_factory):
     """native/tests/nuq_check.c cross-compiled for aarch64: its dump mode runs every variant."""
     import shutil
-    from native_build import REPO, SOURCES
+    from native_build import REPO, SOURCES, skip_or_fail
     if not shutil.which("aarch64-linux-gnu-gcc") or not shutil.which("qemu-aarch64"):
-        pytest.skip("aarch64-linux-gnu-gcc / qemu-aarch64 not installed (apt: gcc-aarch64-linux-gnu qemu-user)")
+        skip_or_fail("neon", "aarch64-linux-gnu-gcc / qemu-aarch64 not installed (apt: gcc-aarch64-linux-gnu qemu-user)")
     exe = tmp_path_factory.mktemp("neon") / "nuq_check"
     src = REPO / "native"
     subprocess.run(["aarch64-linux-gnu-gcc", "-O2", "-std=c11", *NEON[request.param], f"-I{src / 'include'}",
