@@ -136,7 +136,7 @@ std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
 
 // pykvq's per-context settings (native/llama/llama-kvq.cpp, the table behind llama_kvq_params_set). llama_context_params
 // has no room for them: they come from llama_kvq_init_from_model_params, else the process default
-// (llama_kvq_set_default: the tools' flags), else the environment
+// (llama_kvq_set_default: the tools' flags), resolved once per context and passed down to its caches
 enum llama_kvq_k_domain {
     LLAMA_KVQ_K_DOMAIN_AUTO    = -1, // the file's: pre-RoPE for the quantized K layers of a --prerope-k file
     LLAMA_KVQ_K_DOMAIN_POST    = 0,
@@ -159,21 +159,10 @@ struct llama_kvq_window;
 // the layers' window tensors (-1: its quantized row), the last query position reading that row, query j's position
 void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t j, int32_t * row, int32_t * last, int32_t * qpos);
 
-// the settings for the llama_init_from_model call being made on this thread
-llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call();
-
-// makes opts what llama_kvq_ctx_opts_current() returns on this thread while it lives
-struct llama_kvq_ctx_scope {
-    explicit llama_kvq_ctx_scope(const llama_kvq_ctx_opts & opts);
-    ~llama_kvq_ctx_scope();
-    llama_kvq_ctx_scope(const llama_kvq_ctx_scope &) = delete;
-    llama_kvq_ctx_scope & operator=(const llama_kvq_ctx_scope &) = delete;
-private:
-    const llama_kvq_ctx_opts * prev;
-};
-
-// what the llama_context constructor running on this thread was asked for (all AUTO outside a scope)
-const llama_kvq_ctx_opts & llama_kvq_ctx_opts_current();
+// llama_init_from_model with these settings: a C++ overload holding upstream's body (src/llama-context.cpp, the KV cache
+// seam); the C entry point passes the process default. The context's constructor hands them to llama_kvq_init_memory
+struct llama_context;
+llama_context * llama_init_from_model(llama_model * model, llama_context_params params, llama_kvq_ctx_opts opts);
 
 // pykvq in llama's memories (native/llama/llama-kvq-memory.cpp)
 #include <functional>
@@ -205,17 +194,16 @@ std::vector<llama_kvq_layer_desc> llama_memory_kvq_layers(const llama_memory_i *
 
 // key domain of the memory's attention caches: pre-RoPE for the layers the file's pykvq.cache.k_domain,
 // statistics and the cache type allow (PYKVQ_K_DOMAIN=post keeps every layer post-RoPE). Returns the layer count.
-uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, uint32_t n_ubatch);
+uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, const llama_kvq_ctx_opts & opts, uint32_t n_ubatch);
+
+// apply llama_kvq_cache::set_attn_rot to every attention KV cache a memory holds
+void llama_memory_set_attn_rot(llama_memory_i * mem, llama_attn_rot_type rot_k, llama_attn_rot_type rot_v);
 
 // calls f on every attention KV cache a memory holds (plain, iSWA base and SWA, hybrid); returns how many
 int llama_kvq_for_each_kv_cache(llama_memory_i * mem, const std::function<void(llama_kv_cache &)> & f);
 
 // llama_kvq_memory_used_cells on a memory: -1 when it holds no attention KV cache or seq_id >= its n_seq_max
 int32_t llama_memory_kvq_used_cells(llama_memory_i * mem, llama_seq_id seq_id);
-
-// "q4_0", or "mixed: q8_0 1.23 MiB q4_0 4.56 MiB" when the layers' cache tensors differ in type
-std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors);
-bool        llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors);
 
 // The online K Hadamard's input tensor [nrot, nrot] (upstream: nrot = the largest power of two dividing the head
 // size). A q53_64 (q42_64) block's halves hold 5- and 3-bit (4- and 2-bit) values of channels of different
@@ -253,9 +241,10 @@ void llama_kvq_check_cache_devices(const llama_model & model, const llama_memory
 void llama_kvq_log_cache(const llama_model & model, const llama_memory_i * mem);
 
 // the llama_context constructor's hooks (patches: one call each). After the memory is made: this context's
-// rotation, encoder and key domain (llama_kvq_ctx_opts_current), then the device checks and the cache log; throws
-// when a device cannot run what the cache holds. mem may be null (no KV cache)
-void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv, uint32_t n_ubatch);
+// rotation, encoder and key domain (opts: its settings, nullptr for the defaults), then the device checks and the cache
+// log; throws when a device cannot run what the cache holds. mem may be null (no KV cache)
+void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, const llama_kvq_ctx_opts * opts, bool offload_kqv,
+                           uint32_t n_ubatch);
 // without flash attention: a quantized V layer, or a pykvq K type on a GPU (K·Q would be a CPU MUL_MAT), throws
 void llama_kvq_check_without_flash_attn(const llama_model & model, const llama_memory_i * mem, bool offload_kqv);
 

@@ -1,8 +1,8 @@
 // pykvq: the llama side of pykvq's caches in llama_kv_cache and the memories that hold it: every attention
 // KV cache of a memory (the cache-kind visitor), per-layer descriptions, codebooks, the online rotation
 // setting, the pre-RoPE key domain, and the log line that says what a context's caches hold.
-// The methods are declared in src/llama-kv-cache.h (the KV cache seam); their bodies live here.
-#include "llama-kvq.h"
+// The cache's pykvq state is a llama_kvq_cache (llama-kvq-cache.h), its functions' bodies here and in llama-kvq-window.cpp.
+#include "llama-kvq-cache.h"
 #include "llama-kvq-keys.h"
 
 #include "llama-impl.h"
@@ -90,7 +90,7 @@ int32_t llama_memory_kvq_used_cells(llama_memory_i * mem, llama_seq_id seq_id) {
 // online Hadamard rotation
 //
 
-void llama_kv_cache::set_attn_rot(llama_attn_rot_type rot_k, llama_attn_rot_type rot_v) {
+void llama_kvq_cache::set_attn_rot(llama_attn_rot_type rot_k, llama_attn_rot_type rot_v) {
     const auto apply = [](bool & cur, llama_attn_rot_type want, int64_t n_embd_head, const char * which) {
         if (want == LLAMA_ATTN_ROT_TYPE_AUTO) {
             return;
@@ -104,16 +104,16 @@ void llama_kv_cache::set_attn_rot(llama_attn_rot_type rot_k, llama_attn_rot_type
         }
         cur = on;
     };
-    apply(attn_rot_k, rot_k, n_embd_head_k_all, "K");
-    apply(attn_rot_v, rot_v, n_embd_head_v_all, "V");
+    apply(kv.attn_rot_k, rot_k, kv.n_embd_head_k_all, "K");
+    apply(kv.attn_rot_v, rot_v, kv.n_embd_head_v_all, "V");
 
-    LLAMA_LOG_INFO("%s: attn_rot_k = %d, attn_rot_v = %d (set per context)\n", __func__, attn_rot_k, attn_rot_v);
+    LLAMA_LOG_INFO("%s: attn_rot_k = %d, attn_rot_v = %d (set per context)\n", __func__, kv.attn_rot_k, kv.attn_rot_v);
 
-    init_attn_rot_hadamard();
+    kv.init_attn_rot_hadamard();
 }
 
 void llama_memory_set_attn_rot(llama_memory_i * mem, llama_attn_rot_type rot_k, llama_attn_rot_type rot_v) {
-    if (llama_kvq_for_each_kv_cache(mem, [&](llama_kv_cache & kv) { kv.set_attn_rot(rot_k, rot_v); }) == 0) {
+    if (llama_kvq_for_each_kv_cache(mem, [&](llama_kv_cache & kv) { llama_kvq_cache::of(kv).set_attn_rot(rot_k, rot_v); }) == 0) {
         LLAMA_LOG_WARN("%s: this memory holds no attention KV cache; the rotation setting is ignored\n", __func__);
     }
 }
@@ -122,35 +122,44 @@ void llama_memory_set_attn_rot(llama_memory_i * mem, llama_attn_rot_type rot_k, 
 // per-layer types and nuq codebooks
 //
 
-const int8_t * llama_kv_cache::kvq_codebook(int32_t il, bool v) const {
-    const auto it = map_layer_ids.find(il);
-    if (it == map_layer_ids.end()) {
+llama_kvq_cache::llama_kvq_cache(llama_kv_cache & kv) : kv(kv), layers(kv.layers.size()) {
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const auto & l = kv.layers[ikv];
+        layers[ikv].cb_k = l.k ? llama_kvq_layer_codebook(kv.model, l.il, false, l.k->type) : nullptr;
+        layers[ikv].cb_v = l.v ? llama_kvq_layer_codebook(kv.model, l.il, true,  l.v->type) : nullptr;
+    }
+}
+
+const int8_t * llama_kvq_cache::codebook(int32_t il, bool v) const {
+    const auto it = kv.map_layer_ids.find(il);
+    if (it == kv.map_layer_ids.end()) {
         return nullptr;
     }
     return v ? layers[it->second].cb_v : layers[it->second].cb_k;
 }
 
-void llama_kv_cache::kvq_describe(std::vector<llama_kvq_layer_desc> & out) const {
-    for (const auto & [il, ikv] : map_layer_ids) {
+void llama_kvq_cache::describe(std::vector<llama_kvq_layer_desc> & out) const {
+    for (const auto & [il, ikv] : kv.map_layer_ids) {
         if (il < 0 || (size_t) il >= out.size()) {
             continue;
         }
-        const auto & layer = layers[ikv];
+        const auto & layer = kv.layers[ikv];
+        const auto & kl    = layers[ikv];
         auto & d = out[il];
         d.il_owner = layer.il;
-        d.rot_k = attn_rot_k;
-        d.rot_v = attn_rot_v;
-        d.k_domain = layer.k_mean ? LLAMA_KVQ_K_DOMAIN_PRE : !layer.k_centre.empty() ? LLAMA_KVQ_K_DOMAIN_CENTRED : LLAMA_KVQ_K_DOMAIN_POST;
-        d.encoder = kvq_encoder;
+        d.rot_k = kv.attn_rot_k;
+        d.rot_v = kv.attn_rot_v;
+        d.k_domain = kl.k_mean ? LLAMA_KVQ_K_DOMAIN_PRE : !kl.k_centre.empty() ? LLAMA_KVQ_K_DOMAIN_CENTRED : LLAMA_KVQ_K_DOMAIN_POST;
+        d.encoder = encoder;
         if (layer.k) {
             d.type_k = layer.k->type;
-            d.cb_k = llama_kvq_is_nuq(layer.k->type) ? (layer.cb_k ? 1 : 2) : 0;
+            d.cb_k = llama_kvq_is_nuq(layer.k->type) ? (kl.cb_k ? 1 : 2) : 0;
             d.n_embd_k_gqa = layer.k->ne[0];
             d.host_k = layer.k->buffer == nullptr || ggml_backend_buffer_is_host(layer.k->buffer);
         }
         if (layer.v) {
             d.type_v = layer.v->type;
-            d.cb_v = llama_kvq_is_nuq(layer.v->type) ? (layer.cb_v ? 1 : 2) : 0;
+            d.cb_v = llama_kvq_is_nuq(layer.v->type) ? (kl.cb_v ? 1 : 2) : 0;
             d.n_embd_v_gqa = layer.v->ne[0];
         }
     }
@@ -158,18 +167,14 @@ void llama_kv_cache::kvq_describe(std::vector<llama_kvq_layer_desc> & out) const
 
 std::vector<llama_kvq_layer_desc> llama_memory_kvq_layers(const llama_memory_i * mem, uint32_t n_layer) {
     std::vector<llama_kvq_layer_desc> out(n_layer);
-    llama_kvq_for_each_kv_cache(const_cast<llama_memory_i *>(mem), [&](llama_kv_cache & kv) { kv.kvq_describe(out); });
+    llama_kvq_for_each_kv_cache(const_cast<llama_memory_i *>(mem), [&](llama_kv_cache & kv) { llama_kvq_cache::of(kv).describe(out); });
     return out;
 }
 
-const int8_t * llama_kv_cache_context::kvq_codebook(int32_t il, bool v) const {
-    return kv->kvq_codebook(il, v);
-}
-
-std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors) {
+std::string llama_kvq_cache::types_str(bool v) const {
     std::map<ggml_type, size_t> bytes; // type -> bytes over the layers of that type
-    for (const ggml_tensor * t : tensors) {
-        if (t) {
+    for (const auto & l : kv.layers) {
+        if (const ggml_tensor * t = v ? l.v : l.k) {
             bytes[t->type] += ggml_nbytes(t);
         }
     }
@@ -183,8 +188,11 @@ std::string llama_kvq_types_str(const std::vector<const ggml_tensor *> & tensors
     return s;
 }
 
-bool llama_kvq_any_quantized(const std::vector<const ggml_tensor *> & tensors) {
-    return std::any_of(tensors.begin(), tensors.end(), [](const ggml_tensor * t) { return t && ggml_is_quantized(t->type); });
+bool llama_kvq_cache::any_quantized(bool v) const {
+    return std::any_of(kv.layers.begin(), kv.layers.end(), [&](const auto & l) {
+        const ggml_tensor * t = v ? l.v : l.k;
+        return t && ggml_is_quantized(t->type);
+    });
 }
 
 // the online K rotation of a cache with q53_64 / q42_64 keys (llama-kvq.h)
@@ -329,20 +337,20 @@ static int kvq_pick_encoder(const llama_model & model, const llama_kvq_ctx_opts 
     return lsq ? GGML_KVQ_ENCODER_LSQ : GGML_KVQ_ENCODER_STOCK;
 }
 
-uint32_t llama_kv_cache::kvq_set_k_domain() {
+uint32_t llama_kvq_cache::set_k_domain(const llama_kvq_ctx_opts & opts) {
     n_prerope = 0;
     n_centred = 0;
-    const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
+    const auto & model = kv.model;
     // logged where it matters: some layer's K or V is q4_0 / q5_0
     const auto searched = [](const ggml_tensor * t) { return t != nullptr && (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q5_0); };
-    kvq_encoder = kvq_pick_encoder(model, opts, std::any_of(layers.begin(), layers.end(),
+    encoder = kvq_pick_encoder(model, opts, std::any_of(kv.layers.begin(), kv.layers.end(),
                                                             [&](const auto & l) { return searched(l.k) || searched(l.v); }));
     // auto: quantized K layers; post: none; pre: every layer, an f16 K cache too (for equivalence tests);
     // centred: quantized K layers cached after RoPE, minus the file's mean rotated with them
     const bool force_post = opts.k_domain == LLAMA_KVQ_K_DOMAIN_POST;
     const bool force_pre  = opts.k_domain == LLAMA_KVQ_K_DOMAIN_PRE;
     const bool centred    = opts.k_domain == LLAMA_KVQ_K_DOMAIN_CENTRED;
-    if (!model.kvq.k_prerope || other) {
+    if (!model.kvq.k_prerope || kv.other) {
         return 0;
     }
     if (force_post) {
@@ -350,14 +358,14 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
         return 0;
     }
     if (centred) {
-        return kvq_set_centred();
+        return set_centred(opts);
     }
     const char * why_not = nullptr;
-    for (auto & layer : layers) {
-        const uint32_t il = layer.il;
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const uint32_t il = kv.layers[ikv].il;
         const auto & ml = model.layers[il];
         // an unquantized K cache gains nothing from centring: it stays exactly upstream's
-        if (!ggml_is_quantized(layer.k->type) && !force_pre) {
+        if (!ggml_is_quantized(kv.layers[ikv].k->type) && !force_pre) {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, true);
@@ -368,15 +376,15 @@ uint32_t llama_kv_cache::kvq_set_k_domain() {
             LLAMA_LOG_WARN("%s: layer %u keeps a post-RoPE K cache: %s\n", __func__, il, why);
             continue;
         }
-        layer.k_mean  = ml.kvq_k_mean;     // their values were checked when the model loaded (llama_kvq_load_codebooks)
-        layer.k_scale = ml.kvq_k_scale;
+        layers[ikv].k_mean  = ml.kvq_k_mean;     // their values were checked when the model loaded (llama_kvq_load_codebooks)
+        layers[ikv].k_scale = ml.kvq_k_scale;
         ++n_prerope;
     }
     // keys of a halves type (q53_64, q42_64) are turned within each half only (llama_kvq_new_k_rot)
-    const bool halves = llama_kvq_halves_k(layers);
+    const bool halves = llama_kvq_halves_k(kv.layers);
     LLAMA_LOG_INFO("%s: pre-RoPE key cache in %u of %zu layers (centred by the file's kvq_k_mean / kvq_k_scale, RoPE applied "
                    "when flash attention reads K; online Hadamard of the centred K %s)%s%s\n", __func__, n_prerope, layers.size(),
-                   !attn_rot_k ? "off" : halves ? "on, within each half of the blocks" : "on",
+                   !kv.attn_rot_k ? "off" : halves ? "on, within each half of the blocks" : "on",
                    why_not ? "; others post-RoPE: " : "", why_not ? why_not : "");
     return n_prerope;
 }
@@ -389,7 +397,8 @@ static void kvq_tensor_values(const ggml_tensor * t, std::vector<float> & out) {
     }
 }
 
-uint32_t llama_kv_cache::kvq_set_centred() {
+uint32_t llama_kvq_cache::set_centred(const llama_kvq_ctx_opts & opts) {
+    const auto & model = kv.model;
     const bool neox = llama_model_rope_type(&model) == LLAMA_ROPE_TYPE_NEOX;
     // the mean pairs kept are chosen by the keys' variance: the file's kvq_k_std, or its scales where they
     // are the std (method std; convert/prerope.py)
@@ -398,10 +407,11 @@ uint32_t llama_kv_cache::kvq_set_centred() {
     const bool std_scale = strcmp(method, "std") == 0;
     bool have_std = true;
     int kept = 0, all = 0;
-    for (auto & layer : layers) {
-        const uint32_t il = layer.il;
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const uint32_t il = kv.layers[ikv].il;
+        auto & layer = layers[ikv];
         const auto & ml = model.layers[il];
-        if (!ggml_is_quantized(layer.k->type)) {
+        if (!ggml_is_quantized(kv.layers[ikv].k->type)) {
             continue;
         }
         const char * why = kvq_centring_unsupported(model, il, false);
@@ -420,56 +430,55 @@ uint32_t llama_kv_cache::kvq_set_centred() {
                 x *= x;
             }
         }
-        kept += llama_kvq_centre_pairs(layer.k_centre, var, DK, n_head_kv, (int) hparams.n_rot(il), neox,
-                                       llama_kvq_ctx_opts_current().centre_residual);
-        all  += (int) (n_head_kv*hparams.n_rot(il)/2);
+        kept += llama_kvq_centre_pairs(layer.k_centre, var, DK, n_head_kv, (int) kv.hparams.n_rot(il), neox, opts.centre_residual);
+        all  += (int) (n_head_kv*kv.hparams.n_rot(il)/2);
         ++n_centred;
     }
     LLAMA_LOG_INFO("%s: centred post-RoPE key cache in %u of %zu layers (k_domain = centred: keys minus the file's "
                    "kvq_k_mean rotated with them, %d of %d mean pairs kept%s; online Hadamard %s)\n", __func__, n_centred,
-                   layers.size(), kept, all, have_std ? "" : " (no std in the file: every pair)", attn_rot_k ? "on" : "off");
+                   layers.size(), kept, all, have_std ? "" : " (no std in the file: every pair)", kv.attn_rot_k ? "on" : "off");
     return n_centred;
 }
 
-const std::vector<float> * llama_kv_cache::kvq_centred(int32_t il) const {
-    const auto & layer = layers[map_layer_ids.at(il)];
+const std::vector<float> * llama_kvq_cache::centred(int32_t il) const {
+    const auto & layer = at(il);
     return layer.k_centre.empty() ? nullptr : &layer.k_centre;
 }
 
-const std::vector<float> * llama_kv_cache_context::kvq_centred(int32_t il) const {
-    return kv->kvq_centred(il);
-}
-
-std::pair<ggml_tensor *, ggml_tensor *> llama_kv_cache::kvq_prerope(int32_t il) const {
-    const auto & layer = layers[map_layer_ids.at(il)];
+std::pair<ggml_tensor *, ggml_tensor *> llama_kvq_cache::prerope(int32_t il) const {
+    const auto & layer = at(il);
     return { layer.k_mean, layer.k_scale };
 }
 
-ggml_tensor * llama_kv_cache::build_input_k_pos(ggml_context * ctx, uint32_t n_kv, const slot_info & sinfo) const {
-    if (n_prerope == 0 && n_centred == 0) {
+ggml_tensor * llama_kvq_cache::build_input_k_pos(const llama_kv_cache_context * mctx, ggml_context * ctx) {
+    const llama_kvq_cache & c = of(mctx);
+    if (c.n_prerope == 0 && c.n_centred == 0) {
         return nullptr;
     }
     // with an exact window, planes 1-3 give each cell's window row, its last reader and the queries' positions
     // (ggml_kvq_fa_set_window; a batch's tokens are cells of the view, so n_kv >= the queries of a stream)
-    ggml_tensor * pos = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, sinfo.s1 - sinfo.s0 + 1, kvq_win ? 4 : 1);
+    const slot_info & sinfo = mctx->sinfos[mctx->i_cur];
+    ggml_tensor * pos = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, mctx->n_kv, sinfo.s1 - sinfo.s0 + 1, c.win ? 4 : 1);
     ggml_set_name(pos, "kvq_k_pos");
     ggml_set_input(pos);
     return pos;
 }
 
-void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo) const {
+void llama_kvq_cache::set_input_k_pos(const llama_kv_cache_context * mctx, ggml_tensor * dst) {
     // The positions are FA's src[5], a graph leaf (llama_kvq_fa_inputs_to_graph): a host input the scheduler copies
     // to the node's backend; written with ggml_backend_tensor_set, which serves any buffer.
+    const llama_kvq_cache & c = of(mctx);
+    const slot_info & sinfo = mctx->sinfos[mctx->i_cur];
     const int64_t n_kv = dst->ne[0];
     std::vector<int32_t> data(ggml_nelements(dst));
     for (int64_t s = 0; s < dst->ne[1]; ++s) {
-        const auto & cells = v_cells[sinfo.s0 + s];
+        const auto & cells = c.kv.v_cells[sinfo.s0 + s];
         for (int64_t j = 0; j < n_kv; ++j) {
             const bool used = j < (int64_t) cells.size() && !cells.is_empty(j);
             data[s*n_kv + j] = used ? cells.pos_get(j) : 0;
             if (dst->ne[2] > 1) {   // planes 1-3: the exact window
                 int32_t row, last, qpos;
-                llama_kvq_window_planes(*kvq_win, sinfo.s0 + s, j, &row, &last, &qpos);
+                llama_kvq_window_planes(*c.win, sinfo.s0 + s, j, &row, &last, &qpos);
                 data[(1*dst->ne[1] + s)*n_kv + j] = used ? row : -1;
                 if (dst->ne[2] > 3) {
                     data[(2*dst->ne[1] + s)*n_kv + j] = last;
@@ -481,40 +490,52 @@ void llama_kv_cache::set_input_k_pos(ggml_tensor * dst, const slot_info & sinfo)
     ggml_backend_tensor_set(dst, data.data(), 0, ggml_nbytes(dst));
 }
 
-uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, uint32_t n_ubatch) {
+uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, const llama_kvq_ctx_opts & opts, uint32_t n_ubatch) {
     if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
-        const uint32_t n = kv->kvq_set_k_domain();
-        const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
-        kv->kvq_set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0), n_ubatch);
+        auto & c = llama_kvq_cache::of(*kv);
+        const uint32_t n = c.set_k_domain(opts);
+        c.set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0), n_ubatch);
         return n;
     }
     // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and
     // build_attn's iSWA overload reads both (the attention graph seam). Hybrid memories build attention elsewhere: not yet.
     if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
-        return iswa->get_base()->kvq_set_k_domain() + iswa->get_swa()->kvq_set_k_domain();
+        return llama_kvq_cache::of(*iswa->get_base()).set_k_domain(opts) + llama_kvq_cache::of(*iswa->get_swa()).set_k_domain(opts);
     }
     return 0;
 }
 
-std::pair<ggml_tensor *, ggml_tensor *> llama_kv_cache_context::kvq_prerope(int32_t il) const {
-    return kv->kvq_prerope(il);
+//
+// cache writes
+//
+
+ggml_tensor * llama_kvq_cache::cpy_k(ggml_tensor * set_rows, const ggml_tensor * k_cur, int32_t il) const {
+    const auto & layer = at(il);
+    // a pre-RoPE layer is written by llm_graph_context::build_attn, which centres k before RoPE;
+    // any other caller would store post-RoPE keys that attention then rotates again
+    if (layer.k_mean != nullptr && (k_cur->op == GGML_OP_ROPE || (k_cur->src[0] && k_cur->src[0]->op == GGML_OP_ROPE))) {
+        throw std::runtime_error(format("layer %d: a pre-RoPE K cache written with post-RoPE keys (an attention path pykvq does not hook); "
+                                        "use --kv-domain post", il));
+    }
+    return llama_kvq_set_encoder(llama_kvq_set_codebook(set_rows, set_rows->type, layer.cb_k), encoder);
 }
 
-bool llama_kv_cache_context::kvq_any_prerope() const {
-    return kv->kvq_any_prerope();
-}
-
-ggml_tensor * llama_kv_cache_context::build_input_k_pos(ggml_context * ctx) const {
-    return kv->build_input_k_pos(ctx, n_kv, sinfos[i_cur]);
-}
-
-void llama_kv_cache_context::set_input_k_pos(ggml_tensor * dst) const {
-    kv->set_input_k_pos(dst, sinfos[i_cur]);
+ggml_tensor * llama_kvq_cache::cpy_v(ggml_tensor * set_rows, int32_t il) const {
+    return llama_kvq_set_encoder(llama_kvq_set_codebook(set_rows, set_rows->type, at(il).cb_v), encoder);
 }
 
 //
 // session states: what decodes a layer's bytes, in its type word
 //
+
+int32_t llama_kvq_cache::state_word(int32_t il, bool v) const {
+    const auto & layer = at(il);
+    const ggml_tensor * t = v ? kv.layers[kv.map_layer_ids.at(il)].v : kv.layers[kv.map_layer_ids.at(il)].k;
+    if (v) {
+        return llama_kvq_state_type_word(t->type, layer.cb_v, 0, kv.attn_rot_v);
+    }
+    return llama_kvq_state_type_word(t->type, layer.cb_k, layer.k_mean ? 1 : layer.k_centre.empty() ? 0 : 2, kv.attn_rot_k);
+}
 
 int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain, bool rot) {
     int32_t word = (int32_t) type | (k_domain == 1 ? LLAMA_KVQ_STATE_PREROPE : 0) | (k_domain == 2 ? LLAMA_KVQ_STATE_CENTRED : 0) |
@@ -560,16 +581,17 @@ std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which) {
 // the llama_context constructor's hooks
 //
 
-void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, bool offload_kqv, uint32_t n_ubatch) {
+void llama_kvq_init_memory(const llama_model & model, llama_memory_i * mem, const llama_kvq_ctx_opts * opts_in, bool offload_kqv,
+                           uint32_t n_ubatch) {
     if (mem == nullptr) {
         return;
     }
-    const llama_kvq_ctx_opts & opts = llama_kvq_ctx_opts_current();
+    const llama_kvq_ctx_opts opts = opts_in ? *opts_in : llama_kvq_ctx_opts{};
     if (opts.attn_rot_k != LLAMA_ATTN_ROT_TYPE_AUTO || opts.attn_rot_v != LLAMA_ATTN_ROT_TYPE_AUTO) {
         llama_memory_set_attn_rot(mem, opts.attn_rot_k, opts.attn_rot_v);
     }
     // the cache writes' encoder, and a pre-RoPE key cache where the file asks for one and this memory can hold it
-    const uint32_t n_pre = llama_memory_kvq_set_k_domain(mem, n_ubatch);
+    const uint32_t n_pre = llama_memory_kvq_set_k_domain(mem, opts, n_ubatch);
     if (n_pre == 0 && model.kvq.k_prerope && !dynamic_cast<llama_kv_cache *>(mem)) {
         LLAMA_LOG_WARN("%s: the file asks for a pre-RoPE key cache, which pykvq supports in plain and sliding-window KV caches only "
                        "(not hybrid memory): keys are cached after RoPE\n", __func__);

@@ -290,7 +290,7 @@ void llama_kvq_load_codebooks(llama_model & model) {
 }
 
 const int8_t * llama_kvq_layer_codebook(const llama_model & model, int il, bool v, ggml_type type) {
-    const int8_t * cb = model.kvq_codebook(il, v, type);
+    const int8_t * cb = model.kvq.codebook_for(il, v, type);
     if (cb != nullptr && !llama_kvq_codebook_ok(cb, type)) {
         throw std::runtime_error(format("blk.%d.kvq_codebook_%c is not a valid %s codebook (%d entries strictly ascending in [-127, 127])",
                 il, v ? 'v' : 'k', ggml_type_name(type), llama_kvq_n_codes(type)));
@@ -298,27 +298,27 @@ const int8_t * llama_kvq_layer_codebook(const llama_model & model, int il, bool 
     return cb;
 }
 
-ggml_type llama_model::kvq_cache_type(ggml_type requested, uint32_t il, bool v) const {
+ggml_type llama_kvq_model_info::cache_type(ggml_type requested, uint32_t il, bool v) const {
     if (requested != LLAMA_KV_CACHE_TYPE_MODEL) {
         return requested;
     }
-    const auto & lt = kvq.layer_types[v];
+    const auto & lt = layer_types[v];
     if (il < lt.size()) {
         return lt[il];
     }
-    return kvq.file_type[v] != GGML_TYPE_COUNT ? kvq.file_type[v] : GGML_TYPE_F16;
+    return file_type[v] != GGML_TYPE_COUNT ? file_type[v] : GGML_TYPE_F16;
 }
 
-ggml_type llama_model::kvq_calibrated_type(uint32_t il, bool v) const {
-    const auto & lt = kvq.layer_types[v];
-    return il < lt.size() ? lt[il] : kvq.file_type[v];
+ggml_type llama_kvq_model_info::calibrated_type(uint32_t il, bool v) const {
+    const auto & lt = layer_types[v];
+    return il < lt.size() ? lt[il] : file_type[v];
 }
 
-const int8_t * llama_model::kvq_codebook(uint32_t il, bool v, ggml_type type) const {
-    if (!llama_kvq_is_nuq(type) || il >= kvq.has_codebook[v].size() || !kvq.has_codebook[v][il]) {
+const int8_t * llama_kvq_model_info::codebook_for(uint32_t il, bool v, ggml_type type) const {
+    if (!llama_kvq_is_nuq(type) || il >= has_codebook[v].size() || !has_codebook[v][il]) {
         return nullptr;
     }
-    return kvq_calibrated_type(il, v) == type ? kvq.codebook[v][il].data() : nullptr;
+    return calibrated_type(il, v) == type ? codebook[v][il].data() : nullptr;
 }
 
 // pykvq: resolve what the caller left open from the keys a pykvq-converted GGUF carries, and say where
@@ -343,7 +343,7 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
             if (layer_types.size() != n_layer) {
                 LLAMA_LOG_WARN("%s: pykvq.cache.layer_types_%c has %zu entries for %u layers; layers past the list get %s\n",
                         "llama_kvq_apply_model_defaults", is_v ? 'v' : 'k', layer_types.size(), n_layer,
-                        ggml_type_name(model.kvq_cache_type(LLAMA_KV_CACHE_TYPE_MODEL, n_layer, is_v)));
+                        ggml_type_name(model.kvq.cache_type(LLAMA_KV_CACHE_TYPE_MODEL, n_layer, is_v)));
             }
             return;
         }
@@ -394,7 +394,7 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
 bool llama_kvq_check_cache_types(const llama_model & model, llama_context_params & params) {
     static const char * fn = "llama_init_from_model";   // upstream's messages, as that function logged them
     const auto & hp = model.hparams;
-    const auto type_at = [&](ggml_type t, uint32_t il, bool v) { return model.kvq_cache_type(t, il, v); };
+    const auto type_at = [&](ggml_type t, uint32_t il, bool v) { return model.kvq.cache_type(t, il, v); };
     bool v_quantized = false;
     for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
         const ggml_type tk = type_at(params.type_k, il, false);

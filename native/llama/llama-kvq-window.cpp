@@ -11,7 +11,7 @@
 // layer's attention in the graph). A stream shared by several sequences (kv_unified) has sinks and a ring per
 // sequence (a token shared by several: its first sequence). What holds a row is host bookkeeping, updated when a
 // batch's inputs are set. A state carries its cells' rows (see "states" below); a stream copy copies them.
-#include "llama-kvq.h"
+#include "llama-kvq-cache.h"
 
 #include "llama-batch.h"
 #include "llama-impl.h"
@@ -50,8 +50,8 @@ struct llama_kvq_window {
     uint32_t base(uint32_t q) const { return q*(n_sink + n_win); }
 };
 
-uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch) {
-    kvq_win.reset();
+uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch) {
+    win.reset();
     if (n_win == 0 && n_sink == 0) {
         return 0;
     }
@@ -60,18 +60,18 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_
                        "a quantized K type)\n", __func__);
         return 0;
     }
-    if (v_trans) {
+    if (kv.v_trans) {
         LLAMA_LOG_WARN("%s: exact window off: it needs flash attention\n", __func__);
         return 0;
     }
     // a window or sinks past the cache's size keep every cell (a file's key or a setting may ask for more)
-    n_win  = std::min(n_win, get_size());
-    n_sink = std::min(n_sink, get_size());
+    n_win  = std::min(n_win, kv.get_size());
+    n_sink = std::min(n_sink, kv.get_size());
     auto w = std::make_shared<llama_kvq_window>();
-    const uint32_t n_stream = (uint32_t) v_cells.size();
+    const uint32_t n_stream = (uint32_t) kv.v_cells.size();
     w->n_win  = n_win;
     w->n_sink = n_sink;
-    w->n_seq  = n_stream == 1 ? n_seq_max : 1;
+    w->n_seq  = n_stream == 1 ? kv.n_seq_max : 1;
     w->n_slot = (n_sink + n_win)*w->n_seq + 1;
     w->n_stage = std::max(n_ubatch, 1u);
     w->rows.assign(layers.size(), nullptr);
@@ -80,12 +80,12 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_
     size_t bytes = 0, stage_bytes = 0, cache_bytes = 0;
     double values = 0.0;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
-        const auto & layer = layers[ikv];
+        const auto & layer = kv.layers[ikv];
         cache_bytes += ggml_nbytes(layer.k) + ggml_nbytes(layer.v);
         values += (double) (layer.k->ne[0] + layer.v->ne[0]) * layer.k->ne[1] * layer.k->ne[2];
         // the window is read by the CPU and CUDA kernels: a device whose caps say so (an RPC worker: its HELLO)
         // (an unquantized cache has nothing to gain from one)
-        if (layer.k_mean == nullptr || layer.k->buffer == nullptr || !(ggml_is_quantized(layer.k->type) || ggml_is_quantized(layer.v->type))) {
+        if (layers[ikv].k_mean == nullptr || layer.k->buffer == nullptr || !(ggml_is_quantized(layer.k->type) || ggml_is_quantized(layer.v->type))) {
             continue;
         }
         ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(layer.k->buffer);
@@ -111,7 +111,7 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_
         ++n_layers;
     }
     w->slot_cell.assign(n_stream, std::vector<int32_t>(w->n_slot, -1));
-    w->cell_slot.assign(n_stream, std::vector<int32_t>(get_size(), -1));
+    w->cell_slot.assign(n_stream, std::vector<int32_t>(kv.get_size(), -1));
     w->next.assign(n_stream, std::vector<uint32_t>(w->n_seq, 0));
     w->plane_row.assign(n_stream, {});
     w->plane_last.assign(n_stream, {});
@@ -125,25 +125,25 @@ uint32_t llama_kv_cache::kvq_set_window(uint32_t n_win, uint32_t n_sink, uint32_
         LLAMA_LOG_WARN("%s: exact window off in %u pre-RoPE layers: their K cache is on a device without a kernel for it "
                        "(the CPU's and CUDA's read it)\n", __func__, n_device);
     }
-    kvq_win = w;
+    win = w;
     LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query kept in f16 "
                    "beside the quantized cache (%.2f MiB; K+V %.3f bits/value at %u cells with it, %.3f without; plus %.2f MiB "
                    "of stage rows for a ubatch's %u tokens)\n",
                    __func__, n_layers, layers.size(), n_sink, n_win, bytes / (1024.0*1024.0), 8.0*(cache_bytes + bytes) / values,
-                   get_size(), 8.0*cache_bytes / values, stage_bytes / (1024.0*1024.0), w->n_stage);
+                   kv.get_size(), 8.0*cache_bytes / values, stage_bytes / (1024.0*1024.0), w->n_stage);
     return n_layers;
 }
 
-std::pair<uint32_t, uint32_t> llama_kv_cache::kvq_window_size() const {
-    return kvq_win ? std::pair<uint32_t, uint32_t>{ kvq_win->n_sink, kvq_win->n_win } : std::pair<uint32_t, uint32_t>{ 0, 0 };
+std::pair<uint32_t, uint32_t> llama_kvq_cache::window_size() const {
+    return win ? std::pair<uint32_t, uint32_t>{ win->n_sink, win->n_win } : std::pair<uint32_t, uint32_t>{ 0, 0 };
 }
 
 // a stream copy (seq_cp across streams) copies the cells: their rows and what holds them go along
-void llama_kv_cache::kvq_win_copy_stream(uint32_t ssrc, uint32_t sdst) const {
-    if (!kvq_win || ssrc >= kvq_win->next.size() || sdst >= kvq_win->next.size()) {
+void llama_kvq_cache::win_copy_stream(uint32_t ssrc, uint32_t sdst) const {
+    if (!win || ssrc >= win->next.size() || sdst >= win->next.size()) {
         return;
     }
-    auto & w = *kvq_win;
+    auto & w = *win;
     w.slot_cell[sdst] = w.slot_cell[ssrc];
     w.cell_slot[sdst] = w.cell_slot[ssrc];
     w.next[sdst]      = w.next[ssrc];
@@ -159,8 +159,8 @@ void llama_kv_cache::kvq_win_copy_stream(uint32_t ssrc, uint32_t sdst) const {
     }
 }
 
-ggml_tensor * llama_kv_cache::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
-    if (!kvq_win) {
+ggml_tensor * llama_kvq_cache::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
+    if (!win) {
         return nullptr;
     }
     // row 0: each token's stage row, row 1: its ring or sink slot (the trash slot if it keeps none)
@@ -183,8 +183,11 @@ static int32_t kvq_win_last(const llama_kvq_window & w, llama_pos p, bool sink) 
     return (int32_t) std::min<int64_t>((int64_t) p + w.n_win - 1, INT32_MAX - 1);
 }
 
-void llama_kv_cache::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
-    auto & w = *kvq_win;
+void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, ggml_tensor * dst, const llama_ubatch * ubatch) {
+    const llama_kvq_cache & c = of(mctx);
+    const slot_info & sinfo = mctx->sinfos[mctx->i_cur];
+    const auto & v_cells = c.kv.v_cells;
+    auto & w = *c.win;
     const uint32_t n = sinfo.size();
     const int64_t n_tok = ubatch->n_tokens;
     GGML_ASSERT(n_tok == (int64_t) n*sinfo.n_stream());
@@ -261,9 +264,9 @@ void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t
     *qpos = j < w.plane_qpos[strm].size() ? w.plane_qpos[strm][j] : 0;
 }
 
-void llama_kv_cache::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
-                                   ggml_tensor * idxs, int32_t il) const {
-    ggml_tensor * rows = kvq_win->rows[map_layer_ids.at(il)];
+void llama_kvq_cache::win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
+                                ggml_tensor * idxs, int32_t il) const {
+    ggml_tensor * rows = win->rows[kv.map_layer_ids.at(il)];
     if (rows == nullptr) {
         return;
     }
@@ -279,22 +282,22 @@ void llama_kv_cache::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     ggml_tensor * stage = ggml_view_1d(ctx, idxs, n_tokens, 0);
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, rk, k2, stage));
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, rv, v2, stage));
-    kvq_win->keep[map_layer_ids.at(il)] = { ctx, gf, k2, v2, ggml_view_1d(ctx, idxs, n_tokens, idxs->nb[1]) };
+    win->keep[kv.map_layer_ids.at(il)] = { ctx, gf, k2, v2, ggml_view_1d(ctx, idxs, n_tokens, idxs->nb[1]) };
 }
 
-void llama_kv_cache::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
-    if (!kvq_win) {
+void llama_kvq_cache::win_attach(ggml_tensor * fa, int32_t il) const {
+    if (!win) {
         return;
     }
-    const size_t ikv = map_layer_ids.at(il);
-    ggml_tensor * rows = kvq_win->rows[ikv];
+    const size_t ikv = kv.map_layer_ids.at(il);
+    ggml_tensor * rows = win->rows[ikv];
     if (rows == nullptr) {
         return;
     }
     ggml_kvq_fa_set_window(fa, rows);
     // the batch's rows move into the ring once attention has read the ring: nodes run in the order they were added,
     // so attention is added first (nothing else orders a write after a read of the same tensor)
-    auto & kw = kvq_win->keep[ikv];
+    auto & kw = win->keep[ikv];
     if (kw.ctx != nullptr) {
         ggml_build_forward_expand(kw.gf, fa);
         const int64_t n_k = kw.k2->ne[0], n_v = kw.v2->ne[0];
@@ -306,23 +309,6 @@ void llama_kv_cache::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
     }
 }
 
-ggml_tensor * llama_kv_cache_context::build_input_win_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
-    return kv->build_input_win_idxs(ctx, ubatch);
-}
-
-void llama_kv_cache_context::set_input_win_idxs(ggml_tensor * dst, const llama_ubatch * ubatch) const {
-    kv->set_input_win_idxs(dst, ubatch, sinfos[i_cur]);
-}
-
-void llama_kv_cache_context::kvq_win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
-                                           ggml_tensor * idxs, int32_t il) const {
-    kv->kvq_win_write(ctx, gf, k_cur, v_cur, idxs, il);
-}
-
-void llama_kv_cache_context::kvq_win_attach(ggml_tensor * fa, int32_t il) const {
-    kv->kvq_win_attach(fa, il);
-}
-
 // ---- states ---------------------------------------------------------------------------------------------------
 // After a stream's V rows a state carries the exact rows of its saved cells (flagged in the v_trans word, so a
 // reader without a window skips them): a restored sequence reads what it read before. Rows go sinks first, then
@@ -331,16 +317,16 @@ void llama_kv_cache_context::kvq_win_attach(ggml_tensor * fa, int32_t il) const 
 //   uint32 n_rows; n_rows × uint32 (the cell's index among the saved ones)
 //   uint32 n_layer; per layer: uint32 row bytes (0: none), n_rows rows
 
-uint32_t llama_kv_cache::kvq_win_state_flag() const {
-    return kvq_win ? LLAMA_KVQ_STATE_WINDOW : 0;
+uint32_t llama_kvq_cache::win_state_flag() const {
+    return win ? LLAMA_KVQ_STATE_WINDOW : 0;
 }
 
-void llama_kv_cache::kvq_win_state_write(llama_io_write_i & io, const cell_ranges_t & cr) const {
-    if (!kvq_win) {
+void llama_kvq_cache::win_state_write(llama_io_write_i & io, const cell_ranges_t & cr) const {
+    if (!win) {
         return;
     }
-    const auto & w = *kvq_win;
-    std::vector<int32_t> ord(v_cells[cr.strm].size(), -1);
+    const auto & w = *win;
+    std::vector<int32_t> ord(kv.v_cells[cr.strm].size(), -1);
     uint32_t n_saved = 0;
     for (const auto & range : cr.data) {
         for (uint32_t i = range.first; i < range.second; ++i) {
@@ -378,12 +364,12 @@ void llama_kv_cache::kvq_win_state_write(llama_io_write_i & io, const cell_range
 }
 
 // the restored cells' exact rows are no longer theirs, and a restored sequence's slots start empty
-void llama_kv_cache::kvq_win_forget(uint32_t strm, const slot_info & sinfo) const {
-    if (!kvq_win || strm >= kvq_win->next.size() || sinfo.empty()) {
+void llama_kvq_cache::win_forget(uint32_t strm, const slot_info & sinfo) const {
+    if (!win || strm >= win->next.size() || sinfo.empty()) {
         return;
     }
-    auto & w = *kvq_win;
-    const auto & cells = v_cells[strm];
+    auto & w = *win;
+    const auto & cells = kv.v_cells[strm];
     std::vector<bool> seqs(w.n_seq, false);
     for (uint32_t idx : sinfo.idxs[0]) {
         const int32_t slot = w.cell_slot[strm][idx];
@@ -410,7 +396,7 @@ void llama_kv_cache::kvq_win_forget(uint32_t strm, const slot_info & sinfo) cons
     }
 }
 
-bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
+bool llama_kvq_cache::win_state_read(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
     uint32_t n_rows = 0, n_layer = 0;
     io.read(&n_rows, sizeof(n_rows));
     if (n_rows > cell_count) {
@@ -433,10 +419,10 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
     // where each row goes: a sink by its position, the newest n_win others of its sequence into the ring (filled:
     // how many ring slots of each sequence that takes)
     std::vector<int32_t> dest(n_rows, -1);
-    std::vector<uint32_t> filled(kvq_win ? kvq_win->n_seq : 0, 0);
-    if (kvq_win) {
-        const auto & w = *kvq_win;
-        const auto & cells = v_cells[strm];
+    std::vector<uint32_t> filled(win ? win->n_seq : 0, 0);
+    if (win) {
+        const auto & w = *win;
+        const auto & cells = kv.v_cells[strm];
         std::vector<std::vector<uint32_t>> ring(w.n_seq);
         for (uint32_t r = 0; r < n_rows; ++r) {
             const uint32_t cell = sinfo.idxs[0][ords[r]];
@@ -464,10 +450,10 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         uint32_t row_bytes = 0;
         io.read(&row_bytes, sizeof(row_bytes));
-        ggml_tensor * rows = kvq_win ? kvq_win->rows[ikv] : nullptr;
+        ggml_tensor * rows = win ? win->rows[ikv] : nullptr;
         // f16 K and V of one cell, whether or not this cache keeps a window (a damaged state asks for no more)
-        const uint32_t il = layers[ikv].il;
-        const size_t want = sizeof(ggml_fp16_t)*(hparams.n_embd_k_gqa(il) + hparams.n_embd_v_gqa(il));
+        const uint32_t il = kv.layers[ikv].il;
+        const size_t want = sizeof(ggml_fp16_t)*(kv.hparams.n_embd_k_gqa(il) + kv.hparams.n_embd_v_gqa(il));
         if (row_bytes != 0 && row_bytes != want) {
             LLAMA_LOG_ERROR("%s: layer %u: the state's exact rows are %u bytes, the cache's %zu\n", __func__, il, row_bytes, want);
             return false;
@@ -475,18 +461,18 @@ bool llama_kv_cache::kvq_win_state_read(llama_io_read_i & io, uint32_t strm, uin
         complete = complete && (rows == nullptr || row_bytes != 0);
         for (uint32_t r = 0; r < n_rows && row_bytes != 0; ++r) {
             if (rows) { // a row that finds no slot goes to the trash slot (a device state's reader takes tensor reads only)
-                const uint32_t slot = dest[r] >= 0 ? (uint32_t) dest[r] : kvq_win->trash();
-                io.read_tensor(rows, ((size_t) strm*kvq_win->n_slot + slot)*row_bytes, row_bytes);
+                const uint32_t slot = dest[r] >= 0 ? (uint32_t) dest[r] : win->trash();
+                io.read_tensor(rows, ((size_t) strm*win->n_slot + slot)*row_bytes, row_bytes);
             } else {
                 skip.resize(row_bytes);
                 io.read(skip.data(), row_bytes);
             }
         }
     }
-    if (!kvq_win || !complete) {
+    if (!win || !complete) {
         return true;
     }
-    auto & w = *kvq_win;
+    auto & w = *win;
     for (uint32_t r = 0; r < n_rows; ++r) {
         if (dest[r] >= 0) {
             const uint32_t cell = sinfo.idxs[0][ords[r]];

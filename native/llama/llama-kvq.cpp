@@ -5,7 +5,7 @@
 #include "llama-kvq.h"
 
 #include "llama-context.h"
-#include "llama-kv-cache.h"
+#include "llama-kvq-cache.h"
 #include "llama-model.h"
 
 #include <algorithm>
@@ -117,7 +117,7 @@ thread_local std::string t_error;
 
 } // namespace
 
-// settings given by name, kept as text: a context parses each at creation (llama_kvq_ctx_opts_for_call)
+// settings given by name, kept as text: a context parses each at creation (kvq_resolve)
 struct llama_kvq_params {
     std::string value[k_n_settings];
     bool        given[k_n_settings] = {};
@@ -147,8 +147,6 @@ namespace {
 
 std::mutex g_defaults_mutex;
 llama_kvq_params g_defaults;                                        // llama_kvq_set_default: the tools' flags
-thread_local const llama_kvq_params   * t_request = nullptr; // llama_kvq_init_from_model_params' settings
-thread_local const llama_kvq_ctx_opts * t_current = nullptr; // what the constructor being run sees
 
 const char * kvq_rot_str(llama_attn_rot_type r) {
     return r == LLAMA_ATTN_ROT_TYPE_ENABLED ? "on" : r == LLAMA_ATTN_ROT_TYPE_DISABLED ? "off" : "auto";
@@ -193,12 +191,28 @@ const char * llama_kvq_settings_error(void) {
     return t_error.c_str();
 }
 
+// a context's settings: each from the request, else the process default, else auto. The environment is the callers'
+// fallback (the tools' --kv-* flags read PYKVQ_*, as upstream's set_env; pykvq.Model does the same), never read here.
+// Values were checked when they were set, so parsing cannot fail.
+static llama_kvq_ctx_opts kvq_resolve(const llama_kvq_params * request) {
+    llama_kvq_params defaults;
+    {
+        std::lock_guard<std::mutex> lock(g_defaults_mutex);
+        defaults = g_defaults;
+    }
+    llama_kvq_ctx_opts opts;
+    for (int i = 0; i < k_n_settings; ++i) {
+        const char * v = request != nullptr && request->given[i] ? request->value[i].c_str()
+                       : defaults.given[i]                       ? defaults.value[i].c_str() : nullptr;
+        if (v != nullptr) {
+            k_settings[i].parse(opts, v);
+        }
+    }
+    return opts;
+}
+
 llama_context * llama_kvq_init_from_model_params(llama_model * model, llama_context_params params, const llama_kvq_params * kvq) {
-    const llama_kvq_params * prev = t_request;
-    t_request = kvq;
-    llama_context * ctx = llama_init_from_model(model, params);
-    t_request = prev;
-    return ctx;
+    return llama_init_from_model(model, params, kvq_resolve(kvq));
 }
 
 llama_context * llama_kvq_init_from_model(llama_model * model, llama_context_params params,
@@ -207,39 +221,6 @@ llama_context * llama_kvq_init_from_model(llama_model * model, llama_context_par
     kvq.set("attn_rot_k", kvq_rot_str(attn_rot_k));
     kvq.set("attn_rot_v", kvq_rot_str(attn_rot_v));
     return llama_kvq_init_from_model_params(model, params, &kvq);
-}
-
-llama_kvq_ctx_opts llama_kvq_ctx_opts_for_call() {
-    llama_kvq_params defaults;
-    {
-        std::lock_guard<std::mutex> lock(g_defaults_mutex);
-        defaults = g_defaults;
-    }
-    // each setting from the request, else the process default, else auto. The environment is the callers' fallback
-    // (the tools' --kv-* flags read PYKVQ_*, as upstream's set_env; pykvq.Model does the same), never read here.
-    // Values were checked when they were set, so parsing cannot fail.
-    llama_kvq_ctx_opts opts;
-    for (int i = 0; i < k_n_settings; ++i) {
-        const char * v = t_request != nullptr && t_request->given[i] ? t_request->value[i].c_str()
-                       : defaults.given[i]                           ? defaults.value[i].c_str() : nullptr;
-        if (v != nullptr) {
-            k_settings[i].parse(opts, v);
-        }
-    }
-    return opts;
-}
-
-llama_kvq_ctx_scope::llama_kvq_ctx_scope(const llama_kvq_ctx_opts & opts) : prev(t_current) {
-    t_current = &opts;
-}
-
-llama_kvq_ctx_scope::~llama_kvq_ctx_scope() {
-    t_current = prev;
-}
-
-const llama_kvq_ctx_opts & llama_kvq_ctx_opts_current() {
-    static const llama_kvq_ctx_opts none;
-    return t_current ? *t_current : none;
 }
 
 //
@@ -315,7 +296,7 @@ int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, 
         // the largest any of the memory's caches keeps (0: none, e.g. post-RoPE keys or a device-held cache)
         uint32_t n = 0;
         llama_kvq_for_each_kv_cache(ctx->get_memory(), [&](llama_kv_cache & kv) {
-            const auto [s, w] = kv.kvq_window_size();
+            const auto [s, w] = llama_kvq_cache::of(kv).window_size();
             n = std::max(n, sinks ? s : w);
         });
         return snprintf(buf, buf ? size : 0, "%u", n);
