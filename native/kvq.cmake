@@ -7,6 +7,7 @@
 
 target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/ggml/ggml-kvq.c
+    ${GGML_KVQ_DIR}/ggml/kvq-validate.c
     ${GGML_KVQ_DIR}/ggml/bfp.c
     ${GGML_KVQ_DIR}/ggml/nuq.c
     ${GGML_KVQ_DIR}/ggml/q53.c

@@ -11,12 +11,3 @@ GGML_KVQ_TYPES(GGML_KVQ_CHECK_ROW, 0)
 const char * ggml_kvq_version(void) {
     return GGML_KVQ_VERSION;
 }
-
-bool ggml_kvq_validate_row(enum ggml_type type, const void * data, size_t nbytes) {
-    switch (ggml_kvq_type_family(type)) {
-        case GGML_KVQ_FAMILY_BFP: return true;   // every exponent byte and mantissa is a value
-        case GGML_KVQ_FAMILY_NUQ: return ggml_kvq_validate_row_nuq(type, data, nbytes);   // d (and ov) finite, oi < 64
-        case GGML_KVQ_FAMILY_Q53: return ggml_kvq_validate_row_q53(type, data, nbytes);   // both scales finite
-        default:                  return false;
-    }
-}

@@ -6,7 +6,9 @@
 // functions read the cache's layers and cells and a context's slots without upstream gaining members of ours.
 // Bodies: native/llama/llama-kvq-memory.cpp (codebooks, key domain, states), llama-kvq-window.cpp (the window).
 
-#include "llama-kvq.h"
+#include "llama-kvq-codebooks.h"
+#include "llama-kvq-prerope.h"
+#include "llama-kvq-settings.h"
 #include "llama-kv-cache.h"
 
 #include <memory>
@@ -16,7 +18,28 @@
 
 struct llama_io_write_i;
 struct llama_io_read_i;
+struct llama_kvq_layer_desc;
+
+// session states: each layer's K / V type word also says what else decodes the bytes: a pre-RoPE K layer sets
+// LLAMA_KVQ_STATE_PREROPE, a centred one LLAMA_KVQ_STATE_CENTRED, a cache turned by upstream's online Hadamard (attn_rot_k / attn_rot_v) sets
+// LLAMA_KVQ_STATE_ROT, a file codebook puts its fingerprint (1..255) in bits 20..27 (type ids stay far below)
+#define LLAMA_KVQ_STATE_PREROPE  0x10000
+#define LLAMA_KVQ_STATE_ROT      0x20000
+#define LLAMA_KVQ_STATE_CENTRED  0x40000
+#define LLAMA_KVQ_STATE_CB_SHIFT 20
+// a stream's v_trans word: its exact-window rows follow its V rows (llama-kvq-window.cpp)
+#define LLAMA_KVQ_STATE_WINDOW   0x10000
+
+// the type word a state records for a layer's cache tensor (native/llama/llama-kvq-memory.cpp)
+int32_t     llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain /* 0 post, 1 pre, 2 centred */, bool rot);
+// "" when a state's word (have) fits this context's (want), else why not, naming K or V
+std::string llama_kvq_state_mismatch(int32_t have, int32_t want, char which);
+
+// the exact window of a pre-RoPE key cache (native/llama/llama-kvq-window.cpp)
 struct llama_kvq_window;
+// planes 1-3 of the positions input at cell j of stream strm, as this batch's attention reads them: the cell's row in
+// the layers' window tensors (-1: its quantized row), the last query position reading that row, query j's position
+void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t j, int32_t * row, int32_t * last, int32_t * qpos);
 
 struct llama_kvq_cache {
     using slot_info     = llama_kv_cache::slot_info;

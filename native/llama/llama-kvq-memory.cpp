@@ -4,6 +4,8 @@
 // The cache's pykvq state is a llama_kvq_cache (llama-kvq-cache.h), its functions' bodies here and in llama-kvq-window.cpp.
 #include "llama-kvq-cache.h"
 #include "llama-kvq-keys.h"
+#include "llama-kvq-memory.h"
+#include "llama-kvq-model.h"
 
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
@@ -193,47 +195,6 @@ bool llama_kvq_cache::any_quantized(bool v) const {
         const ggml_tensor * t = v ? l.v : l.k;
         return t && ggml_is_quantized(t->type);
     });
-}
-
-// the online K rotation of a cache with q53_64 / q42_64 keys (llama-kvq.h)
-ggml_tensor * llama_kvq_new_k_rot_tensor(ggml_context * ctx, bool q53, int64_t nrot) {
-    int32_t skip = 0;
-    if (q53) {
-        if (nrot <= 64) {
-            nrot = std::min<int64_t>(nrot, LLAMA_KVQ_K_ROT_MIN);   // the same transform as leaving stride 32 out
-        } else {
-            skip = LLAMA_KVQ_K_ROT_MIN;
-        }
-    }
-    ggml_tensor * res = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, nrot, nrot);
-    memcpy(res->op_params, &skip, sizeof(skip));   // a leaf's op_params are free
-    return res;
-}
-
-int llama_kvq_k_rot_skip(const ggml_tensor * k_rot) {
-    int32_t skip = 0;
-    if (k_rot != nullptr) {
-        memcpy(&skip, k_rot->op_params, sizeof(skip));
-    }
-    return skip;
-}
-
-bool llama_kvq_k_rot_fill(ggml_tensor * k_rot) {
-    const int skip = llama_kvq_k_rot_skip(k_rot);
-    if (skip == 0) {
-        return false;
-    }
-    GGML_ASSERT(ggml_backend_buffer_is_host(k_rot->buffer) && k_rot->type == GGML_TYPE_F32);
-    const int64_t n = k_rot->ne[0];
-    const uint32_t mask = (uint32_t) (n - 1) & ~(uint32_t) skip;
-    const float h = 1.0f/sqrtf((float) (n/2));
-    float * d = (float *) k_rot->data;
-    for (int64_t i = 0; i < n; ++i) {      // Sylvester order, (-1)^popcount(i & j), over the kept index bits;
-        for (int64_t j = 0; j < n; ++j) {  // the identity over the left-out one
-            d[i*n + j] = (i ^ j) & skip ? 0.0f : __builtin_popcount((uint32_t) (i & j) & mask) & 1 ? -h : h;
-        }
-    }
-    return true;
 }
 
 // pykvq: what the context's attention caches hold, per layer: the types when they differ between layers,

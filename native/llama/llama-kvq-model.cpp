@@ -1,7 +1,10 @@
 // pykvq: what a converted GGUF asks of the runtime: its pykvq.cache.* keys (per-layer types, codebook
 // calibration, key domain), host copies of the nuq codebooks, and the defaults a context takes from them.
 // The llama_model methods are declared in src/llama-model.h (the model loading seam); their bodies live here.
-#include "llama-kvq.h"
+#include "llama-kvq-codebooks.h"
+#include "llama-kvq-model.h"
+#include "llama-kvq-prerope.h"
+#include "llama-kvq-settings.h"
 #include "llama-kvq-keys.h"
 
 #include "llama-impl.h"

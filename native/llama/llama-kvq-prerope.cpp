@@ -4,7 +4,7 @@
 // (k_pre - mean) / scale instead, and flash attention applies this very ROPE node's rotation when it
 // reads a K tile: its parameters (mode, n_dims, base, scale, YaRN, attn_factor, factors) are taken from
 // the node, so every rope variant a model graph uses is honoured, or refused here with a clear error.
-#include "llama-kvq.h"
+#include "llama-kvq-prerope.h"
 
 #include "ggml-backend.h"
 #include "ggml-kvq-rpc.h"
@@ -235,4 +235,45 @@ void llama_kvq_fa_inputs_to_graph(ggml_cgraph * gf, ggml_tensor * fa_node) {
             ggml_build_forward_expand(gf, t);
         }
     }
+}
+
+// the online K rotation of a cache with q53_64 / q42_64 keys (llama-kvq-prerope.h)
+ggml_tensor * llama_kvq_new_k_rot_tensor(ggml_context * ctx, bool q53, int64_t nrot) {
+    int32_t skip = 0;
+    if (q53) {
+        if (nrot <= 64) {
+            nrot = std::min<int64_t>(nrot, LLAMA_KVQ_K_ROT_MIN);   // the same transform as leaving stride 32 out
+        } else {
+            skip = LLAMA_KVQ_K_ROT_MIN;
+        }
+    }
+    ggml_tensor * res = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, nrot, nrot);
+    memcpy(res->op_params, &skip, sizeof(skip));   // a leaf's op_params are free
+    return res;
+}
+
+int llama_kvq_k_rot_skip(const ggml_tensor * k_rot) {
+    int32_t skip = 0;
+    if (k_rot != nullptr) {
+        memcpy(&skip, k_rot->op_params, sizeof(skip));
+    }
+    return skip;
+}
+
+bool llama_kvq_k_rot_fill(ggml_tensor * k_rot) {
+    const int skip = llama_kvq_k_rot_skip(k_rot);
+    if (skip == 0) {
+        return false;
+    }
+    GGML_ASSERT(ggml_backend_buffer_is_host(k_rot->buffer) && k_rot->type == GGML_TYPE_F32);
+    const int64_t n = k_rot->ne[0];
+    const uint32_t mask = (uint32_t) (n - 1) & ~(uint32_t) skip;
+    const float h = 1.0f/sqrtf((float) (n/2));
+    float * d = (float *) k_rot->data;
+    for (int64_t i = 0; i < n; ++i) {      // Sylvester order, (-1)^popcount(i & j), over the kept index bits;
+        for (int64_t j = 0; j < n; ++j) {  // the identity over the left-out one
+            d[i*n + j] = (i ^ j) & skip ? 0.0f : __builtin_popcount((uint32_t) (i & j) & mask) & 1 ? -h : h;
+        }
+    }
+    return true;
 }
