@@ -190,7 +190,7 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
     auto & w = *c.win;
     const uint32_t n = sinfo.size();
     const int64_t n_tok = ubatch->n_tokens;
-    GGML_ASSERT(n_tok == (int64_t) n*sinfo.n_stream());
+    GGML_ASSERT(n_tok == (int64_t) (n*sinfo.n_stream()));
     const int64_t stage0 = (int64_t) w.n_slot*w.slot_cell.size();
     std::vector<int64_t> data(2*n_tok);
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {

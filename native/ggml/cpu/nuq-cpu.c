@@ -641,10 +641,15 @@ static inline float nuq_index_block_neon(const float * x, int qk, const float * 
 // per-type instances and the variant table: generic first, the best compiled variant last
 //
 
-#define NUQ_TYPES(X) X(nuq4, GGML_TYPE_NUQ4) X(nuq3, GGML_TYPE_NUQ3) X(nuq2, GGML_TYPE_NUQ2) \
-                     X(nuq3o, GGML_TYPE_NUQ3O) X(nuq2o, GGML_TYPE_NUQ2O)
+// every nuq type once: the instances, the table's slots (in this order) and the public entry points are made from it;
+// X(name, type, ...) gets the caller's extra argument (NUQ_TYPES(X, arg)) after the two
+#define NUQ_TYPES(X, ...) X(nuq4, GGML_TYPE_NUQ4, __VA_ARGS__) X(nuq3, GGML_TYPE_NUQ3, __VA_ARGS__) \
+                          X(nuq2, GGML_TYPE_NUQ2, __VA_ARGS__) X(nuq3o, GGML_TYPE_NUQ3O, __VA_ARGS__) \
+                          X(nuq2o, GGML_TYPE_NUQ2O, __VA_ARGS__)
+#define NUQ_COUNT(name, T, ...) + 1
+enum { NUQ_N_TYPES = 0 NUQ_TYPES(NUQ_COUNT, 0) };
 
-#define NUQ_INST_GENERIC(name, T)                                                                              \
+#define NUQ_INST_GENERIC(name, T, ...)                                                                              \
     static void quantize_##name##_generic(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {   \
         nuq_quantize_generic(T, x, y, k); }                                                                    \
     NUQ_SCALAR static void vec_dot_##name##_generic(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_generic(T, n, s, vx, vy); } \
@@ -652,10 +657,10 @@ static inline float nuq_index_block_neon(const float * x, int qk, const float * 
         nuq_to_float_generic(T, nuq_cb_b(T), x, y, k); } \
     static void to_float_k_##name##_generic(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
         nuq_to_float_generic(T, nuq_cb_a(T), x, y, k); }
-NUQ_TYPES(NUQ_INST_GENERIC)
+NUQ_TYPES(NUQ_INST_GENERIC, 0)
 
 #if defined(__AVX2__)
-#define NUQ_INST_AVX2(name, T)                                                                                 \
+#define NUQ_INST_AVX2(name, T, ...)                                                                                 \
     static void quantize_##name##_avx2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {      \
         nuq_quantize_simd(T, x, y, k, nuq_index_block_avx2); }                                                                       \
     static void vec_dot_##name##_avx2(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx2(T, n, s, vx, vy); } \
@@ -663,11 +668,11 @@ NUQ_TYPES(NUQ_INST_GENERIC)
         nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_avx2); } \
     static void to_float_k_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
         nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_avx2); }
-NUQ_TYPES(NUQ_INST_AVX2)
+NUQ_TYPES(NUQ_INST_AVX2, 0)
 #endif
 
 #if defined(NUQ_HAVE_AVX512)
-#define NUQ_INST_AVX512(name, T)                                                                               \
+#define NUQ_INST_AVX512(name, T, ...)                                                                               \
     static void quantize_##name##_avx512(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {    \
         nuq_quantize_simd(T, x, y, k, nuq_index_block_avx512); }                                                                     \
     static void vec_dot_##name##_avx512(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx512(T, n, s, vx, vy); } \
@@ -675,11 +680,11 @@ NUQ_TYPES(NUQ_INST_AVX2)
         nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_avx512); } \
     static void to_float_k_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
         nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_avx512); }
-NUQ_TYPES(NUQ_INST_AVX512)
+NUQ_TYPES(NUQ_INST_AVX512, 0)
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
-#define NUQ_INST_NEON(name, T)                                                                                 \
+#define NUQ_INST_NEON(name, T, ...)                                                                                 \
     static void quantize_##name##_neon(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {      \
         nuq_quantize_simd(T, x, y, k, nuq_index_block_neon); }                                                                       \
     static void vec_dot_##name##_neon(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_neon(T, n, s, vx, vy); } \
@@ -687,22 +692,23 @@ NUQ_TYPES(NUQ_INST_AVX512)
         nuq_to_float_neon(T, nuq_cb_b(T), x, y, k); } \
     static void to_float_k_##name##_neon(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
         nuq_to_float_neon(T, nuq_cb_a(T), x, y, k); }
-NUQ_TYPES(NUQ_INST_NEON)
+NUQ_TYPES(NUQ_INST_NEON, 0)
 #endif
 
 struct nuq_impl {
     const char *      name;
-    ggml_from_float_t from_float[5];   // nuq4, nuq3, nuq2, nuq3o, nuq2o
-    ggml_vec_dot_t    vec_dot[5];
-    ggml_to_float_t   to_float[5];     // slot-B codebook (V)
-    ggml_to_float_t   to_float_k[5];   // slot-A codebook (K tiles in flash attention)
+    ggml_from_float_t from_float[NUQ_N_TYPES];   // per type, in NUQ_TYPES' order
+    ggml_vec_dot_t    vec_dot[NUQ_N_TYPES];
+    ggml_to_float_t   to_float[NUQ_N_TYPES];     // slot-B codebook (V)
+    ggml_to_float_t   to_float_k[NUQ_N_TYPES];   // slot-A codebook (K tiles in flash attention)
 };
 
-#define NUQ_IMPL(name, sfx) { name,                                                                  \
-    { quantize_nuq4_##sfx, quantize_nuq3_##sfx, quantize_nuq2_##sfx, quantize_nuq3o_##sfx, quantize_nuq2o_##sfx }, \
-    { vec_dot_nuq4_##sfx,  vec_dot_nuq3_##sfx,  vec_dot_nuq2_##sfx,  vec_dot_nuq3o_##sfx,  vec_dot_nuq2o_##sfx },  \
-    { to_float_nuq4_##sfx, to_float_nuq3_##sfx, to_float_nuq2_##sfx, to_float_nuq3o_##sfx, to_float_nuq2o_##sfx }, \
-    { to_float_k_nuq4_##sfx, to_float_k_nuq3_##sfx, to_float_k_nuq2_##sfx, to_float_k_nuq3o_##sfx, to_float_k_nuq2o_##sfx } }
+#define NUQ_FROM_FLOAT(name, T, sfx) quantize_##name##_##sfx,
+#define NUQ_VEC_DOT(name, T, sfx)    vec_dot_##name##_##sfx,
+#define NUQ_TO_FLOAT(name, T, sfx)   to_float_##name##_##sfx,
+#define NUQ_TO_FLOAT_K(name, T, sfx) to_float_k_##name##_##sfx,
+#define NUQ_IMPL(name, sfx) { name, { NUQ_TYPES(NUQ_FROM_FLOAT, sfx) }, { NUQ_TYPES(NUQ_VEC_DOT, sfx) }, \
+                                    { NUQ_TYPES(NUQ_TO_FLOAT, sfx) },   { NUQ_TYPES(NUQ_TO_FLOAT_K, sfx) } }
 
 // the same variants, in the same order, as cpu/bfp-cpu.c's table (ggml_kvq_cpu_impl_* index both)
 static const struct nuq_impl nuq_impls[] = {
@@ -729,21 +735,20 @@ static const struct nuq_impl nuq_impls[] = {
 #define NUQ_N_IMPLS ((int) (sizeof(nuq_impls) / sizeof(nuq_impls[0])))
 #define NUQ_BEST (&nuq_impls[NUQ_N_IMPLS - 1])
 
-static int nuq_slot(enum ggml_type type) {
-    return ggml_kvq_type_is_nuq(type) ? (int) type - (int) GGML_TYPE_NUQ4 : -1;
+// a type's slot in the table (-1: not a nuq type)
+static inline int nuq_slot(enum ggml_type type) {
+    int i = 0;
+#define NUQ_SLOT(name, T, ...) if (type == (T)) { return i; } ++i;
+    NUQ_TYPES(NUQ_SLOT, 0)
+#undef NUQ_SLOT
+    return -1;
 }
 
-void quantize_row_nuq4 (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) { NUQ_BEST->from_float[0](x, y, k); }
-void quantize_row_nuq3 (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) { NUQ_BEST->from_float[1](x, y, k); }
-void quantize_row_nuq2 (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) { NUQ_BEST->from_float[2](x, y, k); }
-void quantize_row_nuq3o(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) { NUQ_BEST->from_float[3](x, y, k); }
-void quantize_row_nuq2o(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) { NUQ_BEST->from_float[4](x, y, k); }
-
-void ggml_vec_dot_nuq4_q8_0 (NUQ_VEC_DOT_ARGS) { NUQ_BEST->vec_dot[0](n, s, bs, vx, bx, vy, by, nrc); }
-void ggml_vec_dot_nuq3_q8_0 (NUQ_VEC_DOT_ARGS) { NUQ_BEST->vec_dot[1](n, s, bs, vx, bx, vy, by, nrc); }
-void ggml_vec_dot_nuq2_q8_0 (NUQ_VEC_DOT_ARGS) { NUQ_BEST->vec_dot[2](n, s, bs, vx, bx, vy, by, nrc); }
-void ggml_vec_dot_nuq3o_q8_0(NUQ_VEC_DOT_ARGS) { NUQ_BEST->vec_dot[3](n, s, bs, vx, bx, vy, by, nrc); }
-void ggml_vec_dot_nuq2o_q8_0(NUQ_VEC_DOT_ARGS) { NUQ_BEST->vec_dot[4](n, s, bs, vx, bx, vy, by, nrc); }
+#define NUQ_ENTRY_POINTS(name, T, ...)                                                                                 \
+    void quantize_row_##name(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {                      \
+        NUQ_BEST->from_float[nuq_slot(T)](x, y, k); }                                                                  \
+    void ggml_vec_dot_##name##_q8_0(NUQ_VEC_DOT_ARGS) { NUQ_BEST->vec_dot[nuq_slot(T)](n, s, bs, vx, bx, vy, by, nrc); }
+NUQ_TYPES(NUQ_ENTRY_POINTS, 0)
 
 int ggml_kvq_nuq_cpu_n_impls(void) {
     return NUQ_N_IMPLS;
