@@ -490,12 +490,13 @@ ggml_tensor * llama_kvq_cache::cpy_v(ggml_tensor * set_rows, int32_t il) const {
 //
 
 int32_t llama_kvq_cache::state_word(int32_t il, bool v) const {
-    const auto & layer = at(il);
-    const ggml_tensor * t = v ? kv.layers[kv.map_layer_ids.at(il)].v : kv.layers[kv.map_layer_ids.at(il)].k;
+    const size_t ikv = kv.map_layer_ids.at(il);
+    const auto & layer = layers[ikv];
     if (v) {
-        return llama_kvq_state_type_word(t->type, layer.cb_v, 0, kv.attn_rot_v);
+        return llama_kvq_state_type_word(kv.layers[ikv].v->type, layer.cb_v, 0, kv.attn_rot_v);
     }
-    return llama_kvq_state_type_word(t->type, layer.cb_k, layer.k_mean ? 1 : layer.k_centre.empty() ? 0 : 2, kv.attn_rot_k);
+    return llama_kvq_state_type_word(kv.layers[ikv].k->type, layer.cb_k, layer.k_mean ? 1 : layer.k_centre.empty() ? 0 : 2,
+                                     kv.attn_rot_k);
 }
 
 int32_t llama_kvq_state_type_word(ggml_type type, const int8_t * cb, int k_domain, bool rot) {
