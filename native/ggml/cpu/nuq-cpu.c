@@ -659,28 +659,20 @@ enum { NUQ_N_TYPES = 0 NUQ_TYPES(NUQ_COUNT, 0) };
         nuq_to_float_generic(T, nuq_cb_a(T), x, y, k); }
 NUQ_TYPES(NUQ_INST_GENERIC, 0)
 
+// the x86 instances of one ISA (avx2, avx512): the same code over that ISA's block indexer, K·Q and store
+#define NUQ_INST_X86(name, T, isa)                                                                             \
+    static void quantize_##name##_##isa(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {     \
+        nuq_quantize_simd(T, x, y, k, nuq_index_block_##isa); }                                                \
+    static void vec_dot_##name##_##isa(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_##isa(T, n, s, vx, vy); } \
+    static void to_float_##name##_##isa(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {    \
+        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_##isa); }                                        \
+    static void to_float_k_##name##_##isa(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
+        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_##isa); }
 #if defined(__AVX2__)
-#define NUQ_INST_AVX2(name, T, ...)                                                                                 \
-    static void quantize_##name##_avx2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {      \
-        nuq_quantize_simd(T, x, y, k, nuq_index_block_avx2); }                                                                       \
-    static void vec_dot_##name##_avx2(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx2(T, n, s, vx, vy); } \
-    static void to_float_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {     \
-        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_avx2); } \
-    static void to_float_k_##name##_avx2(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
-        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_avx2); }
-NUQ_TYPES(NUQ_INST_AVX2, 0)
+NUQ_TYPES(NUQ_INST_X86, avx2)
 #endif
-
 #if defined(NUQ_HAVE_AVX512)
-#define NUQ_INST_AVX512(name, T, ...)                                                                               \
-    static void quantize_##name##_avx512(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {    \
-        nuq_quantize_simd(T, x, y, k, nuq_index_block_avx512); }                                                                     \
-    static void vec_dot_##name##_avx512(NUQ_VEC_DOT_ARGS) { NUQ_UNUSED_ARGS; nuq_vec_dot_avx512(T, n, s, vx, vy); } \
-    static void to_float_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {   \
-        nuq_to_float_x86(T, nuq_cb_b(T), x, y, k, kvq_store32_avx512); } \
-    static void to_float_k_##name##_avx512(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {  \
-        nuq_to_float_x86(T, nuq_cb_a(T), x, y, k, kvq_store32_avx512); }
-NUQ_TYPES(NUQ_INST_AVX512, 0)
+NUQ_TYPES(NUQ_INST_X86, avx512)
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
