@@ -168,3 +168,53 @@ def values(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
     if d.rot_v:
         v, gv = _block_rotate(v, 64), _block_rotate(gv, 64)
     return CacheSamples(v.astype(np.float32), (gv.astype(np.float64) ** 2).astype(np.float32))
+
+
+def layout_to_norm(x: np.ndarray, g: Geometry, layout: str) -> np.ndarray:
+    """The inverse of norm_to_layout."""
+    if layout == "norm":
+        return x
+    src, dst = pair_channels(g, "norm"), pair_channels(g, layout)
+    out = np.empty_like(x)
+    out[..., src[:, 0]] = x[..., dst[:, 0]]
+    out[..., src[:, 1]] = x[..., dst[:, 1]]
+    return out
+
+
+def key_error_to_model(e: np.ndarray, pos: np.ndarray, g: Geometry, d: Domain, to_file: np.ndarray) -> np.ndarray:
+    """A change e [T, n_kv, head_dim] of the cached keys (keys()' domain) -> the change of the unconverted model's
+    post-RoPE keys at positions pos, in the file's channel order (to_file: NORM channel c is file channel
+    to_file[c]): every step of keys() is linear in the error (the mean drops out), and each is undone."""
+    if d.k_angle is not None:
+        raise ValueError("a learned pair angle is not undone here")
+    x = e.astype(np.float64)
+    if d.rot_k:
+        n, skip = online_rot_k(g.head_dim, d.rot_k_halves)
+        x = block_rotate(x, n, skip)                     # orthonormal and symmetric: its own inverse
+    if d.k_prerope:
+        x = x * d.k_div[None]
+    x = layout_to_norm(x, g, d.layout)
+    if d.k_perm is not None:
+        y = np.empty_like(x)
+        np.put_along_axis(y, np.broadcast_to(d.k_perm[None], x.shape), x, axis=2)
+        x = y
+    if d.k_scale is not None:
+        x = _pairs_scale(x, d.k_scale, mul=True)
+    if d.k_prerope:
+        x = rope_norm(x, pos, g)
+    out = np.empty_like(x, dtype=np.float32)
+    out[..., to_file] = x
+    return out
+
+
+def value_error_to_model(e: np.ndarray, g: Geometry, d: Domain) -> np.ndarray:
+    """A change e [T, n_kv, head_dim] of the cached values (values()' domain) -> the change of the unconverted
+    model's V projection."""
+    if d.v_matrix is not None:
+        raise ValueError("a learned V transform is not undone here")
+    x = e.astype(np.float32)
+    if d.rot_v:
+        x = _block_rotate(x, 64)
+    if d.rotate_v:
+        x = _block_rotate(x, g.head_dim)
+    return x

@@ -72,6 +72,7 @@ class Calib:
     tokens_per_s: float | None = None    # runtime calibration: its speed (for the converter's summary)
     slot_price: dict | None = None       # --sensitivity probe: {(layer, "k" | "v"): price} (convert/slot_prices.py)
     probe_report: dict | None = None
+    candidates: object | None = None     # --sensitivity measure: convert/candidate_prices.CandidateProbe
 
     def k_pair_rms(self, layer: int) -> np.ndarray:
         """[n_kv, n_pairs] RMS pair magnitude of K (RoPE does not change it)."""

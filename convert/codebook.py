@@ -110,12 +110,16 @@ def fit(x: np.ndarray, fisher: np.ndarray, fmt: str, method: str = "fisher", *, 
     return to_int8(c)
 
 
-def weighted_error(x: np.ndarray, fisher: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> float:
-    """sum F (x - Q(x))^2 over the samples: the loss-increase estimate of a cache type (q4_0 / q5_0 with
-    least-squares block scales: what the runtime writes for a converted file, docs/FORMATS.md)."""
-    from pykvq.ref import roundtrip
+def roundtrip(x: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> np.ndarray:
+    """x as a converted file's cache holds it after quantizing to type_name (q4_0 / q5_0 with least-squares block
+    scales: what the runtime writes for a converted file, docs/FORMATS.md)."""
+    from pykvq.ref import roundtrip as ref_roundtrip
     if type_name in nuq.FORMATS:
-        y = nuq.roundtrip(x, type_name, cb)
-    else:
-        y = roundtrip(x, type_name, lsq=True)
+        return nuq.roundtrip(x, type_name, cb)
+    return ref_roundtrip(x, type_name, lsq=True)
+
+
+def weighted_error(x: np.ndarray, fisher: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> float:
+    """sum F (x - Q(x))^2 over the samples: the loss-increase estimate of a cache type."""
+    y = roundtrip(x, type_name, cb)
     return float((fisher.astype(np.float64) * (x.astype(np.float64) - y) ** 2).sum())

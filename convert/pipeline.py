@@ -409,6 +409,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     if calib is not None:
         m.set(Keys.Calib.SOURCE, calib.source, VT.STRING)
     if opts.kv_bits is not None:
+        if calib is not None and calib.candidates is not None:
+            _measured_errors(calib.candidates, rep)
         _assign_layer_types(opts, rep, cb_k, cb_v)
         if k_plain:
             _rescale_plain_k_layers(m, k_plain, doms, rep)
@@ -498,6 +500,15 @@ def _assign_layer_types(opts: Options, rep: Report, cb_k: dict, cb_v: dict) -> N
                 del cbs[i]
 
 
+def _measured_errors(cp, rep: Report) -> None:
+    """--sensitivity measure: each slot's candidate errors replaced by what the runtime measured them to cost."""
+    cost = cp.costs()
+    for which, per_layer in (("k", rep.layer_types_k), ("v", rep.layer_types_v)):
+        for i, slot in enumerate(per_layer):
+            for t in slot[which]:
+                slot[which][t] = cost[(i, which, t)]
+
+
 def _rescale_plain_k_layers(m: GGUFModel, k_plain: dict, doms: list, rep: Report) -> None:
     """A budget's file takes the fisher power of its ladder's fewest bits (FISHER_POWER_LOW); a layer whose chosen
     keys have no codebook and prerope.FISHER_POWER_BITS bits or more is scaled at prerope.FISHER_POWER instead, the
@@ -580,6 +591,11 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
                 errs[(which, t)] = codebook.weighted_error(xt.x, f, t, cbs.get(t))
                 if opts.kv_bits is not None and calib.slot_price:    # the runtime's price of this slot's errors
                     errs[(which, t)] *= calib.slot_price[(i, which)]
+                cp = calib.candidates
+                if opts.kv_bits is not None and cp is not None:       # measured in the runtime instead
+                    xs = xt.x[cp.rows]
+                    cp.add(i, which, t, xs, codebook.roundtrip(xs, t, cbs.get(t)), calib.pos[cp.rows], g,
+                           dom_plain if xt is x_plain else dom)
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}
             # per-layer decisions are global (the budget is shared): record errors, decide after the loop

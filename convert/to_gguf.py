@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text (default: canterbury, fetched once, when a transform needs it)")
     g.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences (default 4)")
     g.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    g.add_argument("--sensitivity", choices=("forward", "probe", "backprop"), default=None,
+    g.add_argument("--sensitivity", choices=("forward", "probe", "measure", "backprop"), default=None,
                    help="where calibration's channel weights come from. forward (the default for a GGUF input "
                         "without codebooks or --kv-bits): pykvq's runtime runs "
                         "the GGUF (any architecture with standard RoPE, memory about the model's); the keys' "
@@ -173,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured in the runtime (noise into one slot at a time, the KL divergence it causes: "
                         "2 x layers + 5 forward passes of --probe-len tokens, in the model's own memory; "
                         "the default for --kv-bits where the backward pass cannot run: no torch, or less memory "
-                        "than it needs)")
+                        "than it needs). measure: as probe, then every candidate type of every slot rounded as "
+                        "the file's cache will round it and its KL divergence measured (layers x the two ladders' "
+                        "types forward passes of 512 tokens: SmolLM2-135M 14 min on 2 cores, 0.0191 -> 0.0174 at "
+                        "3.5 bits, 0.067 -> 0.050 at 3.0; slow for larger models)")
     g.add_argument("--probe-len", type=int, default=128, metavar="N",
                    help="with --sensitivity probe: tokens per probe pass (default 128; Qwen2.5-Coder-1.5B at 3.5 "
                         "bits and 4096 tokens, KLD against the backward pass: 128 +8%%, 256 +10%%, 512 +7%%, "
@@ -449,7 +452,7 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
     log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
              st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
     price = report = None
-    if args.sensitivity == "probe" and opts.kv_bits is not None:
+    if args.sensitivity in ("probe", "measure") and opts.kv_bits is not None:
         from convert import slot_prices
         parked = Path(tmp) / "calibration.npz"     # the probe needs the moments only: the model runs beside less
         st.save(parked)
@@ -463,7 +466,59 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
         parked.unlink()
     calib = calib_mod.from_runtime(st, g, v_sens)
     calib.slot_price, calib.probe_report = price, report
+    if args.sensitivity == "measure" and opts.kv_bits is not None:
+        calib.candidates = _candidate_probe(gguf_path, text, st, g, calib, opts, report, progress)
     return calib, g
+
+
+def _candidate_probe(gguf_path, text, st, g, calib, opts, report, progress):
+    """--sensitivity measure: what prices every candidate of every slot in the runtime (convert/candidate_prices.py)
+    while the budget is made, its KL divergences cached in $PYKVQ_CACHE/calib/candidates (other budgets of one model
+    reuse them)."""
+    import hashlib
+    import json
+
+    from convert import candidate_prices, slot_prices
+    from pykvq import sensitivity
+    from pykvq.errors import PykvqError
+    from pykvq.paths import cache_dir
+    use, length = candidate_prices.SEQS, candidate_prices.LENGTH
+    if st.n_seq < use or st.seq_len < length:
+        raise ConvertError(f"--sensitivity measure runs the first {length} tokens of {use} calibration sequences: "
+                           f"calibrate with --calib-seqs {use} --calib-len {length} or more")
+
+    def run(deltas):
+        h = hashlib.sha256(f"{gguf_path}:{len(text)}:{st.n_seq}:{st.seq_len}:{use}:{length}".encode())
+        for k in sorted(deltas, key=str):
+            h.update(str(k).encode())
+            for a in deltas[k]:
+                h.update(np.ascontiguousarray(a, np.float32).tobytes())
+        f = cache_dir() / "calib" / "candidates" / f"{h.hexdigest()[:24]}.json"
+        if f.is_file():
+            try:
+                got = {tuple(r[0]): r[1] for r in json.loads(f.read_text())}
+                if set(got) == set(deltas):
+                    cp.report.update(candidates=len(got), cached=True)
+                    return got
+            except (ValueError, TypeError, IndexError):
+                pass                                 # a damaged entry: measure again
+        try:
+            got = sensitivity.probe_deltas(gguf_path, text, deltas, n_seq=st.n_seq, seq_len=st.seq_len, use=use,
+                                           length=length, progress=progress)
+        except PykvqError as e:
+            raise ConvertError(f"pricing the candidate types in the runtime failed: {e}") from None
+        cp.report.update(candidates=len(deltas), tokens=got["tokens"], seconds=round(got["seconds"], 1), cached=False)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f.name + ".tmp")
+        tmp.write_text(json.dumps([[list(k), v] for k, v in got.items() if isinstance(k, tuple)]))
+        tmp.replace(f)
+        return got
+
+    floor = slot_prices.floor_at({int(i): v for i, v in report["floor"].items()}, g.n_layer)
+    to_file = calib_mod.hf_to_norm(g) if g.layout == "neox" else np.arange(g.head_dim)
+    cp = candidate_prices.CandidateProbe(candidate_prices.CandidateProbe.rows_of(calib.pos, use, length), use,
+                                         length, to_file, opts.kv_sinks if opts.prerope_k else 0, run, floor)
+    return cp
 
 
 def convert(args) -> dict:
@@ -530,7 +585,7 @@ def convert(args) -> dict:
             opts.requant_type = ("f32" if exact else "q8_0") if args.outtype == "auto" else args.outtype
         if args.sensitivity is None:
             args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir))
-        forward = args.sensitivity in ("forward", "probe")
+        forward = args.sensitivity in ("forward", "probe", "measure")
         # an architecture outside the converter's table: the pre-RoPE statistics, codebooks and a runtime-priced
         # budget (no weight transforms), with the layout the runtime's graph tells (checked against the file's rope
         # dimension count after calibration)
@@ -606,6 +661,7 @@ def convert(args) -> dict:
         "slot_prices": ({f"{i}{w}": round(v, 4) for (i, w), v in calib.slot_price.items()}
                         if calib is not None and calib.slot_price else None),
         "probe": calib.probe_report if calib is not None and calib.slot_price else None,
+        "candidate_prices": calib.candidates.report if calib is not None and calib.candidates is not None else None,
         "calibration_tokens_per_s": round(calib.tokens_per_s, 1) if calib is not None and calib.tokens_per_s else None,
         "codebook_errors": rep.cb_errors,
     }
@@ -655,9 +711,13 @@ def main(argv=None) -> int:
         when = "(cached)" if r.get("cached") else f"({r['tokens']} tokens, {r['seconds']:.0f} s)"
         print(f"budget prices measured in the runtime {when}: dearest "
               + ", ".join(f"{x[:-1]} {x[-1].upper()} {pr[x]:.2f}" for x in top) + " (mean 1)")
-    if s.get("budget_weights") == "window" and s["layer_types_k"]:
+    if s.get("candidate_prices"):
+        r = s["candidate_prices"]
+        when = "cached" if r.get("cached") else f"{r['tokens']} tokens, {r['seconds']:.0f} s"
+        print(f"budget: each slot's {r['candidates']} candidate types rounded and measured in the runtime ({when})")
+    if s.get("budget_weights") == "window" and s["layer_types_k"] and not s.get("candidate_prices"):
         print("budget: counts the errors of reads the window leaves quantized (--kv-bits-weights window)")
-    if s.get("window_share"):
+    if s.get("window_share") and not s.get("candidate_prices"):
         print("budget weighs each token by the reads the window leaves quantized: share per layer, K "
               + " ".join(f"{w['k']:.2f}" for w in s["window_share"]) + "; V "
               + " ".join(f"{w['v']:.2f}" for w in s["window_share"]))

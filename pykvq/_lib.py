@@ -172,6 +172,8 @@ void llama_kvq_probe_free(struct llama_kvq_probe * probe);
 void llama_kvq_probe_attach(struct llama_kvq_probe * probe, struct llama_context_params * params);
 bool llama_kvq_probe_set(struct llama_kvq_probe * probe, int32_t il, int32_t which, const float * sigma, int64_t n,
                          uint64_t seed);
+bool llama_kvq_probe_set_delta(struct llama_kvq_probe * probe, int32_t il, int32_t which, const float * delta,
+                               int64_t n);
 void llama_kvq_probe_next_batch(struct llama_kvq_probe * probe, uint64_t seed);
 int64_t llama_kvq_probe_hits(const struct llama_kvq_probe * probe);
 const char * llama_kvq_probe_error(const struct llama_kvq_probe * probe);

@@ -95,3 +95,64 @@ def probe(model_path: str | Path, text: str, sigmas: dict, *, n_seq: int = 1, se
         if m is not None:
             m.close()
         L.llama_kvq_probe_free(p)
+
+
+def probe_deltas(model_path: str | Path, text: str, deltas: dict, *, n_seq: int, seq_len: int, use: int,
+                 length: int, progress: bool | None = None, n_threads: int | None = None) -> dict:
+    """{key: mean KL divergence per scored token} for keys (layer, "k" | "v", ...) -> a given change of that slot:
+    one float32 array [length, n_head_kv, head_dim] per sequence, added to the layer's K after RoPE or to its V
+    projection (the converter's candidate types, each its own rounding error mapped there). The sequences are the
+    first `length` tokens of the first `use` of pykvq.calibrate's n_seq x seq_len windows of text (BOS included),
+    so the changes can be made from its samples. Also returns "seconds" and "tokens"."""
+    from ._lib import lib
+    from .calibrate import CalibrationError, windows
+    from .model import Model
+    bad = [k for k in deltas if len(k) < 2 or k[1] not in WHICH]
+    if bad:
+        raise ProbeError(f"probe keys are (layer, 'k' | 'v', ...); got {bad[0]!r}")
+    L = lib()
+    p = L.llama_kvq_probe_init()
+    m = None
+    t0 = time.time()
+    try:
+        m = Model(model_path, n_ctx=length, n_batch=length, cache_type_k="f16", cache_type_v="f16",
+                  n_threads=n_threads, _probe=p)
+        try:
+            seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len - 1 if m.add_bos else seq_len)
+        except CalibrationError as e:
+            raise ProbeError(str(e)) from None
+        seqs = [([m.bos] + s if m.add_bos else s)[:length] for s in seqs[:use]]
+
+        def run(key=None) -> list:
+            out = []
+            for j, s in enumerate(seqs):
+                if key is not None:
+                    d = np.ascontiguousarray(deltas[key][j], dtype=np.float32)
+                    L.llama_kvq_probe_set_delta(p, int(key[0]), WHICH[key[1]],
+                                                ffi.cast("const float *", ffi.from_buffer(d)), d.size)
+                m.reset()
+                out.append(m._decode(s, 0, len(s) // 2, collect=True)[0])
+            return out
+
+        L.llama_kvq_probe_set(p, -1, 0, ffi.NULL, 0, 0)
+        base = [LogDist.of_logits(x) for x in run()]
+        probs = [b.probs() for b in base]
+        out = {}
+        for key in progress_bar(list(deltas), desc="pricing candidates", enable=progress, unit="candidate"):
+            L.llama_kvq_probe_set(p, -1, 0, ffi.NULL, 0, 0)        # resets the hits
+            logits = run(key)
+            err = ffi.string(L.llama_kvq_probe_error(p)).decode()
+            if err:
+                raise ProbeError(f"{Path(model_path).name}: {err}")
+            if L.llama_kvq_probe_hits(p) < len(seqs):
+                raise ProbeError(f"{Path(model_path).name}: layer {key[0]}'s {key[1].upper()} was not found in the "
+                                 "graph; this architecture names it differently")
+            out[key] = float(np.mean(np.concatenate(
+                [kl_rows(b, pb, LogDist.of_logits(x)) for b, pb, x in zip(base, probs, logits)])))
+        out["seconds"] = time.time() - t0
+        out["tokens"] = (len(deltas) + 1) * sum(len(s) for s in seqs)
+        return out
+    finally:
+        if m is not None:
+            m.close()
+        L.llama_kvq_probe_free(p)

@@ -130,6 +130,10 @@ LLAMA_API bool llama_kvq_probe_eval_cb(struct ggml_tensor * t, bool ask, void * 
 // perturb layer il's which (1 K, 2 V) by sigma [n] (n = n_head_kv * head_dim); il < 0: no noise. Resets the hits.
 LLAMA_API bool llama_kvq_probe_set(struct llama_kvq_probe * probe, int32_t il, int32_t which, const float * sigma,
                                    int64_t n, uint64_t seed);
+// or add delta [n] (a whole batch's K ROPE output or V projection; kept by the caller until the decode) to the next
+// batch's tensor; hits are kept, so a caller setting one delta per sequence counts them all
+LLAMA_API bool llama_kvq_probe_set_delta(struct llama_kvq_probe * probe, int32_t il, int32_t which,
+                                         const float * delta, int64_t n);
 // before each llama_decode after the first: a new batch (its own noise from seed)
 LLAMA_API void llama_kvq_probe_next_batch(struct llama_kvq_probe * probe, uint64_t seed);
 // tensors changed since the last set (0 after a decode: the model names its K / V otherwise); the last error

@@ -7,6 +7,8 @@
 // one standard deviation per KV head is isotropic within the head, so adding it after RoPE is the same as before.
 // V: the first node named "Vcur-<il>" of each batch (the projection; later Vcur nodes, the bias sum and reshapes,
 // carry the noise on), once per batch.
+// Instead of noise a probe may add a given change (llama_kvq_probe_set_delta): a cache type's own rounding error,
+// mapped to those nodes by the converter, so the runtime prices a candidate type of one slot as it would round.
 
 #include "llama-kvq-api.h"
 #include "llama-kvq-names.h"
@@ -24,6 +26,8 @@
 struct llama_kvq_probe {
     int32_t il = -1, which = 0;     // which: 1 k, 2 v; il < 0: off
     std::vector<float> sigma;       // [n_head_kv * head_dim] per-channel standard deviation
+    const float * delta = nullptr;  // or: the change of the next batch's tensor, every element (caller's memory)
+    int64_t n_delta = 0;
     uint64_t seed = 0;
     bool done = false;              // V: this batch's first Vcur-<il> was changed
     int64_t hits = 0;               // tensors changed since the last llama_kvq_probe_set
@@ -63,6 +67,20 @@ void perturb(llama_kvq_probe * p, ggml_tensor * t) {
         return;
     }
     const int64_t ne = ggml_nelements(t);
+    if (p->delta != nullptr) {
+        if (ne != p->n_delta) {
+            p->error = std::string("probe: ") + t->name + " has " + std::to_string(ne) + " values, the delta " +
+                       std::to_string(p->n_delta) + " (one batch of the tokens it was made for)";
+            return;
+        }
+        float * x = (float *) t->data;
+        for (int64_t i = 0; i < ne; i++) {
+            x[i] += p->delta[i];
+        }
+        p->done = true;
+        p->hits++;
+        return;
+    }
     if (n == 0 || ne % n != 0 || (t->ne[0] != n && t->ne[0]*t->ne[1] != n)) {
         p->error = std::string("probe: ") + t->name + " has " + std::to_string(t->ne[0]) + " x " +
                    std::to_string(t->ne[1]) + " values per token, the probe's sigma " + std::to_string(n);
@@ -116,6 +134,8 @@ bool llama_kvq_probe_set(struct llama_kvq_probe * probe, int32_t il, int32_t whi
     probe->hits = 0;
     probe->done = false;
     probe->seed = seed;
+    probe->delta = nullptr;
+    probe->n_delta = 0;
     if (il < 0 || sigma == nullptr || n <= 0) {
         probe->il = -1;
         probe->sigma.clear();
@@ -129,6 +149,23 @@ bool llama_kvq_probe_set(struct llama_kvq_probe * probe, int32_t il, int32_t whi
     probe->il = il;
     probe->which = which;
     probe->sigma.assign(sigma, sigma + n);
+    return true;
+}
+
+bool llama_kvq_probe_set_delta(struct llama_kvq_probe * probe, int32_t il, int32_t which, const float * delta,
+                               int64_t n) {
+    probe->error.clear();
+    probe->done = false;
+    if (which != 1 && which != 2) {
+        probe->error = "probe: which must be 1 (K) or 2 (V), got " + std::to_string(which);
+        probe->il = -1;
+        return false;
+    }
+    probe->il = delta != nullptr && n > 0 ? il : -1;
+    probe->which = which;
+    probe->sigma.clear();
+    probe->delta = delta;
+    probe->n_delta = n;
     return true;
 }
 
