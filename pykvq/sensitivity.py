@@ -31,6 +31,22 @@ class ProbeError(PykvqError):
     """The runtime could not probe this model's cache slots; the message says why."""
 
 
+def _check_keys(keys) -> None:
+    bad = [k for k in keys if len(k) < 2 or k[1] not in WHICH]
+    if bad:
+        raise ProbeError(f"probe keys are (layer, 'k' | 'v', ...); got {bad[0]!r}")
+
+
+def _sequences(m, text: str, n_seq: int, seq_len: int) -> list:
+    """pykvq.calibrate's n_seq x seq_len windows of text, BOS first where the model wants one."""
+    from .calibrate import CalibrationError, windows
+    try:
+        seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len - 1 if m.add_bos else seq_len)
+    except CalibrationError as e:
+        raise ProbeError(str(e)) from None
+    return [[m.bos] + s for s in seqs] if m.add_bos else seqs
+
+
 def probe(model_path: str | Path, text: str, sigmas: dict, *, n_seq: int = 1, seq_len: int = 512,
           seed: int = 0, progress: bool | None = None, n_threads: int | None = None) -> dict:
     """{key: mean KL divergence per scored token} for keys (layer, "k" | "v", ...) -> sigma (float [n_head_kv,
@@ -38,11 +54,8 @@ def probe(model_path: str | Path, text: str, sigmas: dict, *, n_seq: int = 1, se
     caller's, to probe one slot twice). Also returns "seconds" and "tokens" (forward passes run, baseline
     included) under those keys."""
     from ._lib import lib
-    from .calibrate import CalibrationError, windows
     from .model import Model
-    bad = [k for k in sigmas if len(k) < 2 or k[1] not in WHICH]
-    if bad:
-        raise ProbeError(f"probe keys are (layer, 'k' | 'v', ...); got {bad[0]!r}")
+    _check_keys(sigmas)
     L = lib()
     p = L.llama_kvq_probe_init()
     m = None
@@ -50,12 +63,7 @@ def probe(model_path: str | Path, text: str, sigmas: dict, *, n_seq: int = 1, se
     try:
         m = Model(model_path, n_ctx=seq_len, n_batch=seq_len, cache_type_k="f16", cache_type_v="f16",
                   n_threads=n_threads, _probe=p)
-        try:
-            seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len - 1 if m.add_bos else seq_len)
-        except CalibrationError as e:
-            raise ProbeError(str(e)) from None
-        if m.add_bos:
-            seqs = [[m.bos] + s for s in seqs]
+        seqs = _sequences(m, text, n_seq, seq_len)
         first = seq_len // 2
 
         def run() -> list:
@@ -105,11 +113,8 @@ def probe_deltas(model_path: str | Path, text: str, deltas: dict, *, n_seq: int,
     first `length` tokens of the first `use` of pykvq.calibrate's n_seq x seq_len windows of text (BOS included),
     so the changes can be made from its samples. Also returns "seconds" and "tokens"."""
     from ._lib import lib
-    from .calibrate import CalibrationError, windows
     from .model import Model
-    bad = [k for k in deltas if len(k) < 2 or k[1] not in WHICH]
-    if bad:
-        raise ProbeError(f"probe keys are (layer, 'k' | 'v', ...); got {bad[0]!r}")
+    _check_keys(deltas)
     L = lib()
     p = L.llama_kvq_probe_init()
     m = None
@@ -117,11 +122,7 @@ def probe_deltas(model_path: str | Path, text: str, deltas: dict, *, n_seq: int,
     try:
         m = Model(model_path, n_ctx=length, n_batch=length, cache_type_k="f16", cache_type_v="f16",
                   n_threads=n_threads, _probe=p)
-        try:
-            seqs = windows(m.tokenize(text, add_special=False), n_seq, seq_len - 1 if m.add_bos else seq_len)
-        except CalibrationError as e:
-            raise ProbeError(str(e)) from None
-        seqs = [([m.bos] + s if m.add_bos else s)[:length] for s in seqs[:use]]
+        seqs = [s[:length] for s in _sequences(m, text, n_seq, seq_len)[:use]]
 
         def run(key=None) -> list:
             out = []
