@@ -13,11 +13,14 @@ with quantized weights) is the candidate's cost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from . import cache_domain
+from . import cache_domain, slot_prices
+from .calib import hf_to_norm
+from .gguf_io import ConvertError
 
 SEQS = 2            # calibration sequences the probe runs ...
 LENGTH = 256        # ... the first LENGTH tokens of each, scored on their second half (as slot_prices' probe)
@@ -59,3 +62,41 @@ class CandidateProbe:
         pos = [v for v in raw.values() if v > 0]
         low = min(pos) / 20 if pos else 1e-9
         return {k: max(v, low) for k, v in raw.items()}
+
+
+def probe(gguf_path, text: str, st, g, pos: np.ndarray, sinks: int, probe_report: dict, progress) -> CandidateProbe:
+    """The CandidateProbe of a conversion: st its calibration (pykvq.calibrate.RuntimeStats, whose windows the probe
+    runs), pos the Calib's positions, sinks the file's exact sinks, probe_report slot_prices.measure's (its floor).
+    Its KL divergences are kept in $PYKVQ_CACHE/calib/candidates, keyed by the changes themselves."""
+    import hashlib
+
+    from pykvq import calibrate, sensitivity
+    from pykvq.errors import PykvqError
+    if st.n_seq < SEQS or st.seq_len < LENGTH:
+        raise ConvertError(f"--sensitivity measure runs the first {LENGTH} tokens of {SEQS} calibration sequences: "
+                           f"calibrate with --calib-seqs {SEQS} --calib-len {LENGTH} or more")
+
+    def run(deltas: dict) -> dict:
+        h = hashlib.sha256(calibrate.cache_key(gguf_path, text, st.n_seq, st.seq_len, False).encode())
+        for part in (Path(__file__).read_text(), Path(sensitivity.__file__).read_text()):
+            h.update(part.encode())
+        for k in sorted(deltas, key=str):
+            h.update(str(k).encode())
+            for a in deltas[k]:
+                h.update(np.ascontiguousarray(a, np.float32).tobytes())
+
+        def measure():
+            try:
+                return sensitivity.probe_deltas(gguf_path, text, deltas, n_seq=st.n_seq, seq_len=st.seq_len,
+                                                use=SEQS, length=LENGTH, progress=progress)
+            except PykvqError as e:
+                raise ConvertError(f"pricing the candidate types in the runtime failed: {e}") from None
+        got = slot_prices.cached_klds("candidates", h, deltas, measure)
+        cp.report.update(candidates=len(deltas), tokens=got["tokens"], seconds=round(got["seconds"], 1),
+                         cached=bool(got.get("cached")))
+        return got
+
+    floor = slot_prices.floor_at({int(i): v for i, v in probe_report["floor"].items()}, g.n_layer)
+    to_file = hf_to_norm(g) if g.layout == "neox" else np.arange(g.head_dim)
+    cp = CandidateProbe(CandidateProbe.rows_of(pos, SEQS, LENGTH), SEQS, LENGTH, to_file, sinks, run, floor)
+    return cp

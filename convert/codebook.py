@@ -121,5 +121,9 @@ def roundtrip(x: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> np
 
 def weighted_error(x: np.ndarray, fisher: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> float:
     """sum F (x - Q(x))^2 over the samples: the loss-increase estimate of a cache type."""
-    y = roundtrip(x, type_name, cb)
+    return error_of(x, roundtrip(x, type_name, cb), fisher)
+
+
+def error_of(x: np.ndarray, y: np.ndarray, fisher: np.ndarray) -> float:
+    """sum F (x - y)^2: weighted_error of a rounding y already made."""
     return float((fisher.astype(np.float64) * (x.astype(np.float64) - y) ** 2).sum())

@@ -588,13 +588,13 @@ def _layer_codebooks(i: int, calib: Calib, g, dom, opts: Options, method: str, t
                         x_plain = samples(calib, i, g, dom_plain)
                     xt = x_plain
                 f = xt.fisher if reads is None else xt.fisher * reads[which][:, :, None]
-                errs[(which, t)] = codebook.weighted_error(xt.x, f, t, cbs.get(t))
+                y = codebook.roundtrip(xt.x, t, cbs.get(t))
+                errs[(which, t)] = codebook.error_of(xt.x, y, f)
                 if opts.kv_bits is not None and calib.slot_price:    # the runtime's price of this slot's errors
                     errs[(which, t)] *= calib.slot_price[(i, which)]
                 cp = calib.candidates
                 if opts.kv_bits is not None and cp is not None:       # measured in the runtime instead
-                    xs = xt.x[cp.rows]
-                    cp.add(i, which, t, xs, codebook.roundtrip(xs, t, cbs.get(t)), calib.pos[cp.rows], g,
+                    cp.add(i, which, t, xt.x[cp.rows], y[cp.rows], calib.pos[cp.rows], g,
                            dom_plain if xt is x_plain else dom)
         if opts.kv_bits is not None:
             slot = {which: {t: errs[(which, t)] for t in cands}}

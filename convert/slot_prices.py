@@ -92,37 +92,47 @@ def measure(gguf_path, text: str, st, g: Geometry, v_sens: list, *, n_seq: int =
     return p, report
 
 
-def _probe_cached(gguf_path, text: str, probes: dict, n_seq: int, seq_len: int, progress) -> dict:
-    """pykvq.sensitivity.probe, kept in $PYKVQ_CACHE/calib/prices: conversions of one model at several budgets
-    (or with other ladders) probe once. Keyed by the model, text and windows (pykvq.calibrate.cache_key), the
-    noise, and this code."""
-    import hashlib
+def cached_klds(folder: str, h, keys, measure) -> dict:
+    """measure() ({key: KLD, "seconds": s, "tokens": n}), kept in $PYKVQ_CACHE/calib/<folder>/ under the hash h
+    (hashlib) of what decides it: conversions of one model at several budgets measure once. A damaged entry, or one
+    for other keys, is measured again; the entry is written atomically."""
     import json
 
-    from pykvq import calibrate, sensitivity
-    from pykvq.errors import PykvqError
     from pykvq.paths import cache_dir
-    h = hashlib.sha256(calibrate.cache_key(gguf_path, text, n_seq, seq_len, False).encode())
-    for part in (Path(__file__).read_text(), Path(sensitivity.__file__).read_text()):
-        h.update(part.encode())
-    for k in sorted(probes, key=str):
-        h.update(f"{k}".encode() + np.ascontiguousarray(probes[k], np.float32).tobytes())
-    f = cache_dir() / "calib" / "prices" / f"{h.hexdigest()[:24]}.json"
+    f = cache_dir() / "calib" / folder / f"{h.hexdigest()[:24]}.json"
     if f.is_file():
         try:
             rows = json.loads(f.read_text())
             got = {tuple(r["key"]): r["kld"] for r in rows["slots"]}
-            if set(got) == set(probes):
+            if set(got) == set(keys):
                 return {**got, "seconds": rows["seconds"], "tokens": rows["tokens"], "cached": True}
         except (ValueError, KeyError, TypeError):
-            pass                                     # a damaged entry: probe again
-    try:
-        got = sensitivity.probe(gguf_path, text, probes, n_seq=n_seq, seq_len=seq_len, progress=progress)
-    except PykvqError as e:
-        raise ConvertError(f"pricing the layers in the runtime failed: {e}") from None
+            pass                                     # a damaged entry: measure again
+    got = measure()
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_name(f.name + ".tmp")
     tmp.write_text(json.dumps({"seconds": got["seconds"], "tokens": got["tokens"],
                                "slots": [{"key": list(k), "kld": v} for k, v in got.items() if isinstance(k, tuple)]}))
     tmp.replace(f)
     return got
+
+
+def _probe_cached(gguf_path, text: str, probes: dict, n_seq: int, seq_len: int, progress) -> dict:
+    """pykvq.sensitivity.probe, kept in $PYKVQ_CACHE/calib/prices. Keyed by the model, text and windows
+    (pykvq.calibrate.cache_key), the noise, and this code."""
+    import hashlib
+
+    from pykvq import calibrate, sensitivity
+    from pykvq.errors import PykvqError
+    h = hashlib.sha256(calibrate.cache_key(gguf_path, text, n_seq, seq_len, False).encode())
+    for part in (Path(__file__).read_text(), Path(sensitivity.__file__).read_text()):
+        h.update(part.encode())
+    for k in sorted(probes, key=str):
+        h.update(f"{k}".encode() + np.ascontiguousarray(probes[k], np.float32).tobytes())
+
+    def measure():
+        try:
+            return sensitivity.probe(gguf_path, text, probes, n_seq=n_seq, seq_len=seq_len, progress=progress)
+        except PykvqError as e:
+            raise ConvertError(f"pricing the layers in the runtime failed: {e}") from None
+    return cached_klds("prices", h, probes, measure)

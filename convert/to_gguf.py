@@ -467,58 +467,10 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
     calib = calib_mod.from_runtime(st, g, v_sens)
     calib.slot_price, calib.probe_report = price, report
     if args.sensitivity == "measure" and opts.kv_bits is not None:
-        calib.candidates = _candidate_probe(gguf_path, text, st, g, calib, opts, report, progress)
+        from convert import candidate_prices
+        calib.candidates = candidate_prices.probe(gguf_path, text, st, g, calib.pos,
+                                                  opts.kv_sinks if opts.prerope_k else 0, report, progress)
     return calib, g
-
-
-def _candidate_probe(gguf_path, text, st, g, calib, opts, report, progress):
-    """--sensitivity measure: what prices every candidate of every slot in the runtime (convert/candidate_prices.py)
-    while the budget is made, its KL divergences cached in $PYKVQ_CACHE/calib/candidates (other budgets of one model
-    reuse them)."""
-    import hashlib
-    import json
-
-    from convert import candidate_prices, slot_prices
-    from pykvq import sensitivity
-    from pykvq.errors import PykvqError
-    from pykvq.paths import cache_dir
-    use, length = candidate_prices.SEQS, candidate_prices.LENGTH
-    if st.n_seq < use or st.seq_len < length:
-        raise ConvertError(f"--sensitivity measure runs the first {length} tokens of {use} calibration sequences: "
-                           f"calibrate with --calib-seqs {use} --calib-len {length} or more")
-
-    def run(deltas):
-        h = hashlib.sha256(f"{gguf_path}:{len(text)}:{st.n_seq}:{st.seq_len}:{use}:{length}".encode())
-        for k in sorted(deltas, key=str):
-            h.update(str(k).encode())
-            for a in deltas[k]:
-                h.update(np.ascontiguousarray(a, np.float32).tobytes())
-        f = cache_dir() / "calib" / "candidates" / f"{h.hexdigest()[:24]}.json"
-        if f.is_file():
-            try:
-                got = {tuple(r[0]): r[1] for r in json.loads(f.read_text())}
-                if set(got) == set(deltas):
-                    cp.report.update(candidates=len(got), cached=True)
-                    return got
-            except (ValueError, TypeError, IndexError):
-                pass                                 # a damaged entry: measure again
-        try:
-            got = sensitivity.probe_deltas(gguf_path, text, deltas, n_seq=st.n_seq, seq_len=st.seq_len, use=use,
-                                           length=length, progress=progress)
-        except PykvqError as e:
-            raise ConvertError(f"pricing the candidate types in the runtime failed: {e}") from None
-        cp.report.update(candidates=len(deltas), tokens=got["tokens"], seconds=round(got["seconds"], 1), cached=False)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_name(f.name + ".tmp")
-        tmp.write_text(json.dumps([[list(k), v] for k, v in got.items() if isinstance(k, tuple)]))
-        tmp.replace(f)
-        return got
-
-    floor = slot_prices.floor_at({int(i): v for i, v in report["floor"].items()}, g.n_layer)
-    to_file = calib_mod.hf_to_norm(g) if g.layout == "neox" else np.arange(g.head_dim)
-    cp = candidate_prices.CandidateProbe(candidate_prices.CandidateProbe.rows_of(calib.pos, use, length), use,
-                                         length, to_file, opts.kv_sinks if opts.prerope_k else 0, run, floor)
-    return cp
 
 
 def convert(args) -> dict:
