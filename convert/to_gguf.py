@@ -114,11 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --kv-bits and a --prerope-k window: count the window's f16 rows at N cells in the budget "
                         "(16 x (sinks + window + 1) / N bits/value: 0.27 for 4 + 64 at 4096), so that B is the whole "
                         "cache's size at that context; 0 (default): B is the quantized cache's alone")
-    g.add_argument("--kv-window", type=int, default=64, metavar="N",
+    g.add_argument("--kv-window", type=_window_arg, default=64, metavar="N|auto",
                    help="with --prerope-k: and the last N cells written per sequence (pykvq.cache.kv_window; default "
                         "%(default)s, 0: off). 4 + 64 cost 0.27 bits/value at 4096 tokens and take 4-bit keys and values "
                         "from 6.1x to 1.7x q8_0's KLD on SmolLM2, 2.3x to 1.08x on Qwen2.5-Coder-1.5B (docs/RESULTS.md); "
-                        "--kv-sinks / --kv-window at run time override it")
+                        "--kv-sinks / --kv-window at run time override it. auto (with --kv-bits and --kv-bits-ctx N): "
+                        "the file is made for each length from 16 up that leaves the cache its cheapest types, each run "
+                        "at N tokens on held-out calibration text, and the one closest to the f16 cache kept (a "
+                        "conversion and two N-token runs per length)")
     g.add_argument("--kv-sinks", type=int, default=4, metavar="N",
                    help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
                         "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
@@ -473,6 +476,77 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
     return calib, g
 
 
+def _window_arg(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of cells or auto, got {v!r}") from None
+
+
+def _build(m: GGUFModel, opts, calib, g, args, hf: bool, out: Path, progress, last: bool = True):
+    """Transform m (in place) for opts and write it to out; last: calib's samples may be dropped first."""
+    rep = pipeline.apply(m, opts, calib, progress=progress, geometry=g)
+    if calib is not None and last:  # every token's Q / K / V: not needed to write, and as large as a small model
+        calib.q = calib.k = calib.v = calib.gk = calib.gv = None
+    if hf:
+        _cast_weights(m, "f16" if args.outtype == "auto" else args.outtype)
+    if args.dequantize:
+        n_deq = _dequantize_weights(m)
+        log.info("dequantized %d weight tensors to f32 (--dequantize)", n_deq)
+    total = sum(t.data.nbytes for t in m.tensors.values())
+    from pykvq.progress import progress_bar
+    bar = progress_bar(iter(()), desc=f"writing {out.name}", enable=progress, total=total, unit="B")
+    write_gguf(m, out, progress=getattr(bar, "update", None))
+    if hasattr(bar, "close"):
+        bar.close()
+    return rep
+
+
+def _choose_window(first: list, opts, calib, calibrate, g, gguf_path: Path, text: str, args, hf: bool, out: Path,
+                   tmp: Path, progress):
+    """--kv-window auto (window_choice.py): every candidate length's file made and judged at --kv-bits-ctx tokens
+    on held-out calibration text; the best is renamed to out. first: [the input's model, as read], used for the
+    first length and let go. -> (the best's Report, its Options, the table)."""
+    import dataclasses
+    import os
+    from convert import window_choice
+    from pykvq.errors import PykvqError
+    low = sum(min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder_for(w)) for w in "kv") / 2
+    wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low)
+    log.info("--kv-window auto: trying %s at %d tokens", ", ".join(map(str, wins)), opts.kv_bits_ctx)
+    t0 = time.time()
+    try:
+        judge = window_choice.Judge(gguf_path, text, opts.kv_bits_ctx, args.calib_seqs, args.calib_len, progress)
+    except PykvqError as e:
+        raise ConvertError(f"--kv-window auto: the reference run failed: {e}") from None
+    rows, best = [], None
+    for n, w in enumerate(wins):
+        o = dataclasses.replace(opts, kv_window=w)
+        c = calib
+        if n and calib is not None and calib.sensitivity != "forward":     # the backward pass is taken per window
+            c, _ = calibrate(o)
+        path = tmp / f"window-{w}.gguf"
+        rep = _build(first.pop() if first else read_gguf(gguf_path), o, c, g, args, hf, path, progress,
+                     last=n == len(wins) - 1)
+        try:
+            kld = judge.kld(path)
+        except PykvqError as e:
+            raise ConvertError(f"--kv-window auto: running the window-{w} file failed: {e}") from None
+        rows.append({"window": w, "kld": kld, "bits_per_value": rep.bits_per_value})
+        log.info("--kv-window auto: window %d: KLD %.5f on held-out calibration text", w, kld)
+        if best is None or kld < best[0]:
+            if best is not None:
+                best[3].unlink()
+            best = (kld, rep, o, path)
+        else:
+            path.unlink()
+    os.replace(best[3], out)
+    return best[1], best[2], {"chosen": best[2].kv_window, "tried": rows, "seconds": round(time.time() - t0, 1),
+                              "ctx": opts.kv_bits_ctx, "rows": judge.rows}
+
+
 def convert(args) -> dict:
     src, out = Path(args.src), Path(args.outfile)
     if not src.exists():
@@ -481,7 +555,12 @@ def convert(args) -> dict:
         raise ConvertError("the output would overwrite the input; choose another --outfile")
     if args.learn_steps < 0 or args.max_cond <= 1.0:
         raise ConvertError("--learn-steps must be >= 0 and --max-cond > 1")
-    if not (0 <= args.kv_sinks < 2**31 and 0 <= args.kv_window < 2**31):
+    auto_window = args.kv_window == "auto"
+    if auto_window and not (args.prerope_k and args.kv_bits is not None and args.kv_bits_ctx > 0):
+        raise ConvertError("--kv-window auto chooses the window with a budget's types for a context: it needs "
+                           "--prerope-k, --kv-bits B and --kv-bits-ctx N")
+    window = pipeline.Options.kv_window if auto_window else args.kv_window
+    if not (0 <= args.kv_sinks < 2**31 and 0 <= window < 2**31):
         raise ConvertError(f"--kv-sinks and --kv-window must be >= 0, got {args.kv_sinks} and {args.kv_window}")
     if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
         raise ConvertError(f"--alpha must be in [0, 1], got {args.alpha}")
@@ -492,7 +571,7 @@ def convert(args) -> dict:
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
                             prerope_scale=args.prerope_k_scale, prerope_power=args.prerope_k_power,
-                            kv_sinks=args.kv_sinks, kv_window=args.kv_window,
+                            kv_sinks=args.kv_sinks, kv_window=window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
                             ladder=_types_list(args.layer_types or ",".join(pipeline.layer_types.DEFAULT_LADDER)),
                             ladder_k=_key_ladder(args))
@@ -509,6 +588,14 @@ def convert(args) -> dict:
             raise ValueError(f"--kv-bits-ctx must be >= 0, got {args.kv_bits_ctx}")
         if opts.kv_bits is not None:
             low = sum(min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder_for(w)) for w in "kv") / 2
+            if auto_window:
+                from convert import window_choice
+                wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low)
+                if not wins:
+                    raise ValueError(f"--kv-window auto: no window of {', '.join(map(str, window_choice.WINDOWS))} "
+                                     f"leaves --kv-bits {opts.kv_bits} the cheapest of --layer-types ({low}) at "
+                                     f"{opts.kv_bits_ctx} cells")
+                opts.kv_window = wins[0]
             if opts.cache_bits() < low:
                 win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
                        f"{opts.cache_bits():.3f} for the cache)" if opts.window_bits() else "")
@@ -551,40 +638,33 @@ def convert(args) -> dict:
         log.info("%s: %s, %d layers, %d q / %d kv heads, head_dim %d, n_rot %d, rope layout %s",
                  src.name, g.arch, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.n_rot,
                  "from the runtime's graph" if unknown_arch else g.layout)
-        calib = None
         needs_calib = (opts.smooth_qk or (opts.ksort and args.ksort_key == "calib") or args.calib is not None
                        or opts.needs_fisher() or opts.learn_k or opts.rotate_v == "learned" or opts.prerope_k)
-        t_cal = 0.0
+        t1 = time.time()
+        text = None
         if needs_calib:
-            t1 = time.time()
             text, source = calib_mod.calibration_text(args.calib or "canterbury")
             log.info("calibrating on %s: %d x %d tokens (%s)", source, args.calib_seqs, args.calib_len,
                      "in pykvq's runtime, forward sensitivities" if forward else "transformers, backprop Fisher")
+
+        def calibrate(o):
+            if not needs_calib:
+                return None, g
             if forward:
-                calib, g = _runtime_calib(gguf_path, m, g, text, source, args, opts, progress, unknown_arch, tmp)
-            else:
-                hf_dir = src if hf else _calibration_hf_dir(src, args)
-                calib = calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                                 source=source, progress=progress,
-                                                 fisher=opts.needs_gradients(),
-                                                 window=((opts.kv_sinks, opts.kv_window) if opts.window_weighted()
-                                                         else None))
-            t_cal = time.time() - t1
-        rep = pipeline.apply(m, opts, calib, progress=progress, geometry=g)
-        if calib is not None:           # every token's Q / K / V: not needed to write, and as large as a small model
-            calib.q = calib.k = calib.v = calib.gk = calib.gv = None
-        if hf:
-            _cast_weights(m, "f16" if args.outtype == "auto" else args.outtype)
-        if args.dequantize:
-            n_deq = _dequantize_weights(m)
-            log.info("dequantized %d weight tensors to f32 (--dequantize)", n_deq)
-        total = sum(t.data.nbytes for t in m.tensors.values())
-        from pykvq.progress import progress_bar
-        bar = progress_bar(iter(()), desc=f"writing {out.name}", enable=progress, total=total, unit="B")
-        upd = getattr(bar, "update", None)
-        write_gguf(m, out, progress=upd)
-        if hasattr(bar, "close"):
-            bar.close()
+                return _runtime_calib(gguf_path, m, g, text, source, args, o, progress, unknown_arch, tmp)
+            hf_dir = src if hf else _calibration_hf_dir(src, args)
+            return calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                            source=source, progress=progress, fisher=o.needs_gradients(),
+                                            window=(o.kv_sinks, o.kv_window) if o.window_weighted() else None), g
+
+        calib, g = calibrate(opts)
+        t_cal = time.time() - t1 if needs_calib else 0.0
+        if args.kv_window == "auto":
+            first, m = [m], None        # each candidate's model is read afresh: only one held at a time
+            rep, opts, window_report = _choose_window(first, opts, calib, calibrate, g, gguf_path, text, args, hf,
+                                                      out, Path(tmp), progress)
+        else:
+            rep, window_report = _build(m, opts, calib, g, args, hf, out, progress), None
     k, v = opts.resolved_types()
     if rep.layer_types_k:       # per-layer types: name the most common ones
         k = max(set(rep.layer_types_k), key=rep.layer_types_k.count)
@@ -616,6 +696,7 @@ def convert(args) -> dict:
         "candidate_prices": calib.candidates.report if calib is not None and calib.candidates is not None else None,
         "calibration_tokens_per_s": round(calib.tokens_per_s, 1) if calib is not None and calib.tokens_per_s else None,
         "codebook_errors": rep.cb_errors,
+        "window_choice": window_report,
     }
     return summary
 
@@ -667,6 +748,11 @@ def main(argv=None) -> int:
         r = s["candidate_prices"]
         when = "cached" if r.get("cached") else f"{r['tokens']} tokens, {r['seconds']:.0f} s"
         print(f"budget: each slot's {r['candidates']} candidate types rounded and measured in the runtime ({when})")
+    if s.get("window_choice"):
+        r = s["window_choice"]
+        print(f"window chosen: {r['chosen']} cells, the lowest KLD at {r['ctx']} tokens on held-out calibration text "
+              f"({r['rows']} positions, {r['seconds']:.0f} s): "
+              + ", ".join(f"{t['window']} {t['kld']:.4f}" for t in r["tried"]))
     if s.get("budget_weights") == "window" and s["layer_types_k"] and not s.get("candidate_prices"):
         print("budget: counts the errors of reads the window leaves quantized (--kv-bits-weights window)")
     if s.get("window_share") and not s.get("candidate_prices"):

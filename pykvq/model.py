@@ -421,11 +421,15 @@ class Model(Generation, Evaluation):
         """Decode tokens at positions pos0.. in batches of n_batch, with outputs
         for positions >= output_from (default: only the last). With collect,
         return the logits of every output row, in order."""
+        rows = [r for r in self._decode_batches(tokens, pos0, output_from, collect, seq) if r is not None]
+        return rows
+
+    def _decode_batches(self, tokens, pos0: int, output_from: int | None, collect: bool, seq: int):
+        """_decode one batch at a time: yields each batch's output logits (None without collect or outputs)."""
         L = self._lib
         n = len(tokens)
         if output_from is None:
             output_from = pos0 + n - 1
-        rows = []
         batch = L.llama_batch_init(self.n_batch, 0, 1)
         try:
             for s in range(0, n, self.n_batch):
@@ -444,9 +448,7 @@ class Model(Generation, Evaluation):
                 rc = L.llama_decode(self._ctx, batch)
                 if rc != 0:
                     raise DecodeError(f"llama_decode failed ({rc}): {_last_error()}")
-                if collect and n_out:
-                    rows.append(self._logits(n_out))
-            return rows
+                yield self._logits(n_out) if collect and n_out else None
         finally:
             L.llama_batch_free(batch)
 
@@ -529,12 +531,19 @@ class Model(Generation, Evaluation):
     def eval_logits(self, tokens, output_from: int = 0) -> np.ndarray:
         """Logits (float32, [n - output_from, n_vocab]) for tokens evaluated from
         an empty cache at positions 0.., rows for positions >= output_from."""
+        rows = list(self.iter_logits(tokens, output_from))
+        return np.concatenate(rows) if len(rows) > 1 else rows[0]
+
+    def iter_logits(self, tokens, output_from: int = 0):
+        """eval_logits a batch at a time (float32 [rows, n_vocab] arrays, in order): a long context's rows without
+        all of them in memory at once (8192 rows of a 150k vocabulary are 5 GB)."""
         tokens = list(tokens)
         if len(tokens) > self.n_ctx:
             raise ContextOverflowError(f"{len(tokens)} tokens do not fit the context of {self.n_ctx}")
         self.reset()
-        rows = self._decode(tokens, 0, output_from, collect=True)
-        return np.concatenate(rows) if len(rows) > 1 else rows[0]
+        for r in self._decode_batches(tokens, 0, output_from, True, 0):
+            if r is not None:
+                yield r
 
 
 def check_block_fits(which: str, type_name: str, block: int, head_dim: int) -> None:

@@ -1,0 +1,84 @@
+"""--kv-window auto (convert/window_choice.py): the lengths tried, the judge's KL divergence against the full one,
+the held-out sequences, and a real conversion that keeps the length its judge measured best."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convert import window_choice
+from convert.gguf_io import ConvertError, read_gguf
+from pykvq.keys import Keys
+
+
+def _full_kl(p_logits, q_logits):
+    lp = p_logits - np.log(np.exp(p_logits).sum(axis=1, keepdims=True))
+    lq = q_logits - np.log(np.exp(q_logits).sum(axis=1, keepdims=True))
+    return (np.exp(lp) * (lp - lq)).sum(axis=1)
+
+
+def test_candidates_leave_the_cache_its_cheapest_types():
+    # 4 sinks at 4096 cells: 16 x (4 + W + 1) / 4096 bits; the cheapest K and V types 2.625 bits
+    assert window_choice.candidates(3.0, 4, 4096, 2.625) == [16, 32, 64]          # W 128: 2.48 bits left
+    assert window_choice.candidates(3.5, 4, 4096, 2.625) == [16, 32, 64, 128]     # W 256: 2.48 bits left
+    assert window_choice.candidates(3.0, 4, 16384, 2.625) == [16, 32, 64, 128, 256]
+    assert window_choice.candidates(3.0, 4, 256, 2.625) == []                     # 16 costs 1.3 bits at 256
+    assert window_choice.candidates(6.0, 4, 256, 2.625) == [16, 32]               # at most an eighth of the context
+
+
+def test_kl_over_the_top_tokens():
+    rng = np.random.default_rng(0)
+    p = 3 * rng.standard_normal((6, 40))
+    q = p + 0.3 * rng.standard_normal((6, 40))
+    full = _full_kl(p, q)
+    # every token kept: exactly the full KL divergence
+    np.testing.assert_allclose(window_choice.kl_rows(window_choice.top_of(p, 40), q), full, rtol=1e-10, atol=1e-14)
+    # fewer: a lower bound (log-sum inequality), most of it where the reference is peaked
+    part = window_choice.kl_rows(window_choice.top_of(p, 8), q)
+    assert np.all(part <= full + 1e-12) and np.all(part >= 0)
+    assert part.sum() > 0.5 * full.sum()
+    # identical distributions: zero
+    np.testing.assert_allclose(window_choice.kl_rows(window_choice.top_of(p, 8), p), 0, atol=1e-12)
+
+
+def test_held_out_sequences_follow_the_calibration_windows():
+    toks = list(range(10_000))
+    # calibration: 4 windows of 512 at 0, 2500, 5000, 7500
+    seqs = window_choice.sequences(toks, 4, 512, 2, 1024)
+    assert [s[0] for s in seqs] == [512, 3012] and all(len(s) == 1024 for s in seqs)
+    # fewer windows than sequences: a second one after the first window
+    assert [s[0] for s in window_choice.sequences(toks, 2, 512, 3, 1000)] == [512, 5512, 1512]
+    # 2000 tokens do not fit between the windows: too short, said so
+    with pytest.raises(ConvertError, match="too short"):
+        window_choice.sequences(toks, 4, 512, 2, 2000)
+
+
+def test_auto_needs_a_budget_and_a_context(smollm2, tmp_path):
+    from convert import to_gguf
+    for extra in ([], ["--kv-bits", "4"], ["--kv-bits-ctx", "512"]):
+        args = to_gguf.build_parser().parse_args([str(smollm2), "-o", str(tmp_path / "x.gguf"), "--prerope-k",
+                                                  "--kv-window", "auto", *extra])
+        with pytest.raises(ConvertError, match="needs --prerope-k, --kv-bits B and --kv-bits-ctx N"):
+            to_gguf.convert(args)
+    with pytest.raises(SystemExit):
+        to_gguf.build_parser().parse_args([str(smollm2), "-o", "x", "--kv-window", "long"])
+    assert not list(tmp_path.iterdir())
+
+
+def test_auto_keeps_the_window_it_measured_best(smollm2, tmp_path):
+    """A real conversion (runtime calibration, forward weights, 512-token context so that it is quick): the file written
+    is the tried length with the lowest KL divergence, and the judge gives that file the same number again."""
+    from convert import to_gguf
+    out = tmp_path / "auto.gguf"
+    s = to_gguf.convert(to_gguf.build_parser().parse_args(
+        [str(smollm2), "-o", str(out), "--prerope-k", "--kv-bits", "6", "--kv-bits-ctx", "512", "--kv-window", "auto",
+         "--sensitivity", "forward", "--calib-seqs", "2", "--calib-len", "256", "--no-progress"]))
+    r = s["window_choice"]
+    assert [t["window"] for t in r["tried"]] == [16, 32, 64]
+    best = min(r["tried"], key=lambda t: t["kld"])
+    assert r["chosen"] == best["window"] == s["prerope_k"]["kv_window"]
+    assert read_gguf(out).fields[Keys.Cache.KV_WINDOW].value == best["window"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auto.gguf"]       # no candidate left behind
+    from convert.calib import calibration_text
+    judge = window_choice.Judge(smollm2, calibration_text("canterbury")[0], 512, 2, 256)
+    assert judge.kld(out) == pytest.approx(best["kld"], rel=1e-6)
+    assert 0 < best["kld"] < 0.5
