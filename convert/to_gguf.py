@@ -50,6 +50,7 @@ EPILOG = """\
 examples:
   pykvq-convert model.gguf -o model-kvq.gguf               # 4.5 bits/value: run it with -fa on (types in the file)
   pykvq-convert model.gguf -o model-3.5.gguf --bits 3.5    # 3.5 bits/value at 4096 tokens, window included
+  pykvq-convert model.gguf -o model-3.0.gguf --bits 3 --kv-window auto   # and the window's length measured (slow)
   pykvq-convert ./hf-checkpoint -o model-kvq.gguf          # an HF checkpoint: upstream's converter first
   then: llama-cli -m model-kvq.gguf -fa on ...   |   pykvq generate -m model-kvq.gguf "..."   |   pykvq info -m model-kvq.gguf
 
