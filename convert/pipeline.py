@@ -88,6 +88,10 @@ class Options:
             return self.prerope_power
         return prerope.fisher_power([layer_types.bits_per_value(t) for t in self.k_candidates()])
 
+    def cheapest_bits(self) -> float:
+        """The fewest bits/value a budget can reach: the mean of K's and V's cheapest candidate types."""
+        return sum(min(layer_types.bits_per_value(t) for t in self.ladder_for(w)) for w in "kv") / 2
+
     def window_bits(self) -> float:
         """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
         the row being written, over the cells; the runtime's own count)."""

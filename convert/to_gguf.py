@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--kv-sinks / --kv-window at run time override it. auto (with --kv-bits and --kv-bits-ctx N): "
                         "the file is made for each length from 16 up that leaves the cache its cheapest types, each run "
                         "at N tokens on held-out calibration text, and the one closest to the f16 cache kept (a "
-                        "conversion and two N-token runs per length)")
+                        "conversion and three N-token runs per length)")
     g.add_argument("--kv-sinks", type=int, default=4, metavar="N",
                    help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
                         "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
@@ -505,17 +505,15 @@ def _build(m: GGUFModel, opts, calib, g, args, hf: bool, out: Path, progress, la
     return rep
 
 
-def _choose_window(first: list, opts, calib, calibrate, g, gguf_path: Path, text: str, args, hf: bool, out: Path,
-                   tmp: Path, progress):
+def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path: Path, text: str, args, hf: bool,
+                   out: Path, tmp: Path, progress):
     """--kv-window auto (window_choice.py): every candidate length's file made and judged at --kv-bits-ctx tokens
-    on held-out calibration text; the best is renamed to out. first: [the input's model, as read], used for the
-    first length and let go. -> (the best's Report, its Options, the table)."""
+    on held-out calibration text; the best is renamed to out. wins: the lengths (window_choice.candidates); first:
+    [the input's model, as read], used for the first length and let go. -> (the best's Report, its Options, the table)."""
     import dataclasses
     import os
     from convert import window_choice
     from pykvq.errors import PykvqError
-    low = sum(min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder_for(w)) for w in "kv") / 2
-    wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low)
     log.info("--kv-window auto: trying %s at %d tokens", ", ".join(map(str, wins)), opts.kv_bits_ctx)
     t0 = time.time()
     try:
@@ -588,7 +586,7 @@ def convert(args) -> dict:
         if args.kv_bits_ctx < 0:
             raise ValueError(f"--kv-bits-ctx must be >= 0, got {args.kv_bits_ctx}")
         if opts.kv_bits is not None:
-            low = sum(min(pipeline.layer_types.bits_per_value(t) for t in opts.ladder_for(w)) for w in "kv") / 2
+            low = opts.cheapest_bits()
             if auto_window:
                 from convert import window_choice
                 wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low)
@@ -662,8 +660,8 @@ def convert(args) -> dict:
         t_cal = time.time() - t1 if needs_calib else 0.0
         if args.kv_window == "auto":
             first, m = [m], None        # each candidate's model is read afresh: only one held at a time
-            rep, opts, window_report = _choose_window(first, opts, calib, calibrate, g, gguf_path, text, args, hf,
-                                                      out, Path(tmp), progress)
+            rep, opts, window_report = _choose_window(wins, first, opts, calib, calibrate, g, gguf_path, text, args,
+                                                      hf, out, Path(tmp), progress)
         else:
             rep, window_report = _build(m, opts, calib, g, args, hf, out, progress), None
     k, v = opts.resolved_types()

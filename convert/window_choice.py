@@ -30,6 +30,8 @@ from .gguf_io import ConvertError
 WINDOWS = (16, 32, 64, 128, 256, 512)    # the lengths tried: those that leave the cache its cheapest types
 SEQS = 3
 TOP = 64
+BLOCK = 64    # rows at a time: float64 temporaries of a 150k vocabulary stay ~80 MB
+BATCH = 512   # tokens per decode call (the graph's own ubatch): 512 rows of logits at a time, 0.3 GB at 150k
 
 
 def candidates(kv_bits: float, sinks: int, ctx: int, low_bits: float) -> list[int]:
@@ -53,10 +55,6 @@ class Top:
     @staticmethod
     def join(parts: list) -> "Top":
         return Top(*(np.concatenate(x) for x in zip(*((p.idx, p.logp, p.rest) for p in parts))))
-
-
-BLOCK = 64    # rows at a time: float64 temporaries of a 150k vocabulary stay ~80 MB
-BATCH = 512   # tokens per decode call (the graph's own ubatch): 512 rows of logits at a time, 0.3 GB at 150k
 
 
 def _rest(lp: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -421,8 +421,7 @@ class Model(Generation, Evaluation):
         """Decode tokens at positions pos0.. in batches of n_batch, with outputs
         for positions >= output_from (default: only the last). With collect,
         return the logits of every output row, in order."""
-        rows = [r for r in self._decode_batches(tokens, pos0, output_from, collect, seq) if r is not None]
-        return rows
+        return [r for r in self._decode_batches(tokens, pos0, output_from, collect, seq) if r is not None]
 
     def _decode_batches(self, tokens, pos0: int, output_from: int | None, collect: bool, seq: int):
         """_decode one batch at a time: yields each batch's output logits (None without collect or outputs)."""
