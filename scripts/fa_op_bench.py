@@ -79,11 +79,11 @@ def time_fa(kt, vt, *, pre, D, H, Hkv, n_kv, reps, threads, rot, centred=0, laye
         g.L.ggml_build_forward_expand(g.gf, fa)
         # one thread: CPU time of this thread (robust when other jobs share the cores); else wall time
         clock = time.thread_time if threads == 1 else time.perf_counter
+        g.compute_cpu_backend(n_threads=threads)     # warm-up: thread pool, first touch of the work buffer
         best = float("inf")
         for _ in range(3):
             t0 = clock()
-            for _ in range(reps):
-                assert g.L.ggml_graph_compute_with_ctx(g.ctx, g.gf, threads) == 0
+            g.compute_cpu_backend(n_threads=threads, reps=reps)
             best = min(best, (clock() - t0) / reps)
         return best
     finally:

@@ -56,8 +56,10 @@ class Graph:
             self.L.ggml_build_forward_expand(self.gf, o)
         assert self.L.ggml_graph_compute_with_ctx(self.ctx, self.gf, n_threads) == 0
 
-    def compute_cpu_backend(self, *outs, n_threads: int = 2, use_ref: bool = False):
-        """The graph on a CPU backend object; use_ref: its reference mode, as test-backend-ops runs it."""
+    def compute_cpu_backend(self, *outs, n_threads: int = 2, use_ref: bool = False, reps: int = 1):
+        """The graph on a CPU backend object; use_ref: its reference mode, as test-backend-ops runs it.
+        reps: computed that many times; the backend keeps one work buffer, where compute() takes a new one
+        from the context on every call (a benchmark's loop of compute() runs the context out of memory)."""
         for o in outs:
             self.L.ggml_build_forward_expand(self.gf, o)
         base, cpu = _backend_libs()
@@ -66,7 +68,8 @@ class Graph:
             cpu.ggml_backend_cpu_set_n_threads(be, n_threads)
             cpu.ggml_backend_cpu_set_use_ref(be, use_ref)
             gf = _bffi.cast("void *", int(ffi.cast("uintptr_t", self.gf)))
-            assert base.ggml_backend_graph_compute(be, gf) == 0
+            for _ in range(reps):
+                assert base.ggml_backend_graph_compute(be, gf) == 0
         finally:
             base.ggml_backend_free(be)
 
