@@ -67,7 +67,8 @@ def rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start):
 
 
 def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1, mscale=1.0, per_head=False,
-                   rot=0, skip=0, seed=0, n_threads=2, start=None, use_ref=None):
+                   rot=0, skip=0, seed=0, n_threads=2, start=None, use_ref=None, k_decoded=False):
+    """k_decoded: the cache holds K's decoded values as f32 (the rows kt's decoder gives) instead of kt's blocks."""
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((S, H, N, D)).astype(np.float32)
     # pre-RoPE keys with a large per-channel mean (a k_proj bias), centred and scaled by calibrated statistics
@@ -75,6 +76,8 @@ def run_prerope_fa(kt, vt, *, mode, n_dims, D=64, N=1, n_kv=300, H=6, Hkv=2, S=1
     scale = np.exp(rng.standard_normal((Hkv, D)) * 0.5).astype(np.float32)
     C = cache_like(rng, S, Hkv, n_kv, D)                                 # what the cache quantizes
     kb, Cd = quantize(kt, C, None)
+    if k_decoded:
+        kt, kb = "f32", Cd.tobytes()
     Vx = cache_like(rng, S, Hkv, n_kv, D)
     vb, Vd = quantize(vt, Vx, None)
     pos, w, mask = rope_inputs(rng, n_kv, S, N, Hkv, n_dims, per_head, start)
@@ -141,6 +144,19 @@ def test_decode_consecutive_tiles(D, n_dims, rot, mode):
     out, ref = run_prerope_fa("q4_0", "q8_0", mode=mode, n_dims=n_dims, D=D, N=3, n_kv=1500, H=6, Hkv=2,
                               mscale=1.1, per_head=True, rot=rot, start=20000)
     assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("D,rot", [(64, 64), (64, 16), (64, 8), (64, 0), (128, 128), (128, 32)])
+@pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
+def test_q4_0_keys_turned_while_decoded(D, rot, mode):
+    """q4_0 keys over consecutive cells take a path that decodes and turns each row in one pass (the Hadamard's
+    first butterflies on the 4-bit integers, fa_prerope_tile_rel_q4_0 where the CPU has AVX-512): the same bits
+    as the same keys decoded first, held as f32 (the decoder, then the transform)."""
+    kw = dict(mode=mode, n_dims=D, D=D, N=3, n_kv=1500, H=6, Hkv=2, mscale=1.1, per_head=True, rot=rot, start=20000)
+    out, ref = run_prerope_fa("q4_0", "q8_0", **kw)
+    out_f32, _ = run_prerope_fa("q4_0", "q8_0", k_decoded=True, **kw)
+    assert rel_err(out, ref) < 1e-4
+    np.testing.assert_array_equal(out, out_f32)
 
 
 @pytest.mark.parametrize("D,N,start", [(128, 3, 20000), (128, 1, None), (128, 40, None), (64, 3, 20000)])

@@ -375,6 +375,55 @@ inline __m512 fa_fwht16_stage(__m512 v) {
     return _mm512_fmadd_ps(v, sg, partner);
 }
 
+// the butterfly stages of strides 16*H0 .. HB/2 between registers (a row in NV registers of 16), but SKIP
+template <int NV, int HB, int SKIP, int H0 = 1>
+inline void fa_fwht16_between(__m512 * v) {
+    #pragma GCC unroll 16
+    for (int h = H0; 16*h < HB; h *= 2) {
+        if (16*h == SKIP) {
+            continue;
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; i += 2*h) {
+            #pragma GCC unroll 16
+            for (int j = i; j < i + h; ++j) {
+                const __m512 a = v[j], b = v[j + h];
+                v[j]     = _mm512_add_ps(a, b);
+                v[j + h] = _mm512_sub_ps(a, b);
+            }
+        }
+    }
+}
+
+// a transformed row's end: x*sc + mu, its pairs turned by the cos/sin rows c, s (laid out like the row), stored
+template <int NV>
+inline void fa_restore_turn16(bool neox, __m512 * v, const __m512 * vsc, const __m512 * vmu, const float * c,
+                              const float * s, float * x) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        v[i] = _mm512_fmadd_ps(v[i], vsc[i], vmu[i]);
+    }
+    if (neox) {
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV/2; ++i) {
+            const int ib = i + NV/2;
+            const __m512 a = v[i], b = v[ib];
+            v[i]  = _mm512_fmadd_ps(a, _mm512_loadu_ps(c + 16*i),  _mm512_mul_ps(b, _mm512_loadu_ps(s + 16*i)));
+            v[ib] = _mm512_fmadd_ps(b, _mm512_loadu_ps(c + 16*ib), _mm512_mul_ps(a, _mm512_loadu_ps(s + 16*ib)));
+        }
+    } else {
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(c + 16*i),
+                                   _mm512_mul_ps(_mm512_permute_ps(v[i], 0xB1), _mm512_loadu_ps(s + 16*i)));
+        }
+    }
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        _mm512_storeu_ps(x + 16*i, v[i]);
+    }
+}
+
 // fa_prerope_rows in 16 lanes: a 64-wide row is 4 registers, so the transform takes half the instructions, and the
 // head's scale and mean stay in registers over the tile. The same butterflies in the same order (a multiply by
 // +-1 in an FMA is exact): the same bits as the 8-lane version. HB: the Hadamard block in values (0: none),
@@ -402,50 +451,89 @@ void fa_prerope_rows16(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n
             if (HB > 4) { v[i] = fa_fwht16_stage<4>(v[i]); }
             if (HB > 8) { v[i] = fa_fwht16_stage<8>(v[i]); }
         }
-        #pragma GCC unroll 16
-        for (int h = 1; 16*h < HB; h *= 2) {
-            if (16*h == SKIP) {
-                continue;
-            }
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV; i += 2*h) {
-                #pragma GCC unroll 16
-                for (int j = i; j < i + h; ++j) {
-                    const __m512 a = v[j], b = v[j + h];
-                    v[j]     = _mm512_add_ps(a, b);
-                    v[j + h] = _mm512_sub_ps(a, b);
-                }
-            }
-        }
-        #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) {
-            v[i] = _mm512_fmadd_ps(v[i], vsc[i], vmu[i]);
-        }
-        if (pr.neox) {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV/2; ++i) {
-                const int ib = i + NV/2;
-                const __m512 a = v[i], b = v[ib];
-                v[i]  = _mm512_fmadd_ps(a, _mm512_loadu_ps(c + 16*i),  _mm512_mul_ps(b, _mm512_loadu_ps(s + 16*i)));
-                v[ib] = _mm512_fmadd_ps(b, _mm512_loadu_ps(c + 16*ib), _mm512_mul_ps(a, _mm512_loadu_ps(s + 16*ib)));
-            }
-        } else {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV; ++i) {
-                v[i] = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(c + 16*i),
-                                       _mm512_mul_ps(_mm512_permute_ps(v[i], 0xB1), _mm512_loadu_ps(s + 16*i)));
-            }
-        }
-        #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) {
-            _mm512_storeu_ps(x + 16*i, v[i]);
-        }
+        fa_fwht16_between<NV, HB, SKIP>(v);
+        fa_restore_turn16<NV>(pr.neox, v, vsc, vmu, c, s, x);
     }
 }
+
+#if defined(__AVX512BW__) && defined(__F16C__)
+// one butterfly stage of stride H < 16 on 64 int8 values (16-byte lanes): byte j becomes partner - x where j & H,
+// x + partner elsewhere (fa_fwht16_stage's signs)
+template <int H>
+inline __m512i fa_fwht_i8_stage(__m512i x) {
+    constexpr __mmask64 neg = H == 1 ? 0xAAAAAAAAAAAAAAAAull : H == 2 ? 0xCCCCCCCCCCCCCCCCull
+                            : H == 4 ? 0xF0F0F0F0F0F0F0F0ull : 0xFF00FF00FF00FF00ull;
+    alignas(64) static const struct idx_t {
+        int8_t b[64];
+        constexpr idx_t() : b() {
+            for (int j = 0; j < 64; ++j) {
+                b[j] = (int8_t) ((j & 15) ^ H);
+            }
+        }
+    } idx;
+    const __m512i p = _mm512_shuffle_epi8(x, _mm512_load_si512(idx.b));
+    return _mm512_mask_sub_epi8(_mm512_add_epi8(x, p), neg, p, x);
+}
+
+// fa_prerope_rows16 fused with the q4_0 row decoder: a consecutive tile's keys straight from the cache. Each pair
+// of blocks (64 values) is one register of int8 for the butterflies of strides 1 .. 8 (sums of 16 values in
+// [-8, 7] stay in [-128, 120]); stride 16 runs in float before the blocks' scales, the rest after them. Every sum
+// is exact up to stride 16 (d has 11 significant bits, the integers at most 9), and from there on the same
+// operations take the same values as the decoder followed by fa_prerope_rows16: the same bits, in about half the
+// instructions (no per-lane sign multiplies, no float stores and reloads of the decoded row).
+template <int NV, int HB>
+void fa_prerope_q4_0_rows16(const fa_prerope & pr, int64_t ik2, const char * k0, size_t nb1, float * Kf, int64_t n,
+                            const float * sc, const fa_rope_tab & tab) {
+    constexpr int DK = 16*NV;
+    const float * mu = pr.mean + ik2*DK;
+    __m512 vsc[NV], vmu[NV];
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        vsc[i] = _mm512_loadu_ps(sc + 16*i);
+        vmu[i] = _mm512_loadu_ps(mu + 16*i);
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m512i c8 = _mm512_set1_epi8(8);
+    for (int64_t t = 0; t < n; ++t) {
+        const block_q4_0 * b = (const block_q4_0 *) (k0 + t*nb1);
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m512 v[NV];
+        #pragma GCC unroll 4
+        for (int g = 0; g < NV/4; ++g) {
+            const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b[2*g].qs)),
+                                                      _mm_loadu_si128((const __m128i *) b[2*g + 1].qs), 1);
+            const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            // [lo0 lo1 hi0 hi1] -> [lo0 hi0 lo1 hi1]: values 0..63 in order
+            __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            z = _mm512_sub_epi8(_mm512_shuffle_i64x2(z, z, 0xD8), c8);
+            if (HB > 1) { z = fa_fwht_i8_stage<1>(z); }
+            if (HB > 2) { z = fa_fwht_i8_stage<2>(z); }
+            if (HB > 4) { z = fa_fwht_i8_stage<4>(z); }
+            if (HB > 8) { z = fa_fwht_i8_stage<8>(z); }
+            __m512 * w = v + 4*g;
+            w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(z)));
+            w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(z, 1)));
+            w[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(z, 2)));
+            w[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(z, 3)));
+            if (HB > 16) {
+                const __m512 a0 = w[0], a2 = w[2];
+                w[0] = _mm512_add_ps(a0, w[1]); w[1] = _mm512_sub_ps(a0, w[1]);
+                w[2] = _mm512_add_ps(a2, w[3]); w[3] = _mm512_sub_ps(a2, w[3]);
+            }
+            const __m512 d0 = _mm512_set1_ps(_cvtsh_ss(b[2*g].d)), d1 = _mm512_set1_ps(_cvtsh_ss(b[2*g + 1].d));
+            w[0] = _mm512_mul_ps(w[0], d0); w[1] = _mm512_mul_ps(w[1], d0);
+            w[2] = _mm512_mul_ps(w[2], d1); w[3] = _mm512_mul_ps(w[3], d1);
+        }
+        fa_fwht16_between<NV, HB, 0, 2>(v);
+        fa_restore_turn16<NV>(pr.neox, v, vsc, vmu, c, s, x);
+    }
+}
+#endif
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#endif
+#endif  // __AVX512F__
 
 namespace {
 
@@ -507,6 +595,33 @@ bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float *
 }
 
 }  // namespace
+
+bool fa_prerope_tile_rel_q4_0(const fa_prerope & pr, int64_t ik2, int64_t DK, const char * k0, size_t nb1, int64_t n,
+                              float * Kf, const float * sc, const fa_rope_tab & tab) {
+#if defined(__AVX512BW__) && defined(__F16C__)
+    if (pr.n_dims == DK && (DK == 64 || DK == 128) && pr.h_skip == 0) {
+        using fn = void (*)(const fa_prerope &, int64_t, const char *, size_t, float *, int64_t, const float *,
+                            const fa_rope_tab &);
+        fn f = nullptr;
+        switch (pr.n_rot_h) {       // the Hadamard block: none, 8 .. the head
+            case 0:   f = DK == 64 ? fa_prerope_q4_0_rows16<4, 0>  : fa_prerope_q4_0_rows16<8, 0>;  break;
+            case 8:   f = DK == 64 ? fa_prerope_q4_0_rows16<4, 8>  : fa_prerope_q4_0_rows16<8, 8>;  break;
+            case 16:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 16> : fa_prerope_q4_0_rows16<8, 16>; break;
+            case 32:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 32> : fa_prerope_q4_0_rows16<8, 32>; break;
+            case 64:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 64> : fa_prerope_q4_0_rows16<8, 64>; break;
+            case 128: f = DK == 128 ? fa_prerope_q4_0_rows16<8, 128> : nullptr; break;
+            default: break;
+        }
+        if (f) {
+            f(pr, ik2, k0, nb1, Kf, n, sc, tab);
+            return true;
+        }
+    }
+#endif
+    GGML_UNUSED(pr); GGML_UNUSED(ik2); GGML_UNUSED(DK); GGML_UNUSED(k0); GGML_UNUSED(nb1); GGML_UNUSED(n);
+    GGML_UNUSED(Kf); GGML_UNUSED(sc); GGML_UNUSED(tab);
+    return false;
+}
 
 // k rows of a consecutive tile: undo the Hadamard, restore scale and mean, turn row t by R(t)
 void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t n, float * Kf, const float * sc,

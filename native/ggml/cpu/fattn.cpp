@@ -398,11 +398,8 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             n = n_vis;
         }
 
-        // K tile -> f32, then S = Q·Kᵀ (S is R x n, row stride n)
-        for (int64_t t = 0; t < n; ++t) {
-            k_to_float((const char *) k->data + (ic + t)*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3], s.Kf + t*DK, DK);
-        }
-        // cells of the exact window: their unquantized row instead (the same domain, so the same transform follows).
+        // K tile -> f32, then S = Q·Kᵀ (S is R x n, row stride n).
+        // Cells of the exact window: their unquantized row instead (the same domain, so the same transform follows).
         // A row only some queries read (mixed): a second tile Ke holds it, its scores and values patched per query.
         int32_t wkeep[FA_TILE_KV], wmixed[FA_TILE_KV];
         int n_mixed = 0;
@@ -419,7 +416,19 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
                 wrow = wkeep;
             }
         }
-        fa_window_rows(pr, wrow, n, w.ik2*DK, DK, s.Kf);
+        // pre-RoPE decode over consecutive cells: keys turned by their offset in the tile (fa_rope_tab)
+        const int32_t * tp = pr.on ? kpos + ic : nullptr;
+        const bool rel = pr.on && !pr.centred && tab && fa_consecutive(tp, n);
+        const char * k0 = (const char *) k->data + ic*k->nb[1] + w.ik2*k->nb[2] + ik3*k->nb[3];
+        // q4_0 keys of a tile without window rows: decoded and turned in one pass
+        const bool k_done = rel && !wrow && k->type == GGML_TYPE_Q4_0 &&
+                            fa_prerope_tile_rel_q4_0(pr, w.ik2, DK, k0, k->nb[1], n, s.Kf, rope_sc, *tab);
+        if (!k_done) {
+            for (int64_t t = 0; t < n; ++t) {
+                k_to_float(k0 + t*k->nb[1], s.Kf + t*DK, DK);
+            }
+            fa_window_rows(pr, wrow, n, w.ik2*DK, DK, s.Kf);
+        }
         float * Ke = nullptr;
         if (n_mixed > 0) {
             win_ke.resize(FA_TILE_KV*DK);
@@ -432,11 +441,12 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
         }
         const float * Qd = s.Q;     // Q, or Q turned back by the tile's position
         if (pr.on && !pr.centred) {
-            const int32_t * tp = kpos + ic;
-            if (tab && fa_consecutive(tp, n)) {
+            if (rel) {
                 q_at.at(tp[0], hd, pr.freqs + w.ik2*hd, tab->c64.data(), tab->s64.data(), q_c, q_s);
                 fa_rope_q_back(pr, q_c, q_s, s.Q, R, DK, s.Qr);
-                fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
+                if (!k_done) {
+                    fa_prerope_tile_rel(pr, w.ik2, DK, n, s.Kf, rope_sc, *tab);
+                }
                 if (Ke) {
                     fa_prerope_tile_rel(pr, w.ik2, DK, n, Ke, rope_sc, *tab);
                 }

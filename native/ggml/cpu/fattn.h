@@ -152,6 +152,11 @@ void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp,
 void fa_prerope_tile_rel(const fa_prerope & pr, int64_t ik2, int64_t DK, int64_t n, float * Kf, const float * sc,
                          const fa_rope_tab & tab);
 
+// fa_prerope_tile_rel on q4_0 keys read straight from the cache (row t at k0 + t*nb1) into Kf, the same bits as
+// decoding them first; false (nothing done) where this build or the head's layout has no such path
+bool fa_prerope_tile_rel_q4_0(const fa_prerope & pr, int64_t ik2, int64_t DK, const char * k0, size_t nb1, int64_t n,
+                              float * Kf, const float * sc, const fa_rope_tab & tab);
+
 // ---- centred post-RoPE keys (fattn-centred.cpp) ---------------------------------------------------------
 
 // Centred post-RoPE K: the score of row r and a key at position p gains
