@@ -25,7 +25,13 @@ inline void fa_store8(float * y, __m128i q8, __m256 d) {
 void fa_q8_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
     const block_q8_0 * b = (const block_q8_0 *) x;
     for (int64_t i = 0; i < n/QK8_0; ++i, y += QK8_0) {
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__F16C__)
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(b[i].d));
+        for (int g = 0; g < 2; ++g) {
+            const __m128i q = _mm_loadu_si128((const __m128i *) (b[i].qs + 16*g));
+            _mm512_storeu_ps(y + 16*g, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+        }
+#elif defined(__AVX2__) && defined(__F16C__)
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d));
         for (int g = 0; g < 4; ++g) {
             fa_store8(y + 8*g, _mm_loadl_epi64((const __m128i *) (b[i].qs + 8*g)), d);
@@ -42,7 +48,16 @@ void fa_q8_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64
 void fa_q4_0_to_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
     const block_q4_0 * b = (const block_q4_0 *) x;
     for (int64_t i = 0; i < n/QK4_0; ++i, y += QK4_0) {
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__F16C__)
+        // 16 values a register: half the conversions of the AVX2 form, the same products
+        const __m512  d  = _mm512_set1_ps(_cvtsh_ss(b[i].d));
+        const __m128i m4 = _mm_set1_epi8(0x0F), c8 = _mm_set1_epi8(8);
+        const __m128i q  = _mm_loadu_si128((const __m128i *) b[i].qs);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), c8);                     // values 0..15
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), c8);  // values 16..31
+        _mm512_storeu_ps(y,      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d));
+#elif defined(__AVX2__) && defined(__F16C__)
         const __m256  d  = _mm256_set1_ps(_cvtsh_ss(b[i].d));
         const __m128i m4 = _mm_set1_epi8(0x0F), c8 = _mm_set1_epi8(8);
         const __m128i q  = _mm_loadu_si128((const __m128i *) b[i].qs);
