@@ -150,7 +150,7 @@ def test_decode_consecutive_tiles(D, n_dims, rot, mode):
 @pytest.mark.parametrize("mode", [prerope.NORM, prerope.NEOX])
 def test_q4_0_keys_turned_while_decoded(D, rot, mode):
     """q4_0 keys over consecutive cells take a path that decodes and turns each row in one pass (the Hadamard's
-    first butterflies on the 4-bit integers, fa_prerope_tile_rel_q4_0 where the CPU has AVX-512): the same bits
+    first butterflies on the 4-bit integers, fa_prerope_tile_rel_q4_0 where the CPU has AVX2 or AVX-512): the same bits
     as the same keys decoded first, held as f32 (the decoder, then the transform)."""
     kw = dict(mode=mode, n_dims=D, D=D, N=3, n_kv=1500, H=6, Hkv=2, mscale=1.1, per_head=True, rot=rot, start=20000)
     out, ref = run_prerope_fa("q4_0", "q8_0", **kw)

@@ -288,6 +288,34 @@ void fa_rope_q_back(const fa_prerope & pr, const double * cp, const double * sp,
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// a transformed row's end (8 lanes): x*sc + mu, its pairs turned by the cos/sin rows c, s (laid out like the row), stored
+template <int NV>
+inline void fa_restore_turn8(bool neox, __m256 * v, const float * sc, const float * mu, const float * c,
+                             const float * s, float * x) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
+    }
+    if (neox) {
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV/2; ++i) {
+            const int ib = i + NV/2;
+            const __m256 a = v[i], b = v[ib];
+            v[i]  = _mm256_fmadd_ps(a, _mm256_loadu_ps(c + 8*i),  _mm256_mul_ps(b, _mm256_loadu_ps(s + 8*i)));
+            v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
+        }
+    } else {
+        #pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) {
+            v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
+        }
+    }
+    #pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+        _mm256_storeu_ps(x + 8*i, v[i]);
+    }
+}
+
 // fa_prerope_tile_rel with each row held in registers through the transform, scale, mean and
 // rotation (head sizes 64 and 128, full rotary, Hadamard blocks of 8 .. DK). NVH (the Hadamard
 // block in vectors, 0: none) and SKV (the left-out butterfly stride in vectors, 0: none) are template
@@ -325,30 +353,81 @@ void fa_prerope_rows(const fa_prerope & pr, int64_t ik2, float * Kf, int64_t n, 
                 }
             }
         }
-        #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) {
-            v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(sc + 8*i), _mm256_loadu_ps(mu + 8*i));
-        }
-        if (pr.neox) {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV/2; ++i) {
-                const int ib = i + NV/2;
-                const __m256 a = v[i], b = v[ib];
-                v[i]  = _mm256_fmadd_ps(a, _mm256_loadu_ps(c + 8*i),  _mm256_mul_ps(b, _mm256_loadu_ps(s + 8*i)));
-                v[ib] = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + 8*ib), _mm256_mul_ps(a, _mm256_loadu_ps(s + 8*ib)));
-            }
-        } else {
-            #pragma GCC unroll 16
-            for (int i = 0; i < NV; ++i) {
-                v[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(c + 8*i), _mm256_mul_ps(_mm256_permute_ps(v[i], 0xB1), _mm256_loadu_ps(s + 8*i)));
-            }
-        }
-        #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) {
-            _mm256_storeu_ps(x + 8*i, v[i]);
-        }
+        fa_restore_turn8<NV>(pr.neox, v, sc, mu, c, s, x);
     }
 }
+
+#if defined(__F16C__)
+// fa_prerope_rows fused with the q4_0 row decoder, as fa_prerope_q4_0_rows16 (which says why the bits are the same):
+// each block is one register of 32 int8 values for the butterflies of strides 1 .. 8 (_mm256_sign_epi8 flips the
+// lanes that take partner - x), stride 16 in float before the block's scale, the rest after it.
+template <int NV, int HB>
+void fa_prerope_q4_0_rows(const fa_prerope & pr, int64_t ik2, const char * k0, size_t nb1, float * Kf, int64_t n,
+                          const float * sc, const fa_rope_tab & tab) {
+    constexpr int DK = 8*NV;
+    const float * mu = pr.mean + ik2*DK;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i c8 = _mm256_set1_epi8(8);
+    // per stride h: partner j ^ h within each 16-byte lane, and -1 on the lanes with j & h
+    const __m256i p1 = _mm256_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14,
+                                        1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    const __m256i p2 = _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13,
+                                        2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const __m256i p4 = _mm256_setr_epi8(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11,
+                                        4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    const __m256i p8 = _mm256_setr_epi8(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7,
+                                        8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i s1 = _mm256_set1_epi16((short) 0xFF01);                 // bytes 1, -1, 1, -1, ...
+    const __m256i s2 = _mm256_set1_epi32((int) 0xFFFF0101);
+    const __m256i s4 = _mm256_set1_epi64x((long long) 0xFFFFFFFF01010101ull);
+    const __m256i s8 = _mm256_setr_epi64x(0x0101010101010101ll, -1ll, 0x0101010101010101ll, -1ll);
+    for (int64_t t = 0; t < n; ++t) {
+        const block_q4_0 * b = (const block_q4_0 *) (k0 + t*nb1);
+        float * x = Kf + t*DK;
+        const float * c = tab.c.data() + t*DK, * s = tab.s.data() + t*DK;
+        __m256 v[NV];
+        #pragma GCC unroll 4
+        for (int k = 0; k < NV/4; ++k) {
+            const __m128i q = _mm_loadu_si128((const __m128i *) b[k].qs);
+            const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            __m256i z = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), c8);       // values 0..31 in order
+            if (HB > 1) { z = _mm256_add_epi8(_mm256_shuffle_epi8(z, p1), _mm256_sign_epi8(z, s1)); }
+            if (HB > 2) { z = _mm256_add_epi8(_mm256_shuffle_epi8(z, p2), _mm256_sign_epi8(z, s2)); }
+            if (HB > 4) { z = _mm256_add_epi8(_mm256_shuffle_epi8(z, p4), _mm256_sign_epi8(z, s4)); }
+            if (HB > 8) { z = _mm256_add_epi8(_mm256_shuffle_epi8(z, p8), _mm256_sign_epi8(z, s8)); }
+            const __m128i zl = _mm256_castsi256_si128(z), zh = _mm256_extracti128_si256(z, 1);
+            __m256 * w = v + 4*k;
+            w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(zl));
+            w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(zl, zl)));
+            w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(zh));
+            w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(zh, zh)));
+            if (HB > 16) {
+                const __m256 a0 = w[0], a1 = w[1];
+                w[0] = _mm256_add_ps(a0, w[2]); w[2] = _mm256_sub_ps(a0, w[2]);
+                w[1] = _mm256_add_ps(a1, w[3]); w[3] = _mm256_sub_ps(a1, w[3]);
+            }
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[k].d));
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                w[i] = _mm256_mul_ps(w[i], d);
+            }
+        }
+        #pragma GCC unroll 16
+        for (int h = 4; 8*h < HB; h *= 2) {
+            #pragma GCC unroll 16
+            for (int i = 0; i < NV; i += 2*h) {
+                #pragma GCC unroll 16
+                for (int j = i; j < i + h; ++j) {
+                    const __m256 a = v[j], e = v[j + h];
+                    v[j]     = _mm256_add_ps(a, e);
+                    v[j + h] = _mm256_sub_ps(a, e);
+                }
+            }
+        }
+        fa_restore_turn8<NV>(pr.neox, v, sc, mu, c, s, x);
+    }
+}
+#endif
 #endif
 
 #if defined(__AVX512F__)
@@ -610,6 +689,25 @@ bool fa_prerope_tile_rel_q4_0(const fa_prerope & pr, int64_t ik2, int64_t DK, co
             case 32:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 32> : fa_prerope_q4_0_rows16<8, 32>; break;
             case 64:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 64> : fa_prerope_q4_0_rows16<8, 64>; break;
             case 128: f = DK == 128 ? fa_prerope_q4_0_rows16<8, 128> : nullptr; break;
+            default: break;
+        }
+        if (f) {
+            f(pr, ik2, k0, nb1, Kf, n, sc, tab);
+            return true;
+        }
+    }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (pr.n_dims == DK && (DK == 64 || DK == 128) && pr.h_skip == 0) {
+        using fn = void (*)(const fa_prerope &, int64_t, const char *, size_t, float *, int64_t, const float *,
+                            const fa_rope_tab &);
+        fn f = nullptr;
+        switch (pr.n_rot_h) {       // the Hadamard block: none, 8 .. the head
+            case 0:   f = DK == 64 ? fa_prerope_q4_0_rows<8, 0>  : fa_prerope_q4_0_rows<16, 0>;  break;
+            case 8:   f = DK == 64 ? fa_prerope_q4_0_rows<8, 8>  : fa_prerope_q4_0_rows<16, 8>;  break;
+            case 16:  f = DK == 64 ? fa_prerope_q4_0_rows<8, 16> : fa_prerope_q4_0_rows<16, 16>; break;
+            case 32:  f = DK == 64 ? fa_prerope_q4_0_rows<8, 32> : fa_prerope_q4_0_rows<16, 32>; break;
+            case 64:  f = DK == 64 ? fa_prerope_q4_0_rows<8, 64> : fa_prerope_q4_0_rows<16, 64>; break;
+            case 128: f = DK == 128 ? fa_prerope_q4_0_rows<16, 128> : nullptr; break;
             default: break;
         }
         if (f) {
