@@ -558,7 +558,7 @@ inline __m512i fa_fwht_i8_stage(__m512i x) {
 // of blocks (64 values) is one register of int8 for the butterflies of strides 1 .. 8 (sums of 16 values in
 // [-8, 7] stay in [-128, 120]); stride 16 runs in float before the blocks' scales, the rest after them. Every sum
 // is exact up to stride 16 (d has 11 significant bits, the integers at most 9), and from there on the same
-// operations take the same values as the decoder followed by fa_prerope_rows16: the same bits, in about half the
+// operations take the same values as the decoder followed by fa_prerope_rows16: the same bits, in about 3/4 of the
 // instructions (no per-lane sign multiplies, no float stores and reloads of the decoded row).
 template <int NV, int HB>
 void fa_prerope_q4_0_rows16(const fa_prerope & pr, int64_t ik2, const char * k0, size_t nb1, float * Kf, int64_t n,
