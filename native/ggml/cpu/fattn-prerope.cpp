@@ -675,39 +675,37 @@ bool fa_prerope_rows_any(const fa_prerope & pr, int64_t ik2, int64_t DK, float *
 
 }  // namespace
 
+// the fused q4_0 rows for this build's widest registers, by head size DK and Hadamard block HB
+#if defined(__AVX512BW__) && defined(__F16C__)
+#define FA_Q4_0_FUSED 1
+template <int DK, int HB>
+void fa_q4_0_rows_fused(const fa_prerope & pr, int64_t ik2, const char * k0, size_t nb1, float * Kf, int64_t n,
+                        const float * sc, const fa_rope_tab & tab) {
+    fa_prerope_q4_0_rows16<DK/16, HB>(pr, ik2, k0, nb1, Kf, n, sc, tab);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FA_Q4_0_FUSED 1
+template <int DK, int HB>
+void fa_q4_0_rows_fused(const fa_prerope & pr, int64_t ik2, const char * k0, size_t nb1, float * Kf, int64_t n,
+                        const float * sc, const fa_rope_tab & tab) {
+    fa_prerope_q4_0_rows<DK/8, HB>(pr, ik2, k0, nb1, Kf, n, sc, tab);
+}
+#endif
+
 bool fa_prerope_tile_rel_q4_0(const fa_prerope & pr, int64_t ik2, int64_t DK, const char * k0, size_t nb1, int64_t n,
                               float * Kf, const float * sc, const fa_rope_tab & tab) {
-#if defined(__AVX512BW__) && defined(__F16C__)
+#if defined(FA_Q4_0_FUSED)
     if (pr.n_dims == DK && (DK == 64 || DK == 128) && pr.h_skip == 0) {
         using fn = void (*)(const fa_prerope &, int64_t, const char *, size_t, float *, int64_t, const float *,
                             const fa_rope_tab &);
         fn f = nullptr;
         switch (pr.n_rot_h) {       // the Hadamard block: none, 8 .. the head
-            case 0:   f = DK == 64 ? fa_prerope_q4_0_rows16<4, 0>  : fa_prerope_q4_0_rows16<8, 0>;  break;
-            case 8:   f = DK == 64 ? fa_prerope_q4_0_rows16<4, 8>  : fa_prerope_q4_0_rows16<8, 8>;  break;
-            case 16:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 16> : fa_prerope_q4_0_rows16<8, 16>; break;
-            case 32:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 32> : fa_prerope_q4_0_rows16<8, 32>; break;
-            case 64:  f = DK == 64 ? fa_prerope_q4_0_rows16<4, 64> : fa_prerope_q4_0_rows16<8, 64>; break;
-            case 128: f = DK == 128 ? fa_prerope_q4_0_rows16<8, 128> : nullptr; break;
-            default: break;
-        }
-        if (f) {
-            f(pr, ik2, k0, nb1, Kf, n, sc, tab);
-            return true;
-        }
-    }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (pr.n_dims == DK && (DK == 64 || DK == 128) && pr.h_skip == 0) {
-        using fn = void (*)(const fa_prerope &, int64_t, const char *, size_t, float *, int64_t, const float *,
-                            const fa_rope_tab &);
-        fn f = nullptr;
-        switch (pr.n_rot_h) {       // the Hadamard block: none, 8 .. the head
-            case 0:   f = DK == 64 ? fa_prerope_q4_0_rows<8, 0>  : fa_prerope_q4_0_rows<16, 0>;  break;
-            case 8:   f = DK == 64 ? fa_prerope_q4_0_rows<8, 8>  : fa_prerope_q4_0_rows<16, 8>;  break;
-            case 16:  f = DK == 64 ? fa_prerope_q4_0_rows<8, 16> : fa_prerope_q4_0_rows<16, 16>; break;
-            case 32:  f = DK == 64 ? fa_prerope_q4_0_rows<8, 32> : fa_prerope_q4_0_rows<16, 32>; break;
-            case 64:  f = DK == 64 ? fa_prerope_q4_0_rows<8, 64> : fa_prerope_q4_0_rows<16, 64>; break;
-            case 128: f = DK == 128 ? fa_prerope_q4_0_rows<16, 128> : nullptr; break;
+            case 0:   f = DK == 64 ? fa_q4_0_rows_fused<64, 0>  : fa_q4_0_rows_fused<128, 0>;  break;
+            case 8:   f = DK == 64 ? fa_q4_0_rows_fused<64, 8>  : fa_q4_0_rows_fused<128, 8>;  break;
+            case 16:  f = DK == 64 ? fa_q4_0_rows_fused<64, 16> : fa_q4_0_rows_fused<128, 16>; break;
+            case 32:  f = DK == 64 ? fa_q4_0_rows_fused<64, 32> : fa_q4_0_rows_fused<128, 32>; break;
+            case 64:  f = DK == 64 ? fa_q4_0_rows_fused<64, 64> : fa_q4_0_rows_fused<128, 64>; break;
+            case 128: f = DK == 128 ? fa_q4_0_rows_fused<128, 128> : nullptr; break;
             default: break;
         }
         if (f) {
