@@ -17,8 +17,10 @@ or per channel along groups of G tokens (KIVI's asymmetric min / max, f16 scale 
 Hadamard), or per token with each head's channels split by importance (`mix<hi><lo>`: the rotary pairs of
 largest F_c var_c in hi bits, the rest in lo bits, q53_64's layout and rule at other widths; `lsq<b>`: b bits,
 the head's Hadamard, scales by least squares). Values: per token, Hadamard over the head, then the type (the
-runtime's). The post-RoPE q8_0 row is stock llama.cpp's q8_0 cache (with its Hadamard) for the ratio the issue's
-targets are stated in.
+runtime's); or split by importance (`vmix<hi><lo>`: channels ordered by w_c E[v_c^2]; `vklt<hi><lo>`: halves of
+the w-whitened eigenbasis of E[v v^T]; `vsc<b>`: channels scaled by sqrt(w_c) before the Hadamard), where a trailing
+F / W / I picks w: the backward pass's diagonal Fisher (default), W_o's column norms, or 1. The post-RoPE q8_0
+row is stock llama.cpp's q8_0 cache (with its Hadamard) for the ratio the issue's targets are stated in.
 
 Bits per value count the window and sinks as f16 at the context length used. Cost: ~1 min per row and window
 on 2 cores for SmolLM2 at 4096 tokens.
@@ -61,8 +63,11 @@ def type_bits(t: str) -> float:
     if t.startswith("grp"):
         b, g = t[3:].split("x")
         return int(b) + 32 / int(g)                   # f16 scale and minimum per group
-    if t.startswith("mix"):
-        return (int(t[3]) + int(t[4])) / 2 + 0.5      # an f16 scale per half of 32
+    if t.startswith(("mix", "vmix", "vklt")):
+        hi, lo = t.rstrip("FWI")[-2:]
+        return (int(hi) + int(lo)) / 2 + 0.5          # an f16 scale per half of 32
+    if t.startswith("vsc"):
+        return int(t[3]) + 0.5
     if t.startswith("lsq"):
         return int(t[3]) + 0.5
     return {"q8_0": 8.5, "q4_0": 4.5, "int3": 3.5, "int2": 2.5, "f16": 16.0}[t.split("@")[0]]
@@ -117,6 +122,27 @@ def token_groups(x: np.ndarray, bits: int, g: int) -> np.ndarray:
     return (q * d + lo).reshape(n, *x.shape[1:])[:T]
 
 
+def v_transforms(v: np.ndarray, fv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's V samples [T, n_kv, hd] and channel weights w [n_kv, hd] (a diagonal Fisher or a stand-in) -> per
+    head (the channel order by w_c E[v_c^2], most important first; T [n_kv, hd, hd] and its inverse): z = T v is the
+    w-whitened V in the eigenbasis of its second moment, sorted by eigenvalue, so an error of z weighs alike in every
+    channel (to the diagonal weights' approximation) and the first channels carry the most."""
+    x = v.astype(np.float64)
+    sq = (x ** 2).mean(axis=0)
+    order = np.argsort(-(fv * sq), axis=1, kind="stable")
+    n_kv, hd = fv.shape
+    t = np.empty((n_kv, hd, hd))
+    ti = np.empty_like(t)
+    for h in range(n_kv):
+        w = np.sqrt(np.maximum(fv[h], 1e-30))
+        u = x[:, h] * w
+        lam, vec = np.linalg.eigh(u.T @ u / len(u))
+        vec = vec[:, np.argsort(-lam)]
+        t[h] = vec.T * w[None]                 # z = U^T diag(w) v
+        ti[h] = vec / w[:, None]               # v = diag(1/w) U z
+    return order, t, ti
+
+
 class Harness:
     """The study's model with an attention function that mixes exact and quantized rows per (query, key)."""
 
@@ -136,6 +162,21 @@ class Harness:
             imp = f * kp.astype(np.float64).var(axis=0)          # what an error in the channel costs: F_c var_c
             po = np.argsort(-(imp[:, 0::2] + imp[:, 1::2]), axis=1, kind="stable")   # whole NORM pairs, as baked
             self.korder.append(np.stack([2 * po, 2 * po + 1], axis=-1).reshape(imp.shape))
+        from convert.calib import value_sensitivity
+        # V's channel weights: the backward pass's diagonal Fisher ("F"), W_o's column norms ("W"), or none ("I")
+        self.vmaps = {}
+        for kind in "FWI":
+            maps = []
+            for i in range(g.n_layer):
+                if kind == "F":
+                    fv = (c.gv[i].astype(np.float64) ** 2).mean(axis=0)
+                elif kind == "W":
+                    wo = st.model.model.layers[i].self_attn.o_proj.weight.detach().numpy()
+                    fv = value_sensitivity(wo, g)
+                else:
+                    fv = np.ones((g.n_head_kv, g.head_dim))
+                maps.append((*v_transforms(c.v[i], fv), np.sqrt(np.maximum(fv, 1e-30))))
+            self.vmaps[kind] = maps
         self.row: Row | None = None
         self.kq: dict[int, np.ndarray] = {}
         ml = sys.modules[type(st.model.model.layers[0].self_attn).__module__]
@@ -179,7 +220,7 @@ class Harness:
                 s = s_e
             else:
                 v_np = value[0].detach().numpy().transpose(1, 0, 2)                  # [T, n_kv, hd]
-                vq = torch.from_numpy(np.ascontiguousarray(per_token(v_np, r.v, g.head_dim).transpose(1, 0, 2),
+                vq = torch.from_numpy(np.ascontiguousarray(h.quant_v(v_np, r.v, i).transpose(1, 0, 2),
                                                            np.float32))[None]
                 s_q = torch.matmul(query, repeat_kv(h.kq[i], n_rep).transpose(2, 3)) * scaling
                 G = r.group()
@@ -195,6 +236,25 @@ class Harness:
             return o.transpose(1, 2).contiguous(), None
         AttentionInterface.register("pykvq_longctx", attention)
         st.model.config._attn_implementation = "pykvq_longctx"
+
+    def quant_v(self, v: np.ndarray, t: str, i: int) -> np.ndarray:
+        """v [T, n_kv, hd] of layer i read back from the cache type t: per_token's types, or split by importance
+        (`vmix<hi><lo>`: channels ordered by w_c E[v_c^2]; `vklt<hi><lo>`: the whitened eigenbasis of
+        v_transforms), or `vsc<b>`: each channel scaled by sqrt(w_c) before the head's Hadamard."""
+        hd = v.shape[-1]
+        if t.startswith("v"):                      # a trailing F / W / I names the channel weights (default F)
+            kind = t[-1] if t[-1] in "FWI" else "F"
+            t = t.rstrip("FWI")
+            order, tm, ti, w = self.vmaps[kind][i]
+        if t.startswith("vmix"):
+            return importance_split(v, order, int(t[4]), int(t[5]))
+        if t.startswith("vklt"):
+            z = np.einsum("hed,nhd->nhe", tm, v)
+            zq = importance_split(z, np.tile(np.arange(hd), (v.shape[1], 1)), int(t[4]), int(t[5]))
+            return np.einsum("hed,nhd->nhe", ti, zq)
+        if t.startswith("vsc"):
+            return per_token(v * w[None], "lsq" + t[3], hd) / w[None]
+        return per_token(v, t, hd)
 
     def logprobs(self, ids: np.ndarray, row: Row | None):
         self.row, self.kq = row, {}
@@ -261,6 +321,9 @@ def main(argv=None) -> int:
         # keys alone at 3 bits and below: token groups (per channel) against per-token blocks at the same bits
         *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
           for k in ("int2", "grp2x64", "grp2x32", "grp3x128", "grp2x128")],
+        # values alone (K q8_0) at 3.5 bits: uniform, or split by importance (channels or a whitened eigenbasis)
+        *[Row(f"V {v} / K q8_0 + window 64, sinks 4", "q8_0", v, 64, S)
+          for v in ("lsq3", "vsc3", "vmix42", "vklt42", "vklt42I", "vklt42W", "vmix42W", "vsc3W", "lsq2", "vklt32I")],
     ]
     if args.only:
         keep = set(args.only.split(";"))
