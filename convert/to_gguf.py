@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layer-types-k", default=None, metavar="TYPES",
                    help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
                         "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
-                        "keys split by importance); else --layer-types")
+                        "keys split by importance; add q32_64, 3.0 bits with CPU kernels only, for budgets near 3 "
+                        "bits); else --layer-types")
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
                         "only those of reads the file's window and sinks leave quantized (the backward pass takes "
@@ -732,7 +733,10 @@ def main(argv=None) -> int:
         cpu_only = sorted({t for t in s["layer_types_k"] + s["layer_types_v"] if t in KVQ_TYPES and not KVQ_TYPES[t].cuda})
         if cpu_only:
             print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
-                  "convert with --layer-types-k " + ",".join(pipeline.layer_types.DEFAULT_LADDER))
+                  "convert with --layer-types-k " + ",".join(pipeline.layer_types.PREROPE_K_LADDER
+                                                             if s["layer_types_k"] and any(t in KVQ_TYPES and
+                                                             KVQ_TYPES[t].family == "q53" for t in s["layer_types_k"])
+                                                             else pipeline.layer_types.DEFAULT_LADDER))
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")

@@ -17,7 +17,7 @@ class KVQType:
     name: str
     id: int              # ggml_type
     qk: int              # values per block
-    family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" halves of two widths (5+3, 4+2)
+    family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" halves of two widths (5+3, 4+2, 3+2)
     vec_dot_type: str    # what Q is converted to for K·Q
     cuda: bool           # CUDA kernels (native/ggml/cuda); else CPU only
     codes: int           # codebook entries (nuq), else 0
@@ -40,6 +40,7 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("nuq2o", 50, 64, "nuq", "q8_0", True, 4, True, 2.625),
     KVQType("q53_64", 51, 64, "q53", "q8_0", True, 0, False, 4.5),
     KVQType("q42_64", 52, 64, "q53", "q8_0", True, 0, False, 3.5),
+    KVQType("q32_64", 53, 64, "q53", "q8_0", False, 0, False, 3.0),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

@@ -203,7 +203,7 @@ def test_prerope_flash_attention_reads_q53_keys(D, mode):
     assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("t", [T, "q42_64"])
+@pytest.mark.parametrize("t", [T, "q42_64", "q32_64"])
 def test_convert_refuses_q53_without_prerope(smollm2, tmp_path, t):
     from test_convert import run_convert
     r = run_convert(smollm2, "-o", tmp_path / "x.gguf", "--cache-type-k", t, check=False)
@@ -264,7 +264,7 @@ Q53_BUILDS = {
 
 @pytest.mark.parametrize("build", list(Q53_BUILDS))
 def test_cpu_kernels_match_the_reference_in_every_variant(build, tmp_path):
-    """native/tests/q53_check.c: for q53_64 and q42_64 the CPU quantizer's bytes and to_float's bits equal the
+    """native/tests/q53_check.c: for q53_64, q42_64 and q32_64 the CPU quantizer's bytes and to_float's bits equal the
     reference's, and K·Q is within 1e-5 of the exact integer dot product, for the scalar, AVX2 and NEON code alike."""
     from native_build import run_check
     cc, flags, runner = Q53_BUILDS[build]
@@ -351,4 +351,72 @@ def test_prerope_flash_attention_reads_q42_keys(mode):
     """The pre-RoPE read path with q42_64 keys and the halves' 32-wide Hadamard, against the float64 reference."""
     from test_prerope import prerope, rel_err, run_prerope_fa
     out, ref = run_prerope_fa("q42_64", "q4_0", mode=getattr(prerope, mode.upper()), n_dims=64, D=64, rot=32)
+    assert rel_err(out, ref) < 1e-4
+
+
+# q32_64: the split at 3.0 bits (3- and 2-bit halves): the key ladder's step between nuq2o (2.625) and q42_64 (3.5)
+
+def test_q32_reference_rule_hand_checked():
+    x = np.zeros(64, np.float32)
+    x[:32] = np.tile(np.arange(-4.0, 4.0), 4)   # 3 bits: vmax -4 (the first of equals) -> d = 1, q = x + 4: exact
+    x[32:] = np.tile([-2.0, -1.0, 0.0, 1.0], 8)  # 2 bits: vmax -2 -> d = 1, q = x + 2: exact
+    d3, q3, d2, q2 = q53.q32_quantize_blocks(x)
+    assert float(d3[0]) == 1.0 and float(d2[0]) == 1.0
+    np.testing.assert_array_equal(q3[0], x[:32] + 4)
+    np.testing.assert_array_equal(q2[0], x[32:] + 2)
+    np.testing.assert_array_equal(q53.q32_roundtrip(x), x)
+    np.testing.assert_array_equal(roundtrip(x, "q32_64"), x)
+    assert q53.Q32_BITS_PER_VALUE == 3.0 and cache_types.bits_per_value("q32_64") == 3.0
+    packed = q53.q32_pack(d3, q3, d2, q2)
+    # byte 4 (qs3[0]) holds q3(0), q3(8), q3(16), q3(24) & 3 at bits 0, 2, 4, 6: x = -4, -4, -4, -4 -> q3 = 0
+    assert len(packed) == 24 and packed[4] == 0 and packed[5] == (1 | 1 << 2 | 1 << 4 | 1 << 6)
+    out = q53.q32_unpack(packed)
+    for a, b in zip(out, (d3, q3, d2, q2)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_q32_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(seed):
+    """As q42_64's: the C reference, the CPU's from_float and K-tile dequantizer give the numpy rule's bytes and
+    values, vec_dot (Q in q8_0) matches the exact integer sums, and rows with a non-finite scale are refused."""
+    L = lib()
+    t = cache_types.resolve("q32_64")
+    x = np.concatenate([cache_like(64 * 128, seed), edge_rows()])
+    want = q53.q32_pack(*q53.q32_quantize_blocks(x))
+    got, back = c_quantize("q32_64", x)
+    assert got == want
+    ref = q53.q32_dequantize_blocks(*q53.q32_unpack(want)).reshape(-1)
+    np.testing.assert_array_equal(back.view(np.uint32), ref.view(np.uint32))
+    cpu = L.ggml_get_type_traits_cpu(t)
+    out = ffi.new("uint8_t[]", x.size // 64 * 24)
+    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
+    assert bytes(ffi.buffer(out)) == want
+    y = np.empty(x.size, np.float32)
+    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
+    np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32))
+    s = ffi.new("float *")
+    for r in range(8):
+        k, qf = cache_like(128, 500 + r), cache_like(128, 600 + r)
+        kb = q53.q32_pack(*q53.q32_quantize_blocks(k))
+        qb = ffi.new("uint8_t[]", 4 * 34)
+        L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qf)), qb, 128)
+        d3, q3, d2, q2 = q53.q32_unpack(kb)
+        kv = np.concatenate([q3.astype(np.int64) - 4, q2.astype(np.int64) - 2], axis=1).reshape(-1, 32)
+        want_s, mag = exact_dot(kv, np.stack([d3, d2], axis=1).reshape(-1).astype(np.float64), qb)
+        cpu.vec_dot(128, s, 0, kb, 0, qb, 0, 1)
+        assert abs(s[0] - want_s) <= 1e-5 * (mag or 1.0), (r, s[0], want_s)
+    assert L.ggml_row_size(t, 128) == 48
+    good = bytearray(want[: 24 * 4])
+    assert L.ggml_validate_row_data(t, bytes(good), len(good))
+    for off in (24, 26):
+        bad = bytearray(good)
+        bad[off:off + 2] = np.float16(np.inf).tobytes()
+        assert not L.ggml_validate_row_data(t, bytes(bad), len(bad))
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+def test_prerope_flash_attention_reads_q32_keys(mode):
+    """The pre-RoPE read path with q32_64 keys and the halves' 32-wide Hadamard, against the float64 reference."""
+    from test_prerope import prerope, rel_err, run_prerope_fa
+    out, ref = run_prerope_fa("q32_64", "q4_0", mode=getattr(prerope, mode.upper()), n_dims=64, D=64, rot=32)
     assert rel_err(out, ref) < 1e-4

@@ -4,7 +4,7 @@
 //
 // A pre-RoPE key file laid out for it (convert/prerope.py: the important rotary pairs of every 64
 // channels in the first half) spends 5 bits where the loss reads the keys and 3 where it hardly does.
-// q42_64 is the same split one bit lower (4 and 2 bits, 3.5 bits/value), below.
+// q42_64 is the same split one bit lower (4 and 2 bits, 3.5 bits/value), q32_64 one more (3 and 2 bits), below.
 #include "ggml-kvq.h"
 
 #include <float.h>
@@ -14,6 +14,7 @@
 // each half: q*_0's rule with a least-squares scale (ggml_kvq_lsq_block, native/ggml/lsq.c), half = 2^(bits-1)
 GGML_KVQ_STATIC_ASSERT(QK_Q53/2 == GGML_KVQ_LSQ_N, "a q53_64 half is one least-squares block");
 GGML_KVQ_STATIC_ASSERT(QK_Q42/2 == GGML_KVQ_LSQ_N, "a q42_64 half is one least-squares block");
+GGML_KVQ_STATIC_ASSERT(QK_Q32/2 == GGML_KVQ_LSQ_N, "a q32_64 half is one least-squares block");
 
 void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {
     ggml_kvq_quantize_row_q53_64_with(x, y, k, ggml_kvq_lsq_block);
@@ -61,8 +62,9 @@ void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k) {
 }
 
 bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes) {
-    // both types start with their two f16 scales
-    const size_t size = type == GGML_TYPE_Q42_64 ? sizeof(block_q42_64) : sizeof(block_q53_64);
+    // every type of the family starts with its two f16 scales
+    const size_t size = type == GGML_TYPE_Q42_64 ? sizeof(block_q42_64)
+                      : type == GGML_TYPE_Q32_64 ? sizeof(block_q32_64) : sizeof(block_q53_64);
     if (nbytes % size != 0) {
         return false;
     }
@@ -108,6 +110,48 @@ void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k) {
             const int q4 = j < 16 ? b->qs4[j] & 15 : b->qs4[j - 16] >> 4;
             const int q2 = (b->qs2[j % 8] >> (2*(j / 8))) & 3;
             o[j]      = (float) (q4 - 8)*d4;
+            o[j + 32] = (float) (q2 - 2)*d2;
+        }
+    }
+}
+
+// q32_64: the first half q53_64's 3-bit rule and layout (half = 4), the second q42_64's 2-bit one (half = 2)
+void quantize_row_q32_64_ref(const float * x, block_q32_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_q32_64_with(x, y, k, ggml_kvq_lsq_block);
+}
+
+void ggml_kvq_quantize_row_q32_64_with(const float * x, block_q32_64 * y, int64_t k, ggml_kvq_lsq_block_t block) {
+    const int64_t nb = k / QK_Q32;
+    for (int64_t i = 0; i < nb; ++i) {
+        const float * xb = x + i*QK_Q32;
+        block_q32_64 * b = y + i;
+        uint8_t q3[QK_Q32/2], q2[QK_Q32/2];
+        block(xb, 4, b->d3, q3);
+        block(xb + QK_Q32/2, 2, b->d2, q2);
+        uint32_t qh3 = 0;
+        memset(b->qs3, 0, sizeof(b->qs3));
+        memset(b->qs2, 0, sizeof(b->qs2));
+        for (int j = 0; j < 32; ++j) {
+            qh3 |= (uint32_t) (q3[j] >> 2) << j;
+            b->qs3[j % 8] |= (uint8_t) ((q3[j] & 3) << (2*(j / 8)));
+            b->qs2[j % 8] |= (uint8_t) (q2[j] << (2*(j / 8)));
+        }
+        for (int j = 0; j < 4; ++j) {
+            b->qh3[j] = (uint8_t) (qh3 >> (8*j));
+        }
+    }
+}
+
+void dequantize_row_q32_64(const block_q32_64 * x, float * y, int64_t k) {
+    const int64_t nb = k / QK_Q32;
+    for (int64_t i = 0; i < nb; ++i) {
+        const block_q32_64 * b = x + i;
+        const float d3 = ggml_kvq_f16_bytes(b->d3), d2 = ggml_kvq_f16_bytes(b->d2);
+        float * o = y + i*QK_Q32;
+        for (int j = 0; j < 32; ++j) {
+            const int q3 = ((b->qs3[j % 8] >> (2*(j / 8))) & 3) | (((b->qh3[j / 8] >> (j % 8)) & 1) << 2);
+            const int q2 = (b->qs2[j % 8] >> (2*(j / 8))) & 3;
+            o[j]      = (float) (q3 - 4)*d3;
             o[j + 32] = (float) (q2 - 2)*d2;
         }
     }

@@ -9,7 +9,7 @@
 //             dequantize_row_<name>, ggml_vec_dot_<name>_<vdt>
 //     NAME    GGML_TYPE_<NAME>, whose value in ggml.h's enum must be id (checked in native/ggml/ggml-kvq.c)
 //     qk      values per block
-//     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (halves of two widths: 5+3, 4+2)
+//     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (halves of two widths: 5+3, 4+2, 3+2)
 //     vdt     the vec_dot_type Q is converted to for K·Q (VDT: its enum name)
 //     cuda    1: CUDA kernels (native/ggml/cuda), 0: CPU only
 //     codes   codebook entries (nuq), else 0;  outl: 1 when a block keeps its largest value exactly
@@ -25,7 +25,8 @@
     X(nuq3o,   NUQ3O,   49, 64, NUQ, q8_0,    Q8_0,    1,  8, 1, 3625, __VA_ARGS__)     \
     X(nuq2o,   NUQ2O,   50, 64, NUQ, q8_0,    Q8_0,    1,  4, 1, 2625, __VA_ARGS__)     \
     X(q53_64,  Q53_64,  51, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 4500, __VA_ARGS__)     \
-    X(q42_64,  Q42_64,  52, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3500, __VA_ARGS__)
+    X(q42_64,  Q42_64,  52, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3500, __VA_ARGS__)     \
+    X(q32_64,  Q32_64,  53, 64, Q53, q8_0,    Q8_0,    0,  0, 0, 3000, __VA_ARGS__)
 
 // what the rows expand to in the upstream files the patches touch (one macro use each)
 #define GGML_KVQ_CASE(name, NAME, ...)       case GGML_TYPE_##NAME:

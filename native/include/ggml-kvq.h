@@ -177,6 +177,21 @@ typedef struct {
 
 GGML_KVQ_STATIC_ASSERT(sizeof(block_q42_64) == 28, "block_q42_64 size");
 
+// q32_64: the split at 3.0 bits/value: the first 32 values in 3 bits, the last 32 in 2 bits (q53_64's 3-bit half and
+// q42_64's 2-bit half), each half with its own f16 scale. It fills the key ladder's step from 2.625 bits (nuq2o) to
+// 3.5 (q42_64), across which the keys' error falls ~16x (docs/RESULTS-BY-DATE.md, 2026-11-29 late night).
+#define QK_Q32 64
+
+typedef struct {
+    uint8_t d3[2];            // scale of values 0..31: x = d3 * (q3 - 4)
+    uint8_t d2[2];            // scale of values 32..63: x = d2 * (q2 - 2)
+    uint8_t qs3[8];           // byte j, bits 2k..2k+1: q3(j + 8k) & 3, k = 0..3
+    uint8_t qh3[4];           // bit i of the little-endian 32-bit word: q3(i) >> 2
+    uint8_t qs2[8];           // byte j, bits 2k..2k+1: q2(j + 8k), k = 0..3
+} block_q32_64;               // 24 bytes per 64 values: 3.0 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_q32_64) == 24, "block_q32_64 size");
+
 // Fallback codebooks (pykvq/ref/nuq.py FALLBACK): Lloyd-Max centroids of Gaussian
 // blocks of 32 normalised by their absmax to [-127, 127], rounded.
 #define GGML_KVQ_NUQ_FALLBACK_4 { -123, -98, -78, -61, -46, -32, -19, -6, 6, 19, 32, 46, 61, 78, 98, 123 }
@@ -400,7 +415,10 @@ GGML_API void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t
 GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k);
 GGML_API void quantize_row_q42_64_ref(const float * x, block_q42_64 * y, int64_t k);
 GGML_API void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k);
-// Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64, q42_64).
+GGML_API void quantize_row_q32_64_ref(const float * x, block_q32_64 * y, int64_t k);
+GGML_API void dequantize_row_q32_64(const block_q32_64 * x, float * y, int64_t k);
+// Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64,
+// q42_64, q32_64).
 GGML_API bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes);
 
 //
@@ -417,12 +435,13 @@ GGML_API bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, 
 GGML_API void ggml_kvq_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 GGML_API void quantize_row_q4_0_lsq(const float * x, void * y, int64_t k);
 GGML_API void quantize_row_q5_0_lsq(const float * x, void * y, int64_t k);
-// the rows of q4_0 / q5_0 / q53_64 / q42_64 with another implementation of the block rule (the CPU's SIMD one)
+// the rows of q4_0 / q5_0 / q53_64 / q42_64 / q32_64 with another implementation of the block rule (the CPU's SIMD one)
 typedef void (*ggml_kvq_lsq_block_t)(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 GGML_API void ggml_kvq_quantize_row_q4_0_with(const float * x, void * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q5_0_with(const float * x, void * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q42_64_with(const float * x, block_q42_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
+GGML_API void ggml_kvq_quantize_row_q32_64_with(const float * x, block_q32_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 
 // The encoder a SET_ROWS into a cache tensor uses: int32 op_params[GGML_KVQ_ENC_TAG] = GGML_KVQ_ENC_MAGIC
 // for least squares (ggml's SET_ROWS reads no op_params). The CPU and pykvq's CUDA kernels read it; a backend

@@ -1,4 +1,4 @@
-// Standalone check of the q53_64 and q42_64 CPU kernels (cpu/q53-cpu.c) in whatever variant this build compiles: AVX2,
+// Standalone check of the q53_64, q42_64 and q32_64 CPU kernels (cpu/q53-cpu.c) in whatever variant this build compiles: AVX2,
 // aarch64 NEON (with or without the dot-product extension), or the scalar code of a pre-AVX2 x86. Built by
 // tests/test_q53.py with several -march settings (aarch64 under qemu), against the reference (native/ggml/q53.c,
 // itself held to numpy by test_q53.py):
@@ -32,6 +32,8 @@ static void q53_qref(const float * x, void * y, int64_t k) { quantize_row_q53_64
 static void q53_dref(const void * x, float * y, int64_t k) { dequantize_row_q53_64((const block_q53_64 *) x, y, k); }
 static void q42_qref(const float * x, void * y, int64_t k) { quantize_row_q42_64_ref(x, (block_q42_64 *) y, k); }
 static void q42_dref(const void * x, float * y, int64_t k) { dequantize_row_q42_64((const block_q42_64 *) x, y, k); }
+static void q32_qref(const float * x, void * y, int64_t k) { quantize_row_q32_64_ref(x, (block_q32_64 *) y, k); }
+static void q32_dref(const void * x, float * y, int64_t k) { dequantize_row_q32_64((const block_q32_64 *) x, y, k); }
 
 static int check(const q53_kind * t) {
     int fails = 0;
@@ -83,6 +85,8 @@ int main(void) {
           ggml_vec_dot_q53_64_q8_0 },
         { "q42_64", sizeof(block_q42_64), q42_qref, quantize_row_q42_64, q42_dref, dequantize_row_q42_64_cpu,
           ggml_vec_dot_q42_64_q8_0 },
+        { "q32_64", sizeof(block_q32_64), q32_qref, quantize_row_q32_64, q32_dref, dequantize_row_q32_64_cpu,
+          ggml_vec_dot_q32_64_q8_0 },
     };
 #if defined(__AVX2__)
     const char * variant = "avx2";

@@ -1,4 +1,5 @@
-"""q53_64: 4.5 bits/value split unevenly inside a block, the reference rule (numpy); q42_64 (3.5 bits) below.
+"""q53_64: 4.5 bits/value split unevenly inside a block, the reference rule (numpy); q42_64 (3.5 bits) and q32_64
+(3.0 bits) below.
 
 A block of 64 values holds two halves of 32: the first half in 5 bits, the second in 3 bits
 (q5_0's levels with half = 16, and the same levels with half = 4), each with its own f16 scale:
@@ -117,7 +118,7 @@ def unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 # Fake quantization of SmolLM2's pre-RoPE keys at 4096 tokens with the window (scripts/longctx_study.py, "mix42"):
 # 0.0045 KLD against 0.0109 for uniform 3-bit keys with the same scale rule (docs/RESULTS.md).
 Q42_BITS = (4, 2)
-HALVES_TYPES = ("q53_64", "q42_64")       # key types whose blocks want the importance layout
+HALVES_TYPES = ("q53_64", "q42_64", "q32_64")       # key types whose blocks want the importance layout
 Q42_TYPE_SIZE = 28
 Q42_BITS_PER_VALUE = 8 * Q42_TYPE_SIZE / QK
 
@@ -158,6 +159,54 @@ def q42_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     q4 = np.concatenate([qs4 & 15, qs4 >> 4], axis=1)
     q2 = unpack_low2(qs2)
     return d4, q4.astype(np.uint8), d2, q2.astype(np.uint8)
+
+
+# q32_64: the split at 3.0 bits/value. The first half in 3 bits (q53_64's 3-bit half: half = 4, its layout), the
+# second in 2 bits (q42_64's 2-bit half), each with its own f16 scale by the same rule. Storage (24 bytes):
+#   d3[2] d2[2]  qs3[8]  qh3[4]  qs2[8]
+#   qs3 byte j: bits 2k..2k+1 = q3(j + 8k) & 3; qh3: bit i of the 32-bit word = q3(i) >> 2   (as q53_64's 3-bit half)
+#   qs2 byte j: bits 2k..2k+1 = q2(j + 8k), k = 0..3                                          (as q42_64's 2-bit half)
+# It fills the key ladder's step from nuq2o (2.625 bits) to q42_64 (3.5): fake quantization of SmolLM2's keys at
+# 4096 tokens, 2-bit blocks 0.0712, 3 / 2-bit halves 0.0138-0.0168, 4 / 2 0.0045 (docs/RESULTS-BY-DATE.md).
+Q32_BITS = (3, 2)
+Q32_TYPE_SIZE = 24
+Q32_BITS_PER_VALUE = 8 * Q32_TYPE_SIZE / QK
+
+
+def q32_quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d3, q3, d2, q2) of the last axis of x (a multiple of 64) as [nb] f16 and [nb, 32] uint8 arrays."""
+    return _quantize_halves(x, Q32_BITS, "q32_64")
+
+
+def q32_dequantize_blocks(d3, q3, d2, q2) -> np.ndarray:
+    """[nb, 64] float32."""
+    return _dequantize_halves(d3, q3, d2, q2, Q32_BITS)
+
+
+def q32_roundtrip(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return q32_dequantize_blocks(*q32_quantize_blocks(x)).reshape(x.shape)
+
+
+def q32_pack(d3, q3, d2, q2) -> bytes:
+    nb = q3.shape[0]
+    qh3 = np.packbits((q3 >> 2).astype(np.uint8), axis=1, bitorder="little")
+    parts = [d3.view(np.uint8).reshape(nb, 2), d2.view(np.uint8).reshape(nb, 2), pack_low2(q3), qh3, pack_low2(q2)]
+    out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
+    assert out.shape[1] == Q32_TYPE_SIZE
+    return out.tobytes()
+
+
+def q32_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    a = np.frombuffer(data, dtype=np.uint8)
+    if a.size % Q32_TYPE_SIZE:
+        raise ValueError(f"q32_64: {a.size} bytes is not a whole number of {Q32_TYPE_SIZE}-byte blocks")
+    a = a.reshape(-1, Q32_TYPE_SIZE)
+    d3 = a[:, 0:2].copy().view(np.float16)[:, 0]
+    d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
+    q3 = unpack_low2(a[:, 4:12]) | (np.unpackbits(a[:, 12:16], axis=1, bitorder="little") << 2)
+    q2 = unpack_low2(a[:, 16:24])
+    return d3, q3.astype(np.uint8), d2, q2.astype(np.uint8)
 
 
 def importance_layout(importance: np.ndarray) -> np.ndarray:

@@ -7,7 +7,8 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
     switch (ggml_kvq_type_family(type)) {
         case GGML_KVQ_FAMILY_BFP: return ggml_kvq_bfp_cpu_impl_to_float(ggml_kvq_bfp_cpu_n_impls() - 1, type);
         case GGML_KVQ_FAMILY_NUQ: return ggml_kvq_nuq_cpu_impl_to_float(ggml_kvq_nuq_cpu_n_impls() - 1, type);
-        case GGML_KVQ_FAMILY_Q53: return type == GGML_TYPE_Q53_64 ? dequantize_row_q53_64_cpu : dequantize_row_q42_64_cpu;
+        case GGML_KVQ_FAMILY_Q53: return type == GGML_TYPE_Q53_64 ? dequantize_row_q53_64_cpu
+                                       : type == GGML_TYPE_Q42_64 ? dequantize_row_q42_64_cpu : dequantize_row_q32_64_cpu;
         default:                  return NULL;
     }
 }
@@ -27,7 +28,7 @@ const char * ggml_kvq_cpu_impl_name(int i) {
     return ggml_kvq_bfp_cpu_impl_name(i);
 }
 
-// one variant's kernels, for the tests (q53_64 / q42_64 compile one variant: NULL here)
+// one variant's kernels, for the tests (the q53 family compiles one variant: NULL here)
 ggml_vec_dot_t ggml_kvq_cpu_impl_vec_dot(int i, enum ggml_type type) {
     switch (ggml_kvq_type_family(type)) {
         case GGML_KVQ_FAMILY_BFP: return ggml_kvq_bfp_cpu_impl_vec_dot(i, type);

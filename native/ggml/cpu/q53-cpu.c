@@ -1,4 +1,4 @@
-// CPU kernels for q53_64 and q42_64 (native/ggml/q53.c has the references): quantize (the reference's rows with the SIMD
+// CPU kernels for q53_64, q42_64 and q32_64 (native/ggml/q53.c has the references): quantize (the reference's rows with the SIMD
 // scale search of cpu/lsq-cpu.c) and K·Q against Q in q8_0. A block of 64 spans two q8_0 blocks; each
 // half gives one int32 dot product and one float scale, d5·d8 and d3·d8. The unpack to int8 runs in registers on AVX2
 // and on aarch64 NEON, scalar elsewhere.
@@ -126,6 +126,21 @@ static inline void q42_unpack_neon(const block_q42_64 * b, int8x16_t * v4, int8x
     v2[1] = vsubq_s8(vreinterpretq_s8_u8(l1), vdupq_n_s8(2));
 }
 
+// q32_unpack in registers: v3[0..1] (q3 - 4, q53_64's 3-bit half), v2[0..1] (q2 - 2, q42_64's 2-bit half)
+static inline void q32_unpack_neon(const block_q32_64 * b, int8x16_t * v3, int8x16_t * v2) {
+    uint32_t qh3;
+    memcpy(&qh3, b->qh3, 4);
+    uint8x16_t h0, h1, l0, l1;
+    q53_bits_to_bytes_neon(qh3, &h0, &h1);
+    q53_pairs_neon(b->qs3, &l0, &l1);
+    const uint8x16_t m4 = vdupq_n_u8(4);
+    v3[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, vandq_u8(h0, m4))), vdupq_n_s8(4));
+    v3[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, vandq_u8(h1, m4))), vdupq_n_s8(4));
+    q53_pairs_neon(b->qs2, &l0, &l1);
+    v2[0] = vsubq_s8(vreinterpretq_s8_u8(l0), vdupq_n_s8(2));
+    v2[1] = vsubq_s8(vreinterpretq_s8_u8(l1), vdupq_n_s8(2));
+}
+
 // 16 int8 lanes times d into 16 floats (each an exact conversion and one product: the reference's bits)
 static inline void q53_store_scaled_neon(int8x16_t v, float d, float * o) {
     const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
@@ -205,7 +220,7 @@ static inline int q53_dot32(const int8_t * a, const int8_t * b) {
 #endif
 }
 
-// one block's K·Q: each half's int32 dot with its q8_0 block, times the two scales (q53_64 and q42_64 alike)
+// one block's K·Q: each half's int32 dot with its q8_0 block, times the two scales (every type of the family)
 static inline float q53_block_dot(const int8_t * v_hi, const int8_t * v_lo, float d_hi, float d_lo, const q53_q8_0 * y) {
     return d_hi*ggml_kvq_fp16_to_fp32(y[0].d)*(float) q53_dot32(v_hi, y[0].qs)
          + d_lo*ggml_kvq_fp16_to_fp32(y[1].d)*(float) q53_dot32(v_lo, y[1].qs);
@@ -320,6 +335,88 @@ void ggml_vec_dot_q42_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const v
         int8_t v4[32], v2[32];
         q42_unpack_int8(x + i, v4, v2);
         sum += q53_block_dot(v4, v2, ggml_kvq_f16_bytes(x[i].d4), ggml_kvq_f16_bytes(x[i].d2), y + 2*i);
+    }
+    *s = sum;
+}
+
+// q32_64: the reference's rows with the SIMD scale search; to_float and K·Q as q53_64's
+void quantize_row_q32_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    ggml_kvq_quantize_row_q32_64_with(x, (block_q32_64 *) y, k, ggml_kvq_cpu_lsq_block);
+}
+
+// the 32 values of each half as int8, offsets removed (q3 - 4, q2 - 2)
+static inline void q32_unpack(const block_q32_64 * b, int8_t * v3, int8_t * v2) {
+    uint32_t qh3;
+    memcpy(&qh3, b->qh3, 4);
+    for (int j = 0; j < 32; ++j) {
+        v3[j] = (int8_t) ((((b->qs3[j % 8] >> (2*(j / 8))) & 3) | (((qh3 >> j) & 1) << 2)) - 4);
+        v2[j] = (int8_t) (((b->qs2[j % 8] >> (2*(j / 8))) & 3) - 2);
+    }
+}
+
+#if defined(__AVX2__)
+// q32_unpack in registers: the 3-bit half as q53_64's, the 2-bit half as q42_64's
+static inline void q32_unpack_avx2(const block_q32_64 * b, __m256i * v3, __m256i * v2) {
+    uint32_t qh3;
+    memcpy(&qh3, b->qh3, 4);
+    *v3 = _mm256_sub_epi8(_mm256_or_si256(q53_pairs_avx2(b->qs3), _mm256_and_si256(q53_bits_to_bytes(qh3), _mm256_set1_epi8(4))),
+                          _mm256_set1_epi8(4));
+    *v2 = _mm256_sub_epi8(q53_pairs_avx2(b->qs2), _mm256_set1_epi8(2));
+}
+#endif
+
+void dequantize_row_q32_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+    const block_q32_64 * x = (const block_q32_64 *) vx;
+    for (int64_t i = 0; i < k / QK_Q32; ++i) {
+        const float d3 = ggml_kvq_f16_bytes(x[i].d3), d2 = ggml_kvq_f16_bytes(x[i].d2);
+        float * o = y + i*QK_Q32;
+#if defined(__AVX2__)
+        __m256i v3, v2;
+        q32_unpack_avx2(x + i, &v3, &v2);
+        q53_store_scaled(v3, d3, o);
+        q53_store_scaled(v2, d2, o + 32);
+#elif defined(Q53_NEON)
+        int8x16_t v3[2], v2[2];
+        q32_unpack_neon(x + i, v3, v2);
+        q53_store_block_neon(v3, v2, d3, d2, o);
+#else
+        int8_t v[64];
+        q32_unpack(x + i, v, v + 32);
+        for (int j = 0; j < 32; ++j) {
+            o[j]      = (float) v[j]*d3;
+            o[j + 32] = (float) v[j + 32]*d2;
+        }
+#endif
+    }
+}
+
+// q32_unpack with whichever unpack this build has
+static inline void q32_unpack_int8(const block_q32_64 * b, int8_t * v3, int8_t * v2) {
+#if defined(__AVX2__)
+    __m256i r3, r2;
+    q32_unpack_avx2(b, &r3, &r2);
+    _mm256_storeu_si256((__m256i *) v3, r3);
+    _mm256_storeu_si256((__m256i *) v2, r2);
+#elif defined(Q53_NEON)
+    int8x16_t r3[2], r2[2];
+    q32_unpack_neon(b, r3, r2);
+    q53_store_int8_neon(r3, v3);
+    q53_store_int8_neon(r2, v2);
+#else
+    q32_unpack(b, v3, v2);
+#endif
+}
+
+void ggml_vec_dot_q32_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                              const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    const block_q32_64 * x = (const block_q32_64 *) vx;
+    const q53_q8_0 * y = (const q53_q8_0 *) vy;
+    float sum = 0.0f;
+    for (int i = 0; i < n / QK_Q32; ++i) {
+        int8_t v3[32], v2[32];
+        q32_unpack_int8(x + i, v3, v2);
+        sum += q53_block_dot(v3, v2, ggml_kvq_f16_bytes(x[i].d3), ggml_kvq_f16_bytes(x[i].d2), y + 2*i);
     }
     *s = sum;
 }
