@@ -306,20 +306,28 @@ def test_q42_reference_rule_hand_checked():
         np.testing.assert_array_equal(a, b)
 
 
+# the two narrower halves types: (numpy codec, block bytes, the halves' offsets (2^(bits-1)))
+NARROW = {"q42_64": ((q53.q42_quantize_blocks, q53.q42_dequantize_blocks, q53.q42_pack, q53.q42_unpack), 28, (8, 2)),
+          "q32_64": ((q53.q32_quantize_blocks, q53.q32_dequantize_blocks, q53.q32_pack, q53.q32_unpack), 24, (4, 2))}
+
+
+@pytest.mark.parametrize("name", list(NARROW))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_q42_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(seed):
+def test_narrow_halves_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(name, seed):
     """ggml's reference traits, the CPU's from_float (SIMD scale search) and flash attention's K-tile dequantizer
-    give the numpy rule's bytes and values; vec_dot (Q in q8_0) matches the exact integer sums."""
+    give the numpy rule's bytes and values; vec_dot (Q in q8_0) matches the exact integer sums; a row with a
+    non-finite scale is refused."""
+    (quantize_blocks, dequantize_blocks, pack, unpack), size, (o_hi, o_lo) = NARROW[name]
     L = lib()
-    t = cache_types.resolve("q42_64")
+    t = cache_types.resolve(name)
     x = np.concatenate([cache_like(64 * 128, seed), edge_rows()])
-    want = q53.q42_pack(*q53.q42_quantize_blocks(x))
-    got, back = c_quantize("q42_64", x)
+    want = pack(*quantize_blocks(x))
+    got, back = c_quantize(name, x)
     assert got == want
-    ref = q53.q42_dequantize_blocks(*q53.q42_unpack(want)).reshape(-1)
+    ref = dequantize_blocks(*unpack(want)).reshape(-1)
     np.testing.assert_array_equal(back.view(np.uint32), ref.view(np.uint32))
     cpu = L.ggml_get_type_traits_cpu(t)
-    out = ffi.new("uint8_t[]", x.size // 64 * 28)
+    out = ffi.new("uint8_t[]", x.size // 64 * size)
     cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
     assert bytes(ffi.buffer(out)) == want
     y = np.empty(x.size, np.float32)
@@ -328,29 +336,31 @@ def test_q42_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(seed):
     s = ffi.new("float *")
     for r in range(8):
         k, qf = cache_like(128, 300 + r), cache_like(128, 400 + r)
-        kb = q53.q42_pack(*q53.q42_quantize_blocks(k))
+        kb = pack(*quantize_blocks(k))
         qb = ffi.new("uint8_t[]", 4 * 34)
         L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qf)), qb, 128)
-        d4, q4, d2, q2 = q53.q42_unpack(kb)
-        kv = np.concatenate([q4.astype(np.int64) - 8, q2.astype(np.int64) - 2], axis=1).reshape(-1, 32)
-        want_s, mag = exact_dot(kv, np.stack([d4, d2], axis=1).reshape(-1).astype(np.float64), qb)
+        d_hi, q_hi, d_lo, q_lo = unpack(kb)
+        kv = np.concatenate([q_hi.astype(np.int64) - o_hi, q_lo.astype(np.int64) - o_lo], axis=1).reshape(-1, 32)
+        want_s, mag = exact_dot(kv, np.stack([d_hi, d_lo], axis=1).reshape(-1).astype(np.float64), qb)
         cpu.vec_dot(128, s, 0, kb, 0, qb, 0, 1)
         assert abs(s[0] - want_s) <= 1e-5 * (mag or 1.0), (r, s[0], want_s)
     # row validation: both scales of every block finite
-    assert L.ggml_row_size(t, 128) == 56
-    good = bytearray(want[: 28 * 4])
+    assert L.ggml_row_size(t, 128) == 2 * size
+    good = bytearray(want[: size * 4])
     assert L.ggml_validate_row_data(t, bytes(good), len(good))
-    for off in (28, 30):
+    for off, v in ((size, np.nan), (size + 2, np.inf)):
         bad = bytearray(good)
-        bad[off:off + 2] = np.float16(np.nan).tobytes()
+        bad[off:off + 2] = np.float16(v).tobytes()
         assert not L.ggml_validate_row_data(t, bytes(bad), len(bad))
 
 
+@pytest.mark.parametrize("name", list(NARROW))
 @pytest.mark.parametrize("mode", ["norm", "neox"])
-def test_prerope_flash_attention_reads_q42_keys(mode):
-    """The pre-RoPE read path with q42_64 keys and the halves' 32-wide Hadamard, against the float64 reference."""
+def test_prerope_flash_attention_reads_narrow_halves_keys(name, mode):
+    """The pre-RoPE read path with q42_64 / q32_64 keys and the halves' 32-wide Hadamard, against the float64
+    reference."""
     from test_prerope import prerope, rel_err, run_prerope_fa
-    out, ref = run_prerope_fa("q42_64", "q4_0", mode=getattr(prerope, mode.upper()), n_dims=64, D=64, rot=32)
+    out, ref = run_prerope_fa(name, "q4_0", mode=getattr(prerope, mode.upper()), n_dims=64, D=64, rot=32)
     assert rel_err(out, ref) < 1e-4
 
 
@@ -373,50 +383,3 @@ def test_q32_reference_rule_hand_checked():
     out = q53.q32_unpack(packed)
     for a, b in zip(out, (d3, q3, d2, q2)):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_q32_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(seed):
-    """As q42_64's: the C reference, the CPU's from_float and K-tile dequantizer give the numpy rule's bytes and
-    values, vec_dot (Q in q8_0) matches the exact integer sums, and rows with a non-finite scale are refused."""
-    L = lib()
-    t = cache_types.resolve("q32_64")
-    x = np.concatenate([cache_like(64 * 128, seed), edge_rows()])
-    want = q53.q32_pack(*q53.q32_quantize_blocks(x))
-    got, back = c_quantize("q32_64", x)
-    assert got == want
-    ref = q53.q32_dequantize_blocks(*q53.q32_unpack(want)).reshape(-1)
-    np.testing.assert_array_equal(back.view(np.uint32), ref.view(np.uint32))
-    cpu = L.ggml_get_type_traits_cpu(t)
-    out = ffi.new("uint8_t[]", x.size // 64 * 24)
-    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
-    assert bytes(ffi.buffer(out)) == want
-    y = np.empty(x.size, np.float32)
-    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
-    np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32))
-    s = ffi.new("float *")
-    for r in range(8):
-        k, qf = cache_like(128, 500 + r), cache_like(128, 600 + r)
-        kb = q53.q32_pack(*q53.q32_quantize_blocks(k))
-        qb = ffi.new("uint8_t[]", 4 * 34)
-        L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qf)), qb, 128)
-        d3, q3, d2, q2 = q53.q32_unpack(kb)
-        kv = np.concatenate([q3.astype(np.int64) - 4, q2.astype(np.int64) - 2], axis=1).reshape(-1, 32)
-        want_s, mag = exact_dot(kv, np.stack([d3, d2], axis=1).reshape(-1).astype(np.float64), qb)
-        cpu.vec_dot(128, s, 0, kb, 0, qb, 0, 1)
-        assert abs(s[0] - want_s) <= 1e-5 * (mag or 1.0), (r, s[0], want_s)
-    assert L.ggml_row_size(t, 128) == 48
-    good = bytearray(want[: 24 * 4])
-    assert L.ggml_validate_row_data(t, bytes(good), len(good))
-    for off in (24, 26):
-        bad = bytearray(good)
-        bad[off:off + 2] = np.float16(np.inf).tobytes()
-        assert not L.ggml_validate_row_data(t, bytes(bad), len(bad))
-
-
-@pytest.mark.parametrize("mode", ["norm", "neox"])
-def test_prerope_flash_attention_reads_q32_keys(mode):
-    """The pre-RoPE read path with q32_64 keys and the halves' 32-wide Hadamard, against the float64 reference."""
-    from test_prerope import prerope, rel_err, run_prerope_fa
-    out, ref = run_prerope_fa("q32_64", "q4_0", mode=getattr(prerope, mode.upper()), n_dims=64, D=64, rot=32)
-    assert rel_err(out, ref) < 1e-4
