@@ -734,8 +734,7 @@ def main(argv=None) -> int:
         if cpu_only:
             print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
                   "convert with --layer-types-k " + ",".join(pipeline.layer_types.PREROPE_K_LADDER
-                                                             if s["layer_types_k"] and any(t in KVQ_TYPES and
-                                                             KVQ_TYPES[t].family == "q53" for t in s["layer_types_k"])
+                                                             if set(s["layer_types_k"]) & set(pipeline.q53.HALVES_TYPES)
                                                              else pipeline.layer_types.DEFAULT_LADDER))
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"

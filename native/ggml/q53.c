@@ -16,6 +16,35 @@ GGML_KVQ_STATIC_ASSERT(QK_Q53/2 == GGML_KVQ_LSQ_N, "a q53_64 half is one least-s
 GGML_KVQ_STATIC_ASSERT(QK_Q42/2 == GGML_KVQ_LSQ_N, "a q42_64 half is one least-squares block");
 GGML_KVQ_STATIC_ASSERT(QK_Q32/2 == GGML_KVQ_LSQ_N, "a q32_64 half is one least-squares block");
 
+// the halves' shared layouts: 32 values of 3 bits (q53_64 and q32_64: the low bits as nuq3's 2-bit fields, byte j
+// bits 2k..2k+1 = value j + 8k; the high bit as bit i of a little-endian 32-bit word) or of 2 bits (q42_64 and
+// q32_64: the same 2-bit fields)
+static void q53_pack2(const uint8_t * q, uint8_t * qs) {
+    memset(qs, 0, 8);
+    for (int j = 0; j < 32; ++j) {
+        qs[j % 8] |= (uint8_t) ((q[j] & 3) << (2*(j / 8)));
+    }
+}
+
+static void q53_pack3(const uint8_t * q, uint8_t * qs, uint8_t * qh) {
+    q53_pack2(q, qs);
+    uint32_t h = 0;
+    for (int j = 0; j < 32; ++j) {
+        h |= (uint32_t) (q[j] >> 2) << j;
+    }
+    for (int j = 0; j < 4; ++j) {
+        qh[j] = (uint8_t) (h >> (8*j));
+    }
+}
+
+static inline int q53_get2(const uint8_t * qs, int j) {
+    return (qs[j % 8] >> (2*(j / 8))) & 3;
+}
+
+static inline int q53_get3(const uint8_t * qs, const uint8_t * qh, int j) {
+    return q53_get2(qs, j) | (((qh[j / 8] >> (j % 8)) & 1) << 2);
+}
+
 void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k) {
     ggml_kvq_quantize_row_q53_64_with(x, y, k, ggml_kvq_lsq_block);
 }
@@ -28,20 +57,17 @@ void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_
         uint8_t q5[QK_Q53/2], q3[QK_Q53/2];
         block(xb, 16, b->d5, q5);
         block(xb + QK_Q53/2, 4, b->d3, q3);
-        uint32_t qh5 = 0, qh3 = 0;
+        uint32_t qh5 = 0;
         for (int j = 0; j < 16; ++j) {
             b->qs5[j] = (uint8_t) ((q5[j] & 15) | ((q5[j + 16] & 15) << 4));
         }
-        memset(b->qs3, 0, sizeof(b->qs3));
         for (int j = 0; j < 32; ++j) {
             qh5 |= (uint32_t) (q5[j] >> 4) << j;
-            qh3 |= (uint32_t) (q3[j] >> 2) << j;
-            b->qs3[j % 8] |= (uint8_t) ((q3[j] & 3) << (2*(j / 8)));
         }
         for (int j = 0; j < 4; ++j) {
             b->qh5[j] = (uint8_t) (qh5 >> (8*j));
-            b->qh3[j] = (uint8_t) (qh3 >> (8*j));
         }
+        q53_pack3(q3, b->qs3, b->qh3);
     }
 }
 
@@ -54,9 +80,8 @@ void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k) {
         for (int j = 0; j < 32; ++j) {
             const int lo = j < 16 ? b->qs5[j] & 15 : b->qs5[j - 16] >> 4;
             const int q5 = lo | (((b->qh5[j / 8] >> (j % 8)) & 1) << 4);
-            const int q3 = ((b->qs3[j % 8] >> (2*(j / 8))) & 3) | (((b->qh3[j / 8] >> (j % 8)) & 1) << 2);
             o[j]      = (float) (q5 - 16)*d5;
-            o[j + 32] = (float) (q3 - 4)*d3;
+            o[j + 32] = (float) (q53_get3(b->qs3, b->qh3, j) - 4)*d3;
         }
     }
 }
@@ -93,10 +118,7 @@ void ggml_kvq_quantize_row_q42_64_with(const float * x, block_q42_64 * y, int64_
         for (int j = 0; j < 16; ++j) {
             b->qs4[j] = (uint8_t) (q4[j] | (q4[j + 16] << 4));
         }
-        memset(b->qs2, 0, sizeof(b->qs2));
-        for (int j = 0; j < 32; ++j) {
-            b->qs2[j % 8] |= (uint8_t) (q2[j] << (2*(j / 8)));
-        }
+        q53_pack2(q2, b->qs2);
     }
 }
 
@@ -108,9 +130,8 @@ void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k) {
         float * o = y + i*QK_Q42;
         for (int j = 0; j < 32; ++j) {
             const int q4 = j < 16 ? b->qs4[j] & 15 : b->qs4[j - 16] >> 4;
-            const int q2 = (b->qs2[j % 8] >> (2*(j / 8))) & 3;
             o[j]      = (float) (q4 - 8)*d4;
-            o[j + 32] = (float) (q2 - 2)*d2;
+            o[j + 32] = (float) (q53_get2(b->qs2, j) - 2)*d2;
         }
     }
 }
@@ -128,17 +149,8 @@ void ggml_kvq_quantize_row_q32_64_with(const float * x, block_q32_64 * y, int64_
         uint8_t q3[QK_Q32/2], q2[QK_Q32/2];
         block(xb, 4, b->d3, q3);
         block(xb + QK_Q32/2, 2, b->d2, q2);
-        uint32_t qh3 = 0;
-        memset(b->qs3, 0, sizeof(b->qs3));
-        memset(b->qs2, 0, sizeof(b->qs2));
-        for (int j = 0; j < 32; ++j) {
-            qh3 |= (uint32_t) (q3[j] >> 2) << j;
-            b->qs3[j % 8] |= (uint8_t) ((q3[j] & 3) << (2*(j / 8)));
-            b->qs2[j % 8] |= (uint8_t) (q2[j] << (2*(j / 8)));
-        }
-        for (int j = 0; j < 4; ++j) {
-            b->qh3[j] = (uint8_t) (qh3 >> (8*j));
-        }
+        q53_pack3(q3, b->qs3, b->qh3);
+        q53_pack2(q2, b->qs2);
     }
 }
 
@@ -149,10 +161,8 @@ void dequantize_row_q32_64(const block_q32_64 * x, float * y, int64_t k) {
         const float d3 = ggml_kvq_f16_bytes(b->d3), d2 = ggml_kvq_f16_bytes(b->d2);
         float * o = y + i*QK_Q32;
         for (int j = 0; j < 32; ++j) {
-            const int q3 = ((b->qs3[j % 8] >> (2*(j / 8))) & 3) | (((b->qh3[j / 8] >> (j % 8)) & 1) << 2);
-            const int q2 = (b->qs2[j % 8] >> (2*(j / 8))) & 3;
-            o[j]      = (float) (q3 - 4)*d3;
-            o[j + 32] = (float) (q2 - 2)*d2;
+            o[j]      = (float) (q53_get3(b->qs3, b->qh3, j) - 4)*d3;
+            o[j + 32] = (float) (q53_get2(b->qs2, j) - 2)*d2;
         }
     }
 }

@@ -24,18 +24,32 @@ void quantize_row_q53_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
     ggml_kvq_quantize_row_q53_64_with(x, (block_q53_64 *) y, k, ggml_kvq_cpu_lsq_block);   // the reference's bits
 }
 
+// the family's shared halves (native/ggml/q53.c): 32 values of 2 bits (qs: byte j, bits 2k..2k+1 = value j + 8k;
+// q42_64, q32_64) or of 3 bits (those low bits, the high bit as bit i of the 32-bit word qh; q53_64, q32_64), as
+// int8 with the offset removed (q2 - 2, q3 - 4)
+static inline void q53_half2(const uint8_t * qs, int8_t * v) {
+    for (int j = 0; j < 32; ++j) {
+        v[j] = (int8_t) (((qs[j % 8] >> (2*(j / 8))) & 3) - 2);
+    }
+}
+
+static inline void q53_half3(const uint8_t * qs, const uint8_t * qh, int8_t * v) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int j = 0; j < 32; ++j) {
+        v[j] = (int8_t) ((((qs[j % 8] >> (2*(j / 8))) & 3) | (((h >> j) & 1) << 2)) - 4);
+    }
+}
+
 // the 32 values of each half as int8, offsets removed (q5 - 16, q3 - 4)
 static inline void q53_unpack(const block_q53_64 * b, int8_t * v5, int8_t * v3) {
-    uint32_t qh5, qh3;
+    uint32_t qh5;
     memcpy(&qh5, b->qh5, 4);
-    memcpy(&qh3, b->qh3, 4);
     for (int j = 0; j < 16; ++j) {
         v5[j]      = (int8_t) (((b->qs5[j] & 15) | (((qh5 >> j) & 1) << 4)) - 16);
         v5[j + 16] = (int8_t) (((b->qs5[j] >> 4) | (((qh5 >> (j + 16)) & 1) << 4)) - 16);
     }
-    for (int j = 0; j < 32; ++j) {
-        v3[j] = (int8_t) ((((b->qs3[j % 8] >> (2*(j / 8))) & 3) | (((qh3 >> j) & 1) << 2)) - 4);
-    }
+    q53_half3(b->qs3, b->qh3, v3);
 }
 
 #if defined(__AVX2__)
@@ -57,18 +71,28 @@ static inline __m256i q53_pairs_avx2(const uint8_t * qs) {
                              (long long) ((w >> 2) & m2), (long long) (w & m2));
 }
 
+// q53_half2 / q53_half3 in registers
+static inline __m256i q53_half2_avx2(const uint8_t * qs) {
+    return _mm256_sub_epi8(q53_pairs_avx2(qs), _mm256_set1_epi8(2));
+}
+
+static inline __m256i q53_half3_avx2(const uint8_t * qs, const uint8_t * qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return _mm256_sub_epi8(_mm256_or_si256(q53_pairs_avx2(qs), _mm256_and_si256(q53_bits_to_bytes(h), _mm256_set1_epi8(4))),
+                           _mm256_set1_epi8(4));
+}
+
 // the two halves as 32 int8 each, offsets removed (q5 - 16 in [-16, 15], q3 - 4 in [-4, 3]): q53_unpack in registers
 static inline void q53_unpack_avx2(const block_q53_64 * b, __m256i * v5, __m256i * v3) {
-    uint32_t qh5, qh3;
+    uint32_t qh5;
     memcpy(&qh5, b->qh5, 4);
-    memcpy(&qh3, b->qh3, 4);
     const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs5);
     const __m256i lo4 = _mm256_set1_epi8(15);
     const __m256i q5 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), lo4);    // values 0..15 | 16..31
     *v5 = _mm256_sub_epi8(_mm256_or_si256(q5, _mm256_and_si256(q53_bits_to_bytes(qh5), _mm256_set1_epi8(16))),
                           _mm256_set1_epi8(16));
-    *v3 = _mm256_sub_epi8(_mm256_or_si256(q53_pairs_avx2(b->qs3), _mm256_and_si256(q53_bits_to_bytes(qh3), _mm256_set1_epi8(4))),
-                          _mm256_set1_epi8(4));
+    *v3 = q53_half3_avx2(b->qs3, b->qh3);
 }
 
 // 32 int8 lanes times d into 32 floats
@@ -98,47 +122,50 @@ static inline void q53_pairs_neon(const uint8_t * qs, uint8x16_t * lo, uint8x16_
     *hi = vcombine_u8(vand_u8(vshr_n_u8(b, 4), m), vshr_n_u8(b, 6));
 }
 
+// q53_half2 / q53_half3 in registers: v[0..1] values 0..15, 16..31
+static inline void q53_half2_neon(const uint8_t * qs, int8x16_t * v) {
+    uint8x16_t l0, l1;
+    q53_pairs_neon(qs, &l0, &l1);
+    v[0] = vsubq_s8(vreinterpretq_s8_u8(l0), vdupq_n_s8(2));
+    v[1] = vsubq_s8(vreinterpretq_s8_u8(l1), vdupq_n_s8(2));
+}
+
+static inline void q53_half3_neon(const uint8_t * qs, const uint8_t * qh, int8x16_t * v) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    uint8x16_t h0, h1, l0, l1;
+    q53_bits_to_bytes_neon(h, &h0, &h1);
+    q53_pairs_neon(qs, &l0, &l1);
+    const uint8x16_t m4 = vdupq_n_u8(4);
+    v[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, vandq_u8(h0, m4))), vdupq_n_s8(4));
+    v[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, vandq_u8(h1, m4))), vdupq_n_s8(4));
+}
+
 // q53_unpack in registers: v5[0..1] values 0..31 (q5 - 16), v3[0..1] values 32..63 (q3 - 4)
 static inline void q53_unpack_neon(const block_q53_64 * b, int8x16_t * v5, int8x16_t * v3) {
-    uint32_t qh5, qh3;
+    uint32_t qh5;
     memcpy(&qh5, b->qh5, 4);
-    memcpy(&qh3, b->qh3, 4);
     const uint8x16_t nib = vld1q_u8(b->qs5);
-    uint8x16_t h0, h1, l0, l1;
+    uint8x16_t h0, h1;
     q53_bits_to_bytes_neon(qh5, &h0, &h1);
-    const uint8x16_t m16 = vdupq_n_u8(16), m4 = vdupq_n_u8(4);
+    const uint8x16_t m16 = vdupq_n_u8(16);
     v5[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(nib, vdupq_n_u8(15)), vandq_u8(h0, m16))), vdupq_n_s8(16));
     v5[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(nib, 4), vandq_u8(h1, m16))), vdupq_n_s8(16));
-    q53_bits_to_bytes_neon(qh3, &h0, &h1);
-    q53_pairs_neon(b->qs3, &l0, &l1);
-    v3[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, vandq_u8(h0, m4))), vdupq_n_s8(4));
-    v3[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, vandq_u8(h1, m4))), vdupq_n_s8(4));
+    q53_half3_neon(b->qs3, b->qh3, v3);
 }
 
 // q42_unpack in registers: v4[0..1] (q4 - 8), v2[0..1] (q2 - 2)
 static inline void q42_unpack_neon(const block_q42_64 * b, int8x16_t * v4, int8x16_t * v2) {
     const uint8x16_t nib = vld1q_u8(b->qs4);
-    uint8x16_t l0, l1;
     v4[0] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(nib, vdupq_n_u8(15))), vdupq_n_s8(8));
     v4[1] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(nib, 4)), vdupq_n_s8(8));
-    q53_pairs_neon(b->qs2, &l0, &l1);
-    v2[0] = vsubq_s8(vreinterpretq_s8_u8(l0), vdupq_n_s8(2));
-    v2[1] = vsubq_s8(vreinterpretq_s8_u8(l1), vdupq_n_s8(2));
+    q53_half2_neon(b->qs2, v2);
 }
 
 // q32_unpack in registers: v3[0..1] (q3 - 4, q53_64's 3-bit half), v2[0..1] (q2 - 2, q42_64's 2-bit half)
 static inline void q32_unpack_neon(const block_q32_64 * b, int8x16_t * v3, int8x16_t * v2) {
-    uint32_t qh3;
-    memcpy(&qh3, b->qh3, 4);
-    uint8x16_t h0, h1, l0, l1;
-    q53_bits_to_bytes_neon(qh3, &h0, &h1);
-    q53_pairs_neon(b->qs3, &l0, &l1);
-    const uint8x16_t m4 = vdupq_n_u8(4);
-    v3[0] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, vandq_u8(h0, m4))), vdupq_n_s8(4));
-    v3[1] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, vandq_u8(h1, m4))), vdupq_n_s8(4));
-    q53_pairs_neon(b->qs2, &l0, &l1);
-    v2[0] = vsubq_s8(vreinterpretq_s8_u8(l0), vdupq_n_s8(2));
-    v2[1] = vsubq_s8(vreinterpretq_s8_u8(l1), vdupq_n_s8(2));
+    q53_half3_neon(b->qs3, b->qh3, v3);
+    q53_half2_neon(b->qs2, v2);
 }
 
 // 16 int8 lanes times d into 16 floats (each an exact conversion and one product: the reference's bits)
@@ -268,9 +295,7 @@ static inline void q42_unpack(const block_q42_64 * b, int8_t * v4, int8_t * v2) 
         v4[j]      = (int8_t) ((b->qs4[j] & 15) - 8);
         v4[j + 16] = (int8_t) ((b->qs4[j] >> 4) - 8);
     }
-    for (int j = 0; j < 32; ++j) {
-        v2[j] = (int8_t) (((b->qs2[j % 8] >> (2*(j / 8))) & 3) - 2);
-    }
+    q53_half2(b->qs2, v2);
 }
 
 #if defined(__AVX2__)
@@ -279,7 +304,7 @@ static inline void q42_unpack_avx2(const block_q42_64 * b, __m256i * v4, __m256i
     const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs4);
     const __m256i q4 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(15));
     *v4 = _mm256_sub_epi8(q4, _mm256_set1_epi8(8));
-    *v2 = _mm256_sub_epi8(q53_pairs_avx2(b->qs2), _mm256_set1_epi8(2));
+    *v2 = q53_half2_avx2(b->qs2);
 }
 #endif
 
@@ -346,22 +371,15 @@ void quantize_row_q32_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
 
 // the 32 values of each half as int8, offsets removed (q3 - 4, q2 - 2)
 static inline void q32_unpack(const block_q32_64 * b, int8_t * v3, int8_t * v2) {
-    uint32_t qh3;
-    memcpy(&qh3, b->qh3, 4);
-    for (int j = 0; j < 32; ++j) {
-        v3[j] = (int8_t) ((((b->qs3[j % 8] >> (2*(j / 8))) & 3) | (((qh3 >> j) & 1) << 2)) - 4);
-        v2[j] = (int8_t) (((b->qs2[j % 8] >> (2*(j / 8))) & 3) - 2);
-    }
+    q53_half3(b->qs3, b->qh3, v3);
+    q53_half2(b->qs2, v2);
 }
 
 #if defined(__AVX2__)
 // q32_unpack in registers: the 3-bit half as q53_64's, the 2-bit half as q42_64's
 static inline void q32_unpack_avx2(const block_q32_64 * b, __m256i * v3, __m256i * v2) {
-    uint32_t qh3;
-    memcpy(&qh3, b->qh3, 4);
-    *v3 = _mm256_sub_epi8(_mm256_or_si256(q53_pairs_avx2(b->qs3), _mm256_and_si256(q53_bits_to_bytes(qh3), _mm256_set1_epi8(4))),
-                          _mm256_set1_epi8(4));
-    *v2 = _mm256_sub_epi8(q53_pairs_avx2(b->qs2), _mm256_set1_epi8(2));
+    *v3 = q53_half3_avx2(b->qs3, b->qh3);
+    *v2 = q53_half2_avx2(b->qs2);
 }
 #endif
 
