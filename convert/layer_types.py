@@ -17,7 +17,7 @@ DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
 # a pre-RoPE file's keys add the types split by importance (q42_64 at 3.5 bits, q53_64 at 4.5):
 # SmolLM2 / Qwen2.5-Coder-1.5B at 3.5 bits and 4096 tokens, KLD 0.0189 -> 0.0141 / 0.0118 -> 0.0093
 PREROPE_K_LADDER = ("nuq2o", "nuq3", "q42_64", "nuq3o", "nuq4", "q53_64", "q8_0")
-# q32_64 (3.0 bits, CPU kernels only) is not in it: --layer-types-k can add it. At 3.0 bits and 4096 tokens it takes
+# q32_64 (3.0 bits) is not in it: --layer-types-k can add it. At 3.0 bits and 4096 tokens it takes
 # Qwen2.5-Coder-1.5B from 0.0238 to 0.0203 (3.5 bits: 0.00987 -> 0.00926) and leaves SmolLM2 where it was (0.0316 /
 # 0.0313; 3.5 bits 0.0140 -> 0.0148)
 

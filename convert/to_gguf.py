@@ -131,8 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layer-types-k", default=None, metavar="TYPES",
                    help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
                         "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
-                        "keys split by importance; add q32_64, 3.0 bits with CPU kernels only, for budgets near 3 "
-                        "bits); else --layer-types")
+                        "keys split by importance; add q32_64, 3.0 bits, for budgets near 3 bits); else --layer-types")
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
                         "only those of reads the file's window and sinks leave quantized (the backward pass takes "

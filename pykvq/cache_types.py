@@ -40,7 +40,7 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("nuq2o", 50, 64, "nuq", "q8_0", True, 4, True, 2.625),
     KVQType("q53_64", 51, 64, "q53", "q8_0", True, 0, False, 4.5),
     KVQType("q42_64", 52, 64, "q53", "q8_0", True, 0, False, 3.5),
-    KVQType("q32_64", 53, 64, "q53", "q8_0", False, 0, False, 3.0),
+    KVQType("q32_64", 53, 64, "q53", "q8_0", True, 0, False, 3.0),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

@@ -63,7 +63,7 @@ STEPS = ["build", "ops", "perf", "ncu", "graphs", "fallback", "pykvq", "kld", "k
 # stock baselines first; "K/V" = different K and V types
 SETTINGS = ["f16", "q8_0", "q4_0", "bfp8_32", "bfp4_32", "bfp4_64", "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o",
             "q8_0/nuq4", "q8_0/nuq3o", "f16/nuq3"]
-KVQ_RE = "bfp|nuq|q53|q42|prerope|centred|enc=lsq"   # test-backend-ops -p: every case of ours
+KVQ_RE = "bfp|nuq|q53|q42|q32|prerope|centred|enc=lsq"   # test-backend-ops -p: every case of ours
 FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
 THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)

@@ -78,9 +78,9 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     the decode kernel's attention within 1e-4 (measured 6e-6; pairs with stock q4_0 and f16 V that
     only a pre-RoPE K takes included): NORM / NEOX, Hadamard 2 / 16 / 32 / 64 / 128 or none, partial rotary (96 of 128, 40 of 64), per-head frequencies, mscale, positions with
     a gap, a shifted block and one out of order, 2 streams, head sizes 64 / 128 / 256. Keys in halves (q53_64 /
-    q42_64, 7 cases): rows and decode with the Hadamard that leaves out its stride-32 butterfly (a mutated skip fails
+    q42_64 / q32_64, 9 cases): rows and decode with the Hadamard that leaves out its stride-32 butterfly (a mutated skip fails
     the rows by 0.4 of the largest key)."""
-    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 50 failures 0")
+    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 52 failures 0")
 
 
 def test_row_kernels_emulated(tmp_path):
@@ -88,10 +88,10 @@ def test_row_kernels_emulated(tmp_path):
     the host emulation: bytes equal to the reference quantizer at the rows the indices name (I64
     and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
     dequantized f32 / f16 equal to the reference dequantizer, for every type; stock q4_0 / q5_0 as a tagged
-    SET_ROWS writes them (least-squares scales), against native/ggml/lsq.c; q53_64 / q42_64 against native/ggml/q53.c;
-    and for those four least-squares types the warp-per-block kernel CUDA launches (kvq_quantize_rows_lsq: lane k
+    SET_ROWS writes them (least-squares scales), against native/ggml/lsq.c; q53_64 / q42_64 / q32_64 against native/ggml/q53.c;
+    and for those five least-squares types the warp-per-block kernel CUDA launches (kvq_quantize_rows_lsq: lane k
     tries scale k), with NaN, inf, a zero block and a tie of |max| among the values (a scale off by one: 12 fail)."""
-    _run_emulated(tmp_path, "cuda_rows_emu", "checks 78 failures 0")
+    _run_emulated(tmp_path, "cuda_rows_emu", "checks 87 failures 0")
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

@@ -158,6 +158,7 @@ BFP_ADAPT(bfp4_64, block_bfp4_64)
 BFP_ADAPT(bfp8_32, block_bfp8_32)
 BFP_ADAPT(q53_64, block_q53_64)
 BFP_ADAPT(q42_64, block_q42_64)
+BFP_ADAPT(q32_64, block_q32_64)
 
 static void random_codebook(int8_t * cb, int n) {
     for (;;) {
@@ -211,7 +212,7 @@ static void lib_dequantize(const uint8_t * q, int n, const int8_t * cb, float * 
 
 #define KVQ_LIB_TYPES(X) X(GGML_TYPE_BFP4_32) X(GGML_TYPE_BFP4_64) X(GGML_TYPE_BFP8_32) X(GGML_TYPE_NUQ4) \
                          X(GGML_TYPE_NUQ3) X(GGML_TYPE_NUQ2) X(GGML_TYPE_NUQ3O) X(GGML_TYPE_NUQ2O) \
-                         X(GGML_TYPE_Q53_64) X(GGML_TYPE_Q42_64)
+                         X(GGML_TYPE_Q53_64) X(GGML_TYPE_Q42_64) X(GGML_TYPE_Q32_64)
 
 // 0 on success, -1 for a type the codec does not have
 extern "C" int kvq_codec_quantize(int type, const float * x, int n, const int8_t * cb, uint8_t * out) {
@@ -241,6 +242,7 @@ int main() {
     check_nuq<GGML_TYPE_NUQ2O>("nuq2o", quantize_row_nuq2o_ref_cb, dequantize_row_nuq2o_cb);
     check_type<GGML_TYPE_Q53_64>("q53_64", nullptr, q_q53_64, dq_q53_64);
     check_type<GGML_TYPE_Q42_64>("q42_64", nullptr, q_q42_64, dq_q42_64);
+    check_type<GGML_TYPE_Q32_64>("q32_64", nullptr, q_q32_64, dq_q32_64);
     check_lsq<GGML_TYPE_Q4_0>("q4_0 least squares", quantize_row_q4_0_lsq);
     check_lsq<GGML_TYPE_Q5_0>("q5_0 least squares", quantize_row_q5_0_lsq);
     printf("checks %d failures %d\n", checks, failures);

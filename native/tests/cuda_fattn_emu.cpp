@@ -82,6 +82,7 @@ static void encode_row(ggml_type t, const float * x, int n, const int8_t * cb, u
         case GGML_TYPE_NUQ2O:   quantize_row_nuq2o_ref_cb(x, out, n, cb); dequantize_row_nuq2o_cb(out, deq, n, cb); return;
         case GGML_TYPE_Q53_64:  quantize_row_q53_64_ref(x, (block_q53_64 *) out, n); dequantize_row_q53_64((const block_q53_64 *) out, deq, n); return;
         case GGML_TYPE_Q42_64:  quantize_row_q42_64_ref(x, (block_q42_64 *) out, n); dequantize_row_q42_64((const block_q42_64 *) out, deq, n); return;
+        case GGML_TYPE_Q32_64:  quantize_row_q32_64_ref(x, (block_q32_64 *) out, n); dequantize_row_q32_64((const block_q32_64 *) out, deq, n); return;
         default: abort();
     }
 }
@@ -96,6 +97,7 @@ static size_t row_bytes(ggml_type t, int n) {
         case GGML_TYPE_BFP8_32: return sizeof(block_bfp8_32)*(size_t) (n/QK_BFP32);
         case GGML_TYPE_Q53_64:  return sizeof(block_q53_64)*(size_t) (n/QK_Q53);
         case GGML_TYPE_Q42_64:  return sizeof(block_q42_64)*(size_t) (n/QK_Q42);
+        case GGML_TYPE_Q32_64:  return sizeof(block_q32_64)*(size_t) (n/QK_Q32);
         default:                return ggml_kvq_nuq_type_size(t)*(size_t) (n/ggml_kvq_nuq_block(t));
     }
 }
@@ -731,7 +733,7 @@ int main() {
     run_rows<256, GGML_TYPE_BFP8_32>("bfp8_32", neox256,   1,  60, 1, tol);
     run_rows< 64, GGML_TYPE_NUQ2   >("nuq2",    far_norm,  2,  60, 2, tol_far);
     run_rows<128, GGML_TYPE_F16    >("f16",     far_neox,  2,  60, 1, tol_far);
-    // keys in halves (q53_64 / q42_64): on a 128 head the Hadamard leaves out its stride-32 butterfly
+    // keys in halves (q53_64 / q42_64 / q32_64): on a 128 head the Hadamard leaves out its stride-32 butterfly
     const Pre neox_q53  = { 128, true,  128, 1.0f, false,    7, 32 };
     const Pre norm_q53  = { 128, false, 128, 1.0f, true,     7, 32 };
     const Pre neox64_32 = {  64, true,   32, 1.0f, false,    7 };
@@ -739,6 +741,7 @@ int main() {
     run_rows<128, GGML_TYPE_Q42_64 >("q42_64",  norm_q53,  2, 100, 1, tol);
     run_rows< 64, GGML_TYPE_Q53_64 >("q53_64",  neox64_32, 2,  70, 1, tol);
     run_rows<256, GGML_TYPE_Q42_64 >("q42_64",  neox_q53,  1,  60, 1, tol);
+    run_rows<128, GGML_TYPE_Q32_64 >("q32_64",  norm_q53,  2,  80, 1, tol);
     // centred post-RoPE K (--kv-domain centred): the mean rotated at each position and turned by H, added back
     const Pre cen_norm  = {  64, false,  64, 1.0f, true,     7, 0, true };
     const Pre cen_neox  = { 128, true,  128, 1.2f, false,    7, 0, true };
@@ -763,6 +766,7 @@ int main() {
     run_case<128, GGML_TYPE_Q53_64,  GGML_TYPE_Q4_0,    true>("q53_64/q4_0",     pre_streams, &neox_q53,  tol);
     run_case<128, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ3,    true>("q42_64/nuq3",     pre_gqa8,    &norm_q53,  tol);
     run_case< 64, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ2O,   true>("q42_64/nuq2o",    pre_streams, &neox64_32, tol);
+    run_case<128, GGML_TYPE_Q32_64,  GGML_TYPE_NUQ2O,   true>("q32_64/nuq2o",    pre_gqa8,    &neox_q53,  tol);
     run_case< 64, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0 centred", pre_streams, &cen_norm, tol);
     run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4,    true>("nuq4/nuq4 centred", pre_gqa8,    &cen_neox, tol);
     run_case<128, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ3O,   true>("q8_0/nuq3o centred", pre_streams, &cen_part, tol);

@@ -31,6 +31,7 @@ REF(GGML_TYPE_BFP4_64, bfp4_64, block_bfp4_64)
 REF(GGML_TYPE_BFP8_32, bfp8_32, block_bfp8_32)
 REF(GGML_TYPE_Q53_64, q53_64, block_q53_64)
 REF(GGML_TYPE_Q42_64, q42_64, block_q42_64)
+REF(GGML_TYPE_Q32_64, q32_64, block_q32_64)
 // stock q4_0 / q5_0 as a tagged SET_ROWS writes them (least-squares scales); the dequantize kernel does not take them
 template <> void ref_quantize<GGML_TYPE_Q4_0>(const float * x, uint8_t * y, int n, const int8_t *) { quantize_row_q4_0_lsq(x, y, n); }
 template <> void ref_quantize<GGML_TYPE_Q5_0>(const float * x, uint8_t * y, int n, const int8_t *) { quantize_row_q5_0_lsq(x, y, n); }
@@ -156,6 +157,7 @@ int main() {
     check_type<GGML_TYPE_NUQ2O>("nuq2o");
     check_type<GGML_TYPE_Q53_64>("q53_64");
     check_type<GGML_TYPE_Q42_64>("q42_64");
+    check_type<GGML_TYPE_Q32_64>("q32_64");
     check_type<GGML_TYPE_Q4_0>("q4_0 least squares");
     check_type<GGML_TYPE_Q5_0>("q5_0 least squares");
     printf("checks %d failures %d\n", checks, failures);

@@ -306,10 +306,13 @@ KVQ_HD void kvq_lsq_block(const float * x, int half, uint8_t * d_out, uint8_t * 
 // the types whose blocks are least-squares searches (kvq_lsq_block): stock q4_0 / q5_0 as a tagged SET_ROWS writes
 // them, and the keys in halves
 template <ggml_type T> KVQ_HD constexpr bool kvq_is_lsq() {
-    return T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q5_0 || T == GGML_TYPE_Q53_64 || T == GGML_TYPE_Q42_64;
+    return T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q5_0 || T == GGML_TYPE_Q53_64 || T == GGML_TYPE_Q42_64 ||
+           T == GGML_TYPE_Q32_64;
 }
 // their searches' level counts: half = 2^(bits-1), of the block's first 32 values and (keys in halves) its last 32
-template <ggml_type T> KVQ_HD constexpr int kvq_lsq_half_a() { return T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q42_64 ? 8 : 16; }
+template <ggml_type T> KVQ_HD constexpr int kvq_lsq_half_a() {
+    return T == GGML_TYPE_Q32_64 ? 4 : T == GGML_TYPE_Q4_0 || T == GGML_TYPE_Q42_64 ? 8 : 16;
+}
 template <ggml_type T> KVQ_HD constexpr int kvq_lsq_half_b() { return T == GGML_TYPE_Q53_64 ? 4 : 2; }
 
 // the levels of a least-squares block (qa: its first 32 values, qb: the last 32 of keys in halves) into its bytes;
@@ -344,6 +347,11 @@ KVQ_HD void kvq_lsq_pack(const uint8_t * qa, const uint8_t * qb, uint8_t * y) {
         }
         kvq_pack_low2(qb, 32, b->qs3);   // byte j, bits 2k: value j + 8k (nuq3's layout)
         kvq_pack_high(qb, 32, b->qh3);
+    } else if constexpr (T == GGML_TYPE_Q32_64) {
+        block_q32_64 * b = (block_q32_64 *) y;   // q53_64's 3-bit half first, q42_64's 2-bit half last
+        kvq_pack_low2(qa, 32, b->qs3);
+        kvq_pack_high(qa, 32, b->qh3);
+        kvq_pack_low2(qb, 32, b->qs2);
     } else {
         static_assert(T == GGML_TYPE_Q42_64, "a least-squares type");
         block_q42_64 * b = (block_q42_64 *) y;
@@ -478,6 +486,24 @@ KVQ_UNROLL
                 for (int l = 0; l < N; ++l) {
                     const int jj = j + l;
                     out[l] = (float) ((jj < 16 ? q->qs4[jj] & 15 : q->qs4[jj - 16] >> 4) - 8)*d;
+                }
+            } else {
+                const float d = kvq_f16_bytes(q->d2);
+KVQ_UNROLL
+                for (int l = 0; l < N; ++l) {
+                    const int jj = j - 32 + l;
+                    out[l] = (float) (((q->qs2[jj % 8] >> (2*(jj / 8))) & 3) - 2)*d;
+                }
+            }
+        } else if constexpr (T == GGML_TYPE_Q32_64) {
+            const block_q32_64 * q = (const block_q32_64 *) b;
+            if (j < 32) {
+                const float d = kvq_f16_bytes(q->d3);
+KVQ_UNROLL
+                for (int l = 0; l < N; ++l) {
+                    const int jj = j + l;
+                    const int v  = ((q->qs3[jj % 8] >> (2*(jj / 8))) & 3) | (((q->qh3[jj / 8] >> (jj % 8)) & 1) << 2);
+                    out[l] = (float) (v - 4)*d;
                 }
             } else {
                 const float d = kvq_f16_bytes(q->d2);

@@ -560,7 +560,8 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     X(D, GGML_TYPE_NUQ3,    GGML_TYPE_F16)                 \
     X(D, GGML_TYPE_BFP4_32, GGML_TYPE_F16)                 \
     KVQ_FA_HALVES_K(X, D, GGML_TYPE_Q53_64)                \
-    KVQ_FA_HALVES_K(X, D, GGML_TYPE_Q42_64)
+    KVQ_FA_HALVES_K(X, D, GGML_TYPE_Q42_64)                \
+    KVQ_FA_HALVES_K(X, D, GGML_TYPE_Q32_64)
 
 #define KVQ_FA_CASE(D, TK, TV)                                                      \
     if (tk == TK && tv == TV) {                                                     \
