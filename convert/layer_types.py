@@ -17,9 +17,18 @@ DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
 # a pre-RoPE file's keys add the types split by importance (q42_64 at 3.5 bits, q53_64 at 4.5):
 # SmolLM2 / Qwen2.5-Coder-1.5B at 3.5 bits and 4096 tokens, KLD 0.0189 -> 0.0141 / 0.0118 -> 0.0093
 PREROPE_K_LADDER = ("nuq2o", "nuq3", "q42_64", "nuq3o", "nuq4", "q53_64", "q8_0")
-# q32_64 (3.0 bits) is not in it: --layer-types-k can add it. At 3.0 bits and 4096 tokens it takes
-# Qwen2.5-Coder-1.5B from 0.0238 to 0.0203 (3.5 bits: 0.00987 -> 0.00926) and leaves SmolLM2 where it was (0.0316 /
-# 0.0313; 3.5 bits 0.0140 -> 0.0148)
+# q32_64 (3.0 bits) joins it where the cache's share of the budget is below its own bits: there the keys otherwise
+# jump from nuq2o's 2.625 to 3.5. At --kv-bits 3.0 and 4096 tokens (window 64, cache 2.73 bits) it took
+# Qwen2.5-Coder-1.5B from 0.0303 to 0.0263 KLD and SmolLM2 from 0.0371 to 0.0341 (window 16: 0.0238 -> 0.0203,
+# 0.0316 -> 0.0313); at 3.5 bits (cache 3.23) one gained, one lost (0.00987 -> 0.00926, 0.0140 -> 0.0148)
+Q32_BELOW = 3.0
+
+
+def prerope_k_ladder(cache_bits: float | None) -> tuple:
+    """The pre-RoPE default K candidates for a budget whose cache (the window's rows taken out) gets cache_bits."""
+    if cache_bits is not None and cache_bits < Q32_BELOW:
+        return PREROPE_K_LADDER[:1] + ("q32_64",) + PREROPE_K_LADDER[1:]
+    return PREROPE_K_LADDER
 
 
 def bits_per_value(type_name: str) -> float:

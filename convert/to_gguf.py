@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layer-types-k", default=None, metavar="TYPES",
                    help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
                         "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
-                        "keys split by importance; add q32_64, 3.0 bits, for budgets near 3 bits); else --layer-types")
+                        f"keys split by importance), with q32_64 (3.0 bits) after nuq2o where the cache's share of the "
+                        f"budget is below {pipeline.layer_types.Q32_BELOW:g} bits/value; else --layer-types")
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
                         "only those of reads the file's window and sinks leave quantized (the backward pass takes "
@@ -595,6 +596,8 @@ def convert(args) -> dict:
                                      f"leaves --kv-bits {opts.kv_bits} the cheapest of --layer-types ({low}) at "
                                      f"{opts.kv_bits_ctx} cells")
                 opts.kv_window = wins[0]
+            if opts.ladder_k_auto:      # the window's rows are known: q32_64 joins the default below 3 bits
+                opts.ladder_k = pipeline.layer_types.prerope_k_ladder(opts.cache_bits())
             if opts.cache_bits() < low:
                 win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
                        f"{opts.cache_bits():.3f} for the cache)" if opts.window_bits() else "")

@@ -72,6 +72,16 @@ def test_layer_budget_takes_each_slots_own_candidates():
     assert layer_types.assign(errors, 4.5) == {(0, "k"): "q53_64", (0, "v"): "nuq4"}
 
 
+def test_prerope_key_ladder_takes_q32_below_three_bits():
+    """q32_64 (3.0 bits) joins the default pre-RoPE K candidates, after nuq2o, where the cache's share of the budget
+    is below 3 bits/value (--kv-bits 3.0 at 4096 cells with the default window: 3.0 - 16 x 69 / 4096 = 2.73)."""
+    base = layer_types.PREROPE_K_LADDER
+    assert "q32_64" not in base
+    assert layer_types.prerope_k_ladder(3.0 - 16 * 69 / 4096) == ("nuq2o", "q32_64") + base[1:]
+    assert layer_types.prerope_k_ladder(3.5 - 16 * 69 / 4096) == base
+    assert layer_types.prerope_k_ladder(3.0) == base and layer_types.prerope_k_ladder(None) == base
+
+
 @pytest.mark.parametrize("hd, want", [(64, (32, 0)), (128, (128, 32)), (96, (32, 0))])
 def test_online_k_rotation_never_mixes_the_halves_of_a_halves_type(hd, want):
     """With a q53_64 / q42_64 K layer the runtime turns every layer's keys within each 32-value half
