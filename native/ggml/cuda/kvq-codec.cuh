@@ -425,6 +425,30 @@ KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) 
 
 // ---- dequantize ---------------------------------------------------------------------------
 
+// the halves' shared fields (keys in halves): N values from value j of a 3-bit half of 32 (q53_64's second half,
+// q32_64's first: low bits as nuq3's, the third bit in qh) or of a 2-bit half (q42_64's and q32_64's second), each
+// with its f16 scale d; as native/ggml/q53.c's q53_get3 / q53_get2
+template <int N>
+KVQ_HD void kvq_half3(const uint8_t * qs, const uint8_t * qh, const uint8_t * d, int j, float * out) {
+    const float s = kvq_f16_bytes(d);
+KVQ_UNROLL
+    for (int l = 0; l < N; ++l) {
+        const int jj = j + l;
+        const int v  = ((qs[jj % 8] >> (2*(jj / 8))) & 3) | (((qh[jj / 8] >> (jj % 8)) & 1) << 2);
+        out[l] = (float) (v - 4)*s;
+    }
+}
+
+template <int N>
+KVQ_HD void kvq_half2(const uint8_t * qs, const uint8_t * d, int j, float * out) {
+    const float s = kvq_f16_bytes(d);
+KVQ_UNROLL
+    for (int l = 0; l < N; ++l) {
+        const int jj = j + l;
+        out[l] = (float) (((qs[jj % 8] >> (2*(jj / 8))) & 3) - 2)*s;
+    }
+}
+
 // N consecutive values x[i0 .. i0+N) of a row (N divides the block and i0 % N == 0).
 // c: the codebook as floats (nuq types), ignored otherwise.
 template <ggml_type T, int N>
@@ -470,13 +494,7 @@ KVQ_UNROLL
                     out[l] = (float) ((lo | (((q->qh5[jj / 8] >> (jj % 8)) & 1) << 4)) - 16)*d;
                 }
             } else {
-                const float d = kvq_f16_bytes(q->d3);
-KVQ_UNROLL
-                for (int l = 0; l < N; ++l) {
-                    const int jj = j - 32 + l;
-                    const int v  = ((q->qs3[jj % 8] >> (2*(jj / 8))) & 3) | (((q->qh3[jj / 8] >> (jj % 8)) & 1) << 2);
-                    out[l] = (float) (v - 4)*d;
-                }
+                kvq_half3<N>(q->qs3, q->qh3, q->d3, j - 32, out);
             }
         } else if constexpr (T == GGML_TYPE_Q42_64) {
             const block_q42_64 * q = (const block_q42_64 *) b;
@@ -488,30 +506,14 @@ KVQ_UNROLL
                     out[l] = (float) ((jj < 16 ? q->qs4[jj] & 15 : q->qs4[jj - 16] >> 4) - 8)*d;
                 }
             } else {
-                const float d = kvq_f16_bytes(q->d2);
-KVQ_UNROLL
-                for (int l = 0; l < N; ++l) {
-                    const int jj = j - 32 + l;
-                    out[l] = (float) (((q->qs2[jj % 8] >> (2*(jj / 8))) & 3) - 2)*d;
-                }
+                kvq_half2<N>(q->qs2, q->d2, j - 32, out);
             }
         } else if constexpr (T == GGML_TYPE_Q32_64) {
             const block_q32_64 * q = (const block_q32_64 *) b;
             if (j < 32) {
-                const float d = kvq_f16_bytes(q->d3);
-KVQ_UNROLL
-                for (int l = 0; l < N; ++l) {
-                    const int jj = j + l;
-                    const int v  = ((q->qs3[jj % 8] >> (2*(jj / 8))) & 3) | (((q->qh3[jj / 8] >> (jj % 8)) & 1) << 2);
-                    out[l] = (float) (v - 4)*d;
-                }
+                kvq_half3<N>(q->qs3, q->qh3, q->d3, j, out);
             } else {
-                const float d = kvq_f16_bytes(q->d2);
-KVQ_UNROLL
-                for (int l = 0; l < N; ++l) {
-                    const int jj = j - 32 + l;
-                    out[l] = (float) (((q->qs2[jj % 8] >> (2*(jj / 8))) & 3) - 2)*d;
-                }
+                kvq_half2<N>(q->qs2, q->d2, j - 32, out);
             }
         } else if constexpr (T == GGML_TYPE_NUQ4) {
             const float d  = kvq_f16_bytes(b);
