@@ -40,8 +40,8 @@ Steps (each writes $OUT or results/gpu/):
             as a ratio to f16 in the same run; the issue's targets are checked and printed
   prerope   the model converted with --prerope-k (or --prerope-model), fully offloaded: the log
             must show every quantized-K layer pre-RoPE and the graph splits equal f16's (no CPU
-            fallback); KLD GPU vs CPU (same bound as kld; q53_64 keys and q4_0 in the centred domain
-            too) and, for reference, the post-RoPE cache's (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
+            fallback); KLD GPU vs CPU (same bound as kld; q53_64, q42_64 and q32_64 keys and q4_0 in the
+            centred domain too) and, for reference, the post-RoPE cache's (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
             as a ratio to post-RoPE of the same type and to f16 (issue 20: decode >= 0.95x post,
             >= 1.0x f16; prefill >= 0.9x f16), printed, not failed on
 """
@@ -68,6 +68,7 @@ FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
 THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0"]
+HALVES_SETTINGS = ["q42_64/nuq3", "q32_64/nuq2o"]   # the budgets' other key types: KLD only, not benched
 UB1_SETTINGS = ["q4_0", "q53_64/q4_0"]   # the prerope step's KLD with -ub 1 too (every query through the decode kernel)
 DRY_RUN = False
 # the key domain through the tools' environment fallback of --kv-domain (a pre-RoPE file's CUDA-held layers stayed
@@ -541,6 +542,7 @@ def step_prerope(a) -> dict:
             if not o["prerope_layers"] or o["prerope_layers"][0] != o["prerope_layers"][1]:
                 a.failures.append(f"prerope {s}: pre-RoPE layers {o['prerope_layers']} (expected all)")
     out["kld"] = _kld_compare(a, model, PREROPE_SETTINGS, "prerope", prerope=True)
+    out["kld_halves"] = _kld_compare(a, model, HALVES_SETTINGS, "halves", prerope=True, base_tag="prerope")
     # the centred domain (CUDA kernels since 2026-11-28, emulated only before this): q4_0 on CPU and GPU
     out["kld_centred"] = _kld_compare(a, model, ["q4_0"], "centred", domain="centred", base_tag="prerope")
     out["bench"] = _prerope_bench(a, model)

@@ -151,12 +151,16 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     kld = [c for c in cmds if "llama-perplexity" in c]
     # base; per setting CPU, GPU, GPU in batches of 32, GPU post-RoPE; batches of 1 for UB1_SETTINGS; the bisection's
     # six extra runs of the first (CPU in batches of 32, graph reuse off, PDL off twice, blocking launches, batches of
-    # 1 without CUDA graphs); then q4_0 centred on CPU and GPU against the same base
+    # 1 without CUDA graphs); the other key types in halves (HALVES_SETTINGS) as the settings, batches of 1 left out;
+    # then q4_0 centred on CPU and GPU against the same base
     ub1 = len(ast.literal_eval(re.search(r"^UB1_SETTINGS = (\[.*?\])", script.read_text(), re.M).group(1)))
-    assert len(kld) == 1 + 4*n + ub1 + 6 + 2
-    assert sum("-ngl 0" in c for c in kld) == 1 + n + 1 + 1 and sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n
-    assert sum("-ub 32" in c for c in kld) == n + 4 and sum("-ub 1 " in c for c in kld) == ub1 + 1
-    assert sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*n + ub1 + 6
+    h = len(ast.literal_eval(re.search(r"^HALVES_SETTINGS = (\[.*?\])", script.read_text(), re.M).group(1)))
+    assert len(kld) == 1 + 4*(n + h) + ub1 + 6 + 2
+    assert sum("-ngl 0" in c for c in kld) == 1 + n + h + 1 + 1
+    assert sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n + h
+    assert sum("-ub 32" in c for c in kld) == n + h + 4 and sum("-ub 1 " in c for c in kld) == ub1 + 1
+    assert sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*(n + h) + ub1 + 6
+    assert sum("-ctk q32_64" in c for c in kld) == 4
     assert sum("GGML_CUDA_PDL=0" in c for c in kld) == 2 and sum("LLAMA_GRAPH_REUSE_DISABLE=1" in c for c in kld) == 1
     assert sum(c.startswith("PYKVQ_K_DOMAIN=centred") for c in kld) == 2
     bench = [c for c in cmds if "llama-bench" in c]
