@@ -102,10 +102,12 @@ def value_sensitivity(wo: np.ndarray, g: Geometry) -> np.ndarray:
     return col.reshape(g.n_head_kv, g.group, g.head_dim).sum(axis=1)
 
 
-def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None) -> Calib:
+def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None, grads=None) -> Calib:
     """A Calib from pykvq.calibrate's RuntimeStats (channels in the GGUF's order, made NORM here). Sensitivities
     are the forward estimates above; with samples, per-token gk / gv carry them (constant over tokens) for the
-    codebooks and budgets; v_sens (per layer value_sensitivity [n_kv, head_dim]) is needed for gv."""
+    codebooks and budgets; v_sens (per layer value_sensitivity [n_kv, head_dim]) is needed for gv. grads
+    (pykvq.gradients.RuntimeGradients, the same windows): the runtime's backward pass instead, per token, as
+    the transformers pass gives them (sensitivity "backprop")."""
     idx = hf_to_norm(g) if g.layout == "neox" else np.arange(g.head_dim)
     n = len(st.layers)
     if n != g.n_layer:
@@ -128,8 +130,18 @@ def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None) -> Cal
         gk = [np.broadcast_to(np.sqrt(m.fisher).astype(np.float32), (T, g.n_head_kv, g.head_dim)) for m in km]
         if v_sens is not None:
             gv = [np.broadcast_to(np.sqrt(f).astype(np.float32), (T, g.n_head_kv, g.head_dim)) for f in v_sens]
+    sensitivity = "forward"
+    if have and grads is not None:
+        if (grads.n_seq, grads.seq_len) != (st.n_seq, st.seq_len) or len(grads.k) != n:
+            raise ConvertError(f"the runtime's gradients cover {grads.n_seq} x {grads.seq_len} tokens of "
+                               f"{len(grads.k)} layers, its samples {st.n_seq} x {st.seq_len} of {n}")
+        gk = [a[..., idx] for a in grads.k]
+        gv = list(grads.v)
+        for m, a in zip(km, gk):
+            m.fisher = (a.astype(np.float64) ** 2).mean(axis=0)
+        sensitivity = "backprop"
     pos = np.concatenate([np.arange(st.seq_len)] * st.n_seq)
-    return Calib(q, k, pos, st.source, v, gk, gv, km=km, sensitivity="forward", tokens_per_s=st.tokens_per_s)
+    return Calib(q, k, pos, st.source, v, gk, gv, km=km, sensitivity=sensitivity, tokens_per_s=st.tokens_per_s)
 
 
 def collect_cached(hf_dir: str | Path, text: str, g: Geometry, *, n_seq: int = 4, seq_len: int = 512,
