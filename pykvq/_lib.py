@@ -170,6 +170,7 @@ struct llama_kvq_grad;
 struct llama_kvq_grad * llama_kvq_grad_init(void);
 void llama_kvq_grad_free(struct llama_kvq_grad * grad);
 void llama_kvq_grad_attach(struct llama_kvq_grad * grad, struct llama_context_params * params);
+bool llama_kvq_grad_set_window(struct llama_kvq_grad * grad, int32_t n_sink, int32_t n_win);
 bool llama_kvq_grad_run(struct llama_kvq_grad * grad, struct llama_context * ctx, const llama_token * tokens,
                         const llama_token * labels, int32_t n);
 double llama_kvq_grad_loss(const struct llama_kvq_grad * grad);

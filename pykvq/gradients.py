@@ -9,6 +9,10 @@ codebooks and --kv-bits budgets weigh cache errors with (--sensitivity gradients
 model that transformers' backward pass needs. The memory is the model's plus every activation of one window
 kept for the backward pass (Qwen2.5-Coder-1.5B at 512 tokens: about 4 GB in all).
 
+With window=(sinks, cells) the gradients come only through the reads that a pre-RoPE file's runtime makes of
+quantized cells (the attention graph takes the exact ones through copies of K and V without a gradient), as
+convert/calib.py's transformers pass takes them for a window-weighted budget.
+
 The windows and tokens are pykvq.calibrate.collect's (a BOS first where the model wants one), so the gradients
 line up token for token with its samples; each window's last label is the text's next token.
 """
@@ -24,6 +28,11 @@ import numpy as np
 from ._lib import ffi
 from .calibrate import CalibrationError, windows
 from .progress import progress_bar
+
+
+# architectures whose training graph is known to have a backward pass for every op (ggml has none for GELU, NORM,
+# MUL_MAT_ID or flash attention, and aborts on them, so any other architecture is refused, not tried)
+BACKWARD_ARCHS = ("llama", "qwen2")
 
 
 @dataclass
@@ -53,7 +62,11 @@ def token_windows(tokens: list[int], n_seq: int, seq_len: int, bos: int | None) 
 
 
 def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len: int = 512,
-            progress: bool | None = None, n_threads: int | None = None) -> RuntimeGradients:
+            progress: bool | None = None, n_threads: int | None = None,
+            window: tuple[int, int] | None = None) -> RuntimeGradients:
+    """window (sinks, cells): gradients only through the reads a pre-RoPE file's runtime makes of quantized cells
+    (query t reads key s exactly when s < sinks or t - s < cells), as convert/calib.py's transformers pass takes
+    them for a window-weighted budget."""
     from ._lib import lib
     from .model import Model
     if n_seq < 1 or seq_len < 256 or seq_len % 256:
@@ -61,11 +74,18 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
         raise CalibrationError(f"runtime gradients take windows of a multiple of 256 tokens, got {seq_len}")
     L = lib()
     grad = L.llama_kvq_grad_init()
+    if window is not None and not L.llama_kvq_grad_set_window(grad, int(window[0]), int(window[1])):
+        err = ffi.string(L.llama_kvq_grad_error(grad)).decode()
+        L.llama_kvq_grad_free(grad)
+        raise CalibrationError(f"runtime gradients: {err}")
     m = None
     name = Path(model_path).name
     try:
         m = Model(model_path, n_ctx=seq_len, n_batch=seq_len, cache_type_k="f32", cache_type_v="f32",
                   flash_attn=False, n_threads=n_threads, _gradients=grad)
+        if m.arch not in BACKWARD_ARCHS:
+            raise CalibrationError(f"{name}: runtime gradients run {' / '.join(BACKWARD_ARCHS)} graphs, not {m.arch} "
+                                   "(ggml has no backward pass for some of its ops); use --sensitivity probe")
         seqs = token_windows(m.tokenize(text, add_special=False), n_seq, seq_len, m.bos if m.add_bos else None)
         ks: list[list] = []
         vs: list[list] = []
@@ -76,7 +96,8 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
             a = ffi.new("llama_token[]", inp)
             b = ffi.new("llama_token[]", lab)
             if not L.llama_kvq_grad_run(grad, m._ctx, a, b, len(inp)):
-                raise CalibrationError(f"{name}: runtime gradients: {ffi.string(L.llama_kvq_grad_error(grad)).decode()}")
+                err = ffi.string(L.llama_kvq_grad_error(grad)).decode()
+                raise CalibrationError(f"{name}: runtime gradients: {err}")
             losses.append(L.llama_kvq_grad_loss(grad))
             n_layer = L.llama_kvq_grad_n_layer(grad)
             if n_layer != m.n_layer:
@@ -110,14 +131,15 @@ def _get(L, grad, il: int, which: int, n_tok: int, n_head_kv: int, name: str) ->
 
 
 def collect_cached(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len: int = 512,
-                   progress: bool | None = None) -> RuntimeGradients:
+                   progress: bool | None = None, window: tuple[int, int] | None = None) -> RuntimeGradients:
     """collect(), kept in $PYKVQ_CACHE/calib/grad (Qwen2.5-Coder-1.5B, 4 x 512 tokens: 117 MB), keyed as
     pykvq.calibrate's cache is, and by this module."""
     import hashlib
 
     from .calibrate import cache_key
     from .paths import cache_dir
-    h = hashlib.sha256((cache_key(model_path, text, n_seq, seq_len, True) + Path(__file__).read_text()).encode())
+    h = hashlib.sha256((cache_key(model_path, text, n_seq, seq_len, True) + Path(__file__).read_text()
+                        + f"/window{tuple(window) if window else None}").encode())
     f = cache_dir() / "calib" / "grad" / f"{h.hexdigest()[:24]}.npz"
     if f.is_file():
         try:
@@ -127,7 +149,7 @@ def collect_cached(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, 
                                     float(z["loss"]), float(z["seconds"]))
         except Exception:                # a damaged entry: run again
             f.unlink(missing_ok=True)
-    g = collect(model_path, text, n_seq=n_seq, seq_len=seq_len, progress=progress)
+    g = collect(model_path, text, n_seq=n_seq, seq_len=seq_len, progress=progress, window=window)
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_name(f.name + ".tmp.npz")
     np.savez(tmp, n_layer=len(g.k), loss=g.loss, seconds=g.seconds, **{f"k{i}": a for i, a in enumerate(g.k)},

@@ -150,6 +150,11 @@ LLAMA_API struct llama_kvq_grad * llama_kvq_grad_init(void);
 LLAMA_API void llama_kvq_grad_free(struct llama_kvq_grad * grad);
 // make params fit: the eval callback, n_batch = n_ubatch = n_ctx, an f32 cache, flash attention off
 LLAMA_API void llama_kvq_grad_attach(struct llama_kvq_grad * grad, struct llama_context_params * params);
+// the exact window whose reads pass no gradient (n_sink first positions, the last n_win cells before each query, as
+// the runtime reads a pre-RoPE cache): convert/calib.py's window-weighted Fisher. Before the first pass; false if not
+LLAMA_API bool llama_kvq_grad_set_window(struct llama_kvq_grad * grad, int32_t n_sink, int32_t n_win);
+// the eval callback llama_kvq_grad_attach installs
+LLAMA_API bool llama_kvq_grad_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
 // one forward and backward pass over tokens[0..n) with next-token labels[0..n), n = the context's n_ctx (the first
 // call sets the context up for training: a context that ran it serves nothing else). false: llama_kvq_grad_error
 LLAMA_API bool llama_kvq_grad_run(struct llama_kvq_grad * grad, struct llama_context * ctx, const llama_token * tokens,
