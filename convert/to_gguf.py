@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "3.5 bits, 0.067 -> 0.050 at 3.0; slow for larger models). gradients: backprop's per-token "
                         "Fisher from pykvq's runtime instead, llama.cpp's training graph on the GGUF's own weights "
                         "(any architecture whose graph has a backward pass; the model's memory plus one window's "
-                        "activations: Qwen2.5-Coder-1.5B 5.4 GB peak, ~4 min for --bits 3.5 on 2 cores; windows of "
+                        "activations: Qwen2.5-Coder-1.5B 5.4 GB peak, 221 s for --bits 3.5 on 2 cores; windows of "
                         "a multiple of 256 tokens; no torch). Like backprop it takes the gradients only through the "
                         "reads the window leaves quantized. 3.5 bits at 4096 tokens, KLD against backprop: "
                         "SmolLM2 +17%%, Qwen2.5-Coder +6%% (the probe: +37%%, +8%%)")
