@@ -79,6 +79,13 @@ def module_tmp(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def text() -> str:
+    """The calibration text (the Canterbury corpus), as the converter reads it; never the evaluation text."""
+    from convert.calib import calibration_text
+    return calibration_text("canterbury")[0]
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     from pykvq.registry import fetch
     return fetch("smollm2-135m")

@@ -21,11 +21,6 @@ N_SEQ, SEQ_LEN = 2, 128
 
 
 @pytest.fixture(scope="module")
-def text():
-    return calibration_text("canterbury")[0]
-
-
-@pytest.fixture(scope="module")
 def stats(smollm2, text):
     return calibrate.collect(smollm2, text, n_seq=N_SEQ, seq_len=SEQ_LEN, samples=True, n_threads=2)
 

@@ -10,17 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convert.calib import calibration_text, from_runtime, hf_to_norm
+from convert.calib import from_runtime, hf_to_norm
 from convert.geometry import geometry
 from convert.gguf_io import read_gguf
 from pykvq import calibrate, gradients
 
 N_SEQ, SEQ_LEN = 2, 256
-
-
-@pytest.fixture(scope="module")
-def text():
-    return calibration_text("canterbury")[0]
 
 
 @pytest.fixture(scope="module")

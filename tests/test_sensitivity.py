@@ -11,17 +11,11 @@ import numpy as np
 import pytest
 
 from convert import slot_prices
-from convert.calib import calibration_text
 from pykvq import calibrate, sensitivity
 
 from test_convert import run_convert
 
 SEQ = 192
-
-
-@pytest.fixture(scope="module")
-def text():
-    return calibration_text("canterbury")[0]
 
 
 def _sigmas(st, alpha, slots):
