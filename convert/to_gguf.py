@@ -74,7 +74,9 @@ what each step costs (a GGUF input; --sensitivity forward, the default):
   --sensitivity backprop  instead dequantizes the GGUF to an f32 HF checkpoint (~4x the parameters in bytes, on
                 disk and in memory) and runs transformers' forward and backward: ~10x the GGUF's size in RAM
   --sensitivity gradients  the same gradients from the GGUF itself in pykvq's runtime (llama.cpp's backward pass):
-                the model's memory plus one window's activations; cached in $PYKVQ_CACHE/calib/grad
+                the model's memory plus one window's activations; cached in $PYKVQ_CACHE/calib/grad. The
+                default for codebooks and --kv-bits where transformers' pass cannot run (no torch, too little
+                memory); where neither can, --kv-bits is priced by the runtime's probe
 
 study transforms:
   python convert/to_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf -o smol-kvq.gguf --ksort --smooth-qk --rotate-v hadamard
@@ -179,17 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "probe: forward weights within each layer's K and V, and --kv-bits' prices across them "
                         "measured in the runtime (noise into one slot at a time, the KL divergence it causes: "
                         "2 x layers + 5 forward passes of --probe-len tokens, in the model's own memory; "
-                        "the default for --kv-bits where the backward pass cannot run: no torch, or less memory "
-                        "than it needs). measure: as probe, then every candidate type of every slot rounded as "
+                        "the default for --kv-bits where neither backward pass can run). measure: as probe, then "
+                        "every candidate type of every slot rounded as "
                         "the file's cache will round it and its KL divergence measured (layers x the two ladders' "
                         "types forward passes of 512 tokens: SmolLM2-135M 14 min on 2 cores, 0.0191 -> 0.0174 at "
                         "3.5 bits, 0.067 -> 0.050 at 3.0; slow for larger models). gradients: backprop's per-token "
                         "Fisher from pykvq's runtime instead, llama.cpp's training graph on the GGUF's own weights "
-                        "(any architecture whose graph has a backward pass; the model's memory plus one window's "
-                        "activations: Qwen2.5-Coder-1.5B 5.4 GB peak, 221 s for --bits 3.5 on 2 cores; windows of "
-                        "a multiple of 256 tokens; no torch). Like backprop it takes the gradients only through the "
-                        "reads the window leaves quantized. 3.5 bits at 4096 tokens, KLD against backprop: "
-                        "SmolLM2 +17%%, Qwen2.5-Coder +6%% (the probe: +37%%, +8%%)")
+                        "(llama / qwen2; the model's memory plus one window's activations: Qwen2.5-Coder-1.5B "
+                        "5.4 GB peak, 221 s for --bits 3.5 on 2 cores; windows of a multiple of 256 tokens; no "
+                        "torch; the default for codebooks / --kv-bits where transformers' pass cannot run: no "
+                        "torch, or less memory than it needs). Like backprop it takes the gradients only through "
+                        "the reads the window leaves quantized. 3.5 bits at 4096 tokens, KLD against backprop on "
+                        "the same calibration tokens: SmolLM2 -3..+7%% (+0.3%% over three samples; the probe "
+                        "+41%%), Qwen2.5-Coder +4..+6%% (the probe level with gradients, in 2.0 GB)")
     g.add_argument("--probe-len", type=int, default=128, metavar="N",
                    help="with --sensitivity probe: tokens per probe pass (default 128; Qwen2.5-Coder-1.5B at 3.5 "
                         "bits and 4096 tokens, KLD against the backward pass: 128 +8%%, 256 +10%%, 512 +7%%, "
@@ -389,12 +393,15 @@ def _check_resources(gguf_path: Path, out: Path, runtime: bool, out_bytes: int |
                                f"available, running the model needs about {need / 2**30:.2f} GiB")
 
 
-def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool) -> str:
+def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, seq_len: int = 512) -> str:
     """An HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets compare
     errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder --kv-bits 3.6: KLD
-    0.104 forward vs 0.036 backprop), so they keep the backward pass where it can run; where it cannot (no torch,
-    or less memory than it needs) a budget is priced by the runtime (probe: Qwen2.5-Coder-1.5B at 3.5 bits and 4096
-    tokens +8% KLD against the backward pass, SmolLM2 +37%) and codebooks take the forward weights."""
+    0.104 forward vs 0.036 backprop), so they take the loss's gradients: transformers' backward pass where it can
+    run, else the same gradients from pykvq's runtime (gradients: on the same calibration tokens, KLD at 3.5 bits
+    and 4096 tokens against backprop's SmolLM2 +0.3% over three samples, Qwen2.5-Coder +4..+6%; the probe
+    +41% and erratic on SmolLM2, level with gradients on Qwen, docs/RESULTS-BY-DATE.md 2026-11-30). Where
+    neither runs (an architecture without a backward graph, windows not of 256 tokens, too little memory) a budget
+    is priced by the runtime (probe) and codebooks take the forward weights."""
     if hf_at_hand:
         return "backprop"
     if not opts.needs_fisher():
@@ -402,10 +409,38 @@ def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool) -> str:
     why = _backprop_unavailable(m)
     if why is None:
         return "backprop"
+    why_g = _gradients_unavailable(m, n_seq, seq_len)
+    if why_g is None:
+        log.info("%s: --sensitivity gradients (the loss's gradients from pykvq's runtime)", why)
+        return "gradients"
     choice = "probe" if opts.kv_bits is not None else "forward"
-    log.info("%s: --sensitivity %s (the budget priced in the runtime, no backward pass)" if choice == "probe" else
-             "%s: --sensitivity %s (forward channel weights)", why, choice)
+    log.info("%s; %s: --sensitivity %s (%s)", why, why_g, choice,
+             "the budget priced in the runtime" if choice == "probe" else "forward channel weights")
     return choice
+
+
+def _gradients_unavailable(m: GGUFModel, n_seq: int, seq_len: int) -> str | None:
+    """Why pykvq.gradients cannot run here, or None: its architectures and windows, and memory for one window's
+    backward pass (pykvq.gradients.peak_bytes) plus the converter's per-token samples and 1 GiB."""
+    from pykvq import gradients
+    why = gradients.unavailable(m.arch, seq_len)
+    if why:
+        return why
+    n_ff = m.arch_meta("feed_forward_length", 0)
+    n_ff = max(n_ff) if isinstance(n_ff, (list, tuple)) else int(n_ff)
+    n_head = m.arch_meta("attention.head_count", 1)
+    n_head = max(n_head) if isinstance(n_head, (list, tuple)) else int(n_head)
+    n_embd = int(m.arch_meta("embedding_length", 0))
+    n_kv = m.arch_meta("attention.head_count_kv", n_head)
+    n_kv = max(n_kv) if isinstance(n_kv, (list, tuple)) else int(n_kv)
+    head_dim = int(m.arch_meta("attention.key_length", n_embd // max(n_head, 1)))
+    weights = sum(int(t.data.nbytes) for t in m.tensors.values())
+    samples = 4 * m.layer_count() * n_seq * seq_len * (n_head + 4 * n_kv) * head_dim    # Q, K, V and their gradients
+    need = gradients.peak_bytes(weights, m.layer_count(), n_embd, n_ff, n_head, seq_len) + samples + (1 << 30)
+    avail = _mem_available()
+    if avail is not None and avail < need:
+        return f"the runtime's backward pass needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available"
+    return None
 
 
 def _backprop_unavailable(m: GGUFModel) -> str | None:
@@ -646,7 +681,7 @@ def convert(args) -> dict:
             exact = args.dequantize or _weights_all_f32(m)
             opts.requant_type = ("f32" if exact else "q8_0") if args.outtype == "auto" else args.outtype
         if args.sensitivity is None:
-            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir))
+            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir), args.calib_seqs, args.calib_len)
         forward = args.sensitivity in ("forward", "probe", "measure", "gradients")     # the runtime calibrates
         # an architecture outside the converter's table: the pre-RoPE statistics, codebooks and a runtime-priced
         # budget (no weight transforms), with the layout the runtime's graph tells (checked against the file's rope

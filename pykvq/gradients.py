@@ -5,9 +5,10 @@
 
 llama.cpp's training graph runs the GGUF's own quantized weights forward and backward on the CPU
 (native/llama/llama-kvq-grad.cpp): the squares of these gradients are the diagonal Fisher that the converter's
-codebooks and --kv-bits budgets weigh cache errors with (--sensitivity gradients), without the f32 copy of the
-model that transformers' backward pass needs. The memory is the model's plus every activation of one window
-kept for the backward pass (Qwen2.5-Coder-1.5B at 512 tokens: about 4 GB in all).
+codebooks and --kv-bits budgets weigh cache errors with (--sensitivity gradients: the converter's default where
+transformers' pass cannot run), without the f32 copy of the model that transformers' backward pass needs. The
+memory is the model's plus every activation of one window kept for the backward pass (Qwen2.5-Coder-1.5B at 512
+tokens: about 4 GB in all; peak_bytes estimates it).
 
 With window=(sinks, cells) the gradients come only through the reads that a pre-RoPE file's runtime makes of
 quantized cells (the attention graph takes the exact ones through copies of K and V without a gradient), as
@@ -33,6 +34,24 @@ from .progress import progress_bar
 # architectures whose training graph is known to have a backward pass for every op (ggml has none for GELU, NORM,
 # MUL_MAT_ID or flash attention, and aborts on them, so any other architecture is refused, not tried)
 BACKWARD_ARCHS = ("llama", "qwen2")
+
+
+def unavailable(arch: str, seq_len: int) -> str | None:
+    """Why collect() cannot run on this architecture and window length, or None."""
+    if arch not in BACKWARD_ARCHS:
+        return f"runtime gradients run {' / '.join(BACKWARD_ARCHS)} graphs, not {arch}"
+    if seq_len < 256 or seq_len % 256:
+        return f"runtime gradients take windows of a multiple of 256 tokens, not {seq_len}"
+    return None
+
+
+def peak_bytes(weight_bytes: int, n_layer: int, n_embd: int, n_ff: int, n_head: int, seq_len: int) -> int:
+    """About collect()'s peak memory: the weights (read, not mapped) and every activation of one window that the
+    backward pass keeps, per layer and token about 12 n_embd + 4 n_ff + 2 n_head seq_len floats, fitted with a
+    margin to the measured peaks of one 512-token pass (SmolLM2-135M 1.15 GB, Qwen2.5-Coder-1.5B 4.07 GB; the
+    estimate gives 1.7 and 5.1)."""
+    per_token = 12 * n_embd + 4 * n_ff + 2 * n_head * seq_len
+    return int(weight_bytes + 4 * n_layer * seq_len * per_token + (256 << 20))
 
 
 @dataclass
@@ -69,9 +88,10 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
     them for a window-weighted budget."""
     from ._lib import lib
     from .model import Model
-    if n_seq < 1 or seq_len < 256 or seq_len % 256:
-        # llama.cpp pads a context to 256 cells, and the training graph takes the whole context as one batch
-        raise CalibrationError(f"runtime gradients take windows of a multiple of 256 tokens, got {seq_len}")
+    # llama.cpp pads a context to 256 cells, and the training graph takes the whole context as one batch
+    why = unavailable(BACKWARD_ARCHS[0], seq_len)
+    if n_seq < 1 or why:
+        raise CalibrationError(why or f"runtime gradients need at least one window, got {n_seq}")
     L = lib()
     grad = L.llama_kvq_grad_init()
     if window is not None and not L.llama_kvq_grad_set_window(grad, int(window[0]), int(window[1])):
@@ -83,9 +103,10 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
     try:
         m = Model(model_path, n_ctx=seq_len, n_batch=seq_len, cache_type_k="f32", cache_type_v="f32",
                   flash_attn=False, n_threads=n_threads, _gradients=grad)
-        if m.arch not in BACKWARD_ARCHS:
-            raise CalibrationError(f"{name}: runtime gradients run {' / '.join(BACKWARD_ARCHS)} graphs, not {m.arch} "
-                                   "(ggml has no backward pass for some of its ops); use --sensitivity probe")
+        why = unavailable(m.arch, seq_len)
+        if why:
+            raise CalibrationError(f"{name}: {why} (ggml has no backward pass for some of its ops); use "
+                                   "--sensitivity probe")
         seqs = token_windows(m.tokenize(text, add_special=False), n_seq, seq_len, m.bos if m.add_bos else None)
         ks: list[list] = []
         vs: list[list] = []

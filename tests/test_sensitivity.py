@@ -120,16 +120,22 @@ def test_unknown_layer_is_a_clear_error(smollm2, text):
         sensitivity.probe(smollm2, text, {(3, "v"): np.ones((2, 64), np.float32)}, seq_len=64, n_threads=2)
 
 
-def test_budget_without_torch_is_priced_by_the_runtime(smollm2, tmp_path, monkeypatch):
-    """A plain `pip install pykvq` has no torch: --kv-bits then takes --sensitivity probe by itself (and says
-    why) where it used to stop at the backward pass; codebooks alone take the forward weights."""
+def test_budget_without_torch_takes_the_runtimes_gradients(smollm2, tmp_path, monkeypatch):
+    """A plain `pip install pykvq` has no torch: --kv-bits then takes the loss's gradients from pykvq's runtime
+    (--sensitivity gradients) by itself, where it used to stop at the backward pass. Where those cannot run (here
+    windows that are not a multiple of 256 tokens) the budget is priced by the probe, and codebooks alone take the
+    forward weights."""
     import sys
 
     from convert import to_gguf
     from convert.gguf_io import read_gguf
     monkeypatch.setitem(sys.modules, "torch", None)          # import torch now fails, as without the extra
     assert "torch is not installed" in to_gguf._backprop_unavailable(read_gguf(smollm2))
-    args = ["--calib-seqs", "1", "--calib-len", "192", "--probe-len", "128", "--no-progress"]
+    args = ["--calib-seqs", "1", "--probe-len", "128", "--no-progress"]
+    s = to_gguf.convert(to_gguf.build_parser().parse_args(
+        [str(smollm2), "-o", str(tmp_path / "g.gguf"), "--prerope-k", "--kv-bits", "3.5", "--calib-len", "256", *args]))
+    assert s["sensitivity"] == "gradients" and not s["slot_prices"]
+    args += ["--calib-len", "192"]
     s = to_gguf.convert(to_gguf.build_parser().parse_args(
         [str(smollm2), "-o", str(tmp_path / "a.gguf"), "--prerope-k", "--kv-bits", "3.5", *args]))
     assert s["sensitivity"] == "probe" and len(s["slot_prices"]) == 60
