@@ -188,12 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "3.5 bits, 0.067 -> 0.050 at 3.0; slow for larger models). gradients: backprop's per-token "
                         "Fisher from pykvq's runtime instead, llama.cpp's training graph on the GGUF's own weights "
                         "(llama / qwen2; the model's memory plus one window's activations: Qwen2.5-Coder-1.5B "
-                        "5.4 GB peak, 221 s for --bits 3.5 on 2 cores; windows of a multiple of 256 tokens; no "
+                        "4.7 GiB peak, 230 s for --bits 3.5 on 2 cores; windows of a multiple of 256 tokens; no "
                         "torch; the default for codebooks / --kv-bits where transformers' pass cannot run: no "
                         "torch, or less memory than it needs). Like backprop it takes the gradients only through "
                         "the reads the window leaves quantized. 3.5 bits at 4096 tokens, KLD against backprop on "
                         "the same calibration tokens: SmolLM2 -3..+7%% (+0.3%% over three samples; the probe "
-                        "+41%%), Qwen2.5-Coder +4..+6%% (the probe level with gradients, in 2.0 GB)")
+                        "+41%%), Qwen2.5-Coder +4..+6%% (the probe level with gradients, in 1.96 GiB)")
     g.add_argument("--probe-len", type=int, default=128, metavar="N",
                    help="with --sensitivity probe: tokens per probe pass (default 128; Qwen2.5-Coder-1.5B at 3.5 "
                         "bits and 4096 tokens, KLD against the backward pass: 128 +8%%, 256 +10%%, 512 +7%%, "
@@ -421,7 +421,8 @@ def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, s
 
 def _gradients_unavailable(m: GGUFModel, n_seq: int, seq_len: int) -> str | None:
     """Why pykvq.gradients cannot run here, or None: its architectures and windows, and memory for one window's
-    backward pass (pykvq.gradients.peak_bytes) plus the converter's per-token samples and 1 GiB."""
+    backward pass (pykvq.gradients.peak_bytes) and 1 GiB. The converter takes the per-token samples after the
+    pass (Qwen2.5-Coder-1.5B --bits 3.5: 4.7 GiB peak in all, estimated 5.7)."""
     from pykvq import gradients
     why = gradients.unavailable(m.arch, seq_len)
     if why:
@@ -431,12 +432,8 @@ def _gradients_unavailable(m: GGUFModel, n_seq: int, seq_len: int) -> str | None
     n_head = m.arch_meta("attention.head_count", 1)
     n_head = max(n_head) if isinstance(n_head, (list, tuple)) else int(n_head)
     n_embd = int(m.arch_meta("embedding_length", 0))
-    n_kv = m.arch_meta("attention.head_count_kv", n_head)
-    n_kv = max(n_kv) if isinstance(n_kv, (list, tuple)) else int(n_kv)
-    head_dim = int(m.arch_meta("attention.key_length", n_embd // max(n_head, 1)))
     weights = sum(int(t.data.nbytes) for t in m.tensors.values())
-    samples = 4 * m.layer_count() * n_seq * seq_len * (n_head + 4 * n_kv) * head_dim    # Q, K, V and their gradients
-    need = gradients.peak_bytes(weights, m.layer_count(), n_embd, n_ff, n_head, seq_len) + samples + (1 << 30)
+    need = gradients.peak_bytes(weights, m.layer_count(), n_embd, n_ff, n_head, seq_len) + (1 << 30)
     avail = _mem_available()
     if avail is not None and avail < need:
         return f"the runtime's backward pass needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available"
@@ -478,6 +475,19 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
     from convert import rows
     from pykvq import calibrate
     from pykvq.errors import PykvqError
+    grads = None      # first: the backward pass runs while the calibration's per-token samples are not yet held
+    if args.sensitivity == "gradients" and opts.needs_gradients():
+        from pykvq import gradients
+        try:
+            win = (opts.kv_sinks, opts.kv_window) if opts.window_weighted() else None
+            grads = gradients.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                             progress=progress, window=win)
+        except PykvqError as e:
+            raise ConvertError(f"gradients in the runtime failed: {e}") from None
+        log.info("gradients: %d tokens at %.1f tokens/s in the runtime's backward pass (mean loss %.3f)%s",
+                 grads.n_seq * grads.seq_len, grads.tokens_per_s, grads.loss,
+                 f"; only through the reads of quantized cells (sinks {opts.kv_sinks}, window {opts.kv_window})"
+                 if opts.window_weighted() else "")
     try:
         # every token's Q / K / V stays in memory only (0.45 GB for a 1.5B model): the cache keeps the moments
         st = calibrate.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
@@ -512,19 +522,6 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
                  report["seconds"])
         st = calibrate.RuntimeStats.load(parked)
         parked.unlink()
-    grads = None
-    if args.sensitivity == "gradients" and opts.needs_gradients():
-        from pykvq import gradients
-        try:
-            win = (opts.kv_sinks, opts.kv_window) if opts.window_weighted() else None
-            grads = gradients.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                             progress=progress, window=win)
-        except PykvqError as e:
-            raise ConvertError(f"gradients in the runtime failed: {e}") from None
-        log.info("gradients: %d tokens at %.1f tokens/s in the runtime's backward pass (mean loss %.3f)%s",
-                 grads.n_seq * grads.seq_len, grads.tokens_per_s, grads.loss,
-                 f"; only through the reads of quantized cells (sinks {opts.kv_sinks}, window {opts.kv_window})"
-                 if opts.window_weighted() else "")
     calib = calib_mod.from_runtime(st, g, v_sens, grads)
     calib.slot_price, calib.probe_report = price, report
     if args.sensitivity == "measure" and opts.kv_bits is not None:
