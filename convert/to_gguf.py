@@ -393,7 +393,7 @@ def _check_resources(gguf_path: Path, out: Path, runtime: bool, out_bytes: int |
                                f"available, running the model needs about {need / 2**30:.2f} GiB")
 
 
-def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, seq_len: int = 512) -> str:
+def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, seq_len: int = 512) -> str:
     """An HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets compare
     errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder --kv-bits 3.6: KLD
     0.104 forward vs 0.036 backprop), so they take the loss's gradients: transformers' backward pass where it can
@@ -409,7 +409,7 @@ def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, s
     why = _backprop_unavailable(m)
     if why is None:
         return "backprop"
-    why_g = _gradients_unavailable(m, n_seq, seq_len)
+    why_g = _gradients_unavailable(m, seq_len)
     if why_g is None:
         log.info("%s: --sensitivity gradients (the loss's gradients from pykvq's runtime)", why)
         return "gradients"
@@ -419,21 +419,21 @@ def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, s
     return choice
 
 
-def _gradients_unavailable(m: GGUFModel, n_seq: int, seq_len: int) -> str | None:
+def _gradients_unavailable(m: GGUFModel, seq_len: int) -> str | None:
     """Why pykvq.gradients cannot run here, or None: its architectures and windows, and memory for one window's
     backward pass (pykvq.gradients.peak_bytes) and 1 GiB. The converter takes the per-token samples after the
-    pass (Qwen2.5-Coder-1.5B --bits 3.5: 4.7 GiB peak in all, estimated 5.7)."""
+    pass (Qwen2.5-Coder-1.5B --bits 3.5: 4.7 GiB peak in all, estimated 5.8)."""
     from pykvq import gradients
     why = gradients.unavailable(m.arch, seq_len)
     if why:
         return why
-    n_ff = m.arch_meta("feed_forward_length", 0)
-    n_ff = max(n_ff) if isinstance(n_ff, (list, tuple)) else int(n_ff)
-    n_head = m.arch_meta("attention.head_count", 1)
-    n_head = max(n_head) if isinstance(n_head, (list, tuple)) else int(n_head)
-    n_embd = int(m.arch_meta("embedding_length", 0))
+    def largest(key: str, default: int) -> int:         # a per-layer array: its largest value
+        v = m.arch_meta(key, default)
+        return int(max(v)) if isinstance(v, (list, tuple)) else int(v)
     weights = sum(int(t.data.nbytes) for t in m.tensors.values())
-    need = gradients.peak_bytes(weights, m.layer_count(), n_embd, n_ff, n_head, seq_len) + (1 << 30)
+    need = gradients.peak_bytes(weights, m.layer_count(), largest("embedding_length", 0),
+                                largest("feed_forward_length", 0), largest("attention.head_count", 1),
+                                seq_len) + (1 << 30)
     avail = _mem_available()
     if avail is not None and avail < need:
         return f"the runtime's backward pass needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available"
@@ -678,7 +678,7 @@ def convert(args) -> dict:
             exact = args.dequantize or _weights_all_f32(m)
             opts.requant_type = ("f32" if exact else "q8_0") if args.outtype == "auto" else args.outtype
         if args.sensitivity is None:
-            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir), args.calib_seqs, args.calib_len)
+            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir), args.calib_len)
         forward = args.sensitivity in ("forward", "probe", "measure", "gradients")     # the runtime calibrates
         # an architecture outside the converter's table: the pre-RoPE statistics, codebooks and a runtime-priced
         # budget (no weight transforms), with the layout the runtime's graph tells (checked against the file's rope

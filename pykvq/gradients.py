@@ -36,9 +36,9 @@ from .progress import progress_bar
 BACKWARD_ARCHS = ("llama", "qwen2")
 
 
-def unavailable(arch: str, seq_len: int) -> str | None:
-    """Why collect() cannot run on this architecture and window length, or None."""
-    if arch not in BACKWARD_ARCHS:
+def unavailable(arch: str | None, seq_len: int) -> str | None:
+    """Why collect() cannot run on this architecture (None: not known yet) and window length, or None."""
+    if arch is not None and arch not in BACKWARD_ARCHS:
         return f"runtime gradients run {' / '.join(BACKWARD_ARCHS)} graphs, not {arch}"
     if seq_len < 256 or seq_len % 256:
         return f"runtime gradients take windows of a multiple of 256 tokens, not {seq_len}"
@@ -89,7 +89,7 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
     from ._lib import lib
     from .model import Model
     # llama.cpp pads a context to 256 cells, and the training graph takes the whole context as one batch
-    why = unavailable(BACKWARD_ARCHS[0], seq_len)
+    why = unavailable(None, seq_len)
     if n_seq < 1 or why:
         raise CalibrationError(why or f"runtime gradients need at least one window, got {n_seq}")
     L = lib()
@@ -103,9 +103,8 @@ def collect(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len
     try:
         m = Model(model_path, n_ctx=seq_len, n_batch=seq_len, cache_type_k="f32", cache_type_v="f32",
                   flash_attn=False, n_threads=n_threads, _gradients=grad)
-        why = unavailable(m.arch, seq_len)
-        if why:
-            raise CalibrationError(f"{name}: {why} (ggml has no backward pass for some of its ops); use "
+        if m.arch not in BACKWARD_ARCHS:
+            raise CalibrationError(f"{name}: {unavailable(m.arch, seq_len)} (ggml has no backward pass for some of its ops); use "
                                    "--sensitivity probe")
         seqs = token_windows(m.tokenize(text, add_special=False), n_seq, seq_len, m.bos if m.add_bos else None)
         ks: list[list] = []
