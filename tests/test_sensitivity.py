@@ -142,3 +142,23 @@ def test_budget_without_torch_takes_the_runtimes_gradients(smollm2, tmp_path, mo
     s = to_gguf.convert(to_gguf.build_parser().parse_args(
         [str(smollm2), "-o", str(tmp_path / "b.gguf"), "--prerope-k", "--cache-type-k", "nuq3", "--cache-type-v", "nuq3", *args]))
     assert s["sensitivity"] == "forward"
+
+
+def test_gradients_fall_back_to_the_probe_without_the_memory(smollm2, monkeypatch):
+    """Too little memory for the runtime's backward pass: the default is the probe, and the log says both why's.
+    The estimate is pykvq.gradients.peak_bytes (checked here by hand for SmolLM2's sizes) plus 1 GiB."""
+    from convert import pipeline, to_gguf
+    from convert.gguf_io import read_gguf
+    from pykvq import gradients
+    m = read_gguf(smollm2)
+    # 30 layers x 512 tokens x 4 bytes x (12 x 576 + 4 x 1536 + 2 x 9 x 512), the weights, 256 MiB
+    w = sum(int(t.data.nbytes) for t in m.tensors.values())
+    assert gradients.peak_bytes(w, 30, 576, 1536, 9, 512) == w + 30 * 512 * 4 * 22272 + (256 << 20)
+    need = gradients.peak_bytes(w, 30, 576, 1536, 9, 512) + (1 << 30)
+    monkeypatch.setattr(to_gguf, "_backprop_unavailable", lambda m: "torch is not installed")
+    monkeypatch.setattr(to_gguf, "_mem_available", lambda: need + 1)
+    opts = pipeline.Options(prerope_k=True, kv_bits=3.5)
+    assert to_gguf._default_sensitivity(m, opts, False, 512) == "gradients"
+    monkeypatch.setattr(to_gguf, "_mem_available", lambda: need - 1)
+    assert "backward pass needs about" in to_gguf._gradients_unavailable(m, 512)
+    assert to_gguf._default_sensitivity(m, opts, False, 512) == "probe"
