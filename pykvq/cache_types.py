@@ -41,6 +41,8 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("q53_64", 51, 64, "q53", "q8_0", True, 0, False, 4.5),
     KVQType("q42_64", 52, 64, "q53", "q8_0", True, 0, False, 3.5),
     KVQType("q32_64", 53, 64, "q53", "q8_0", True, 0, False, 3.0),
+    KVQType("nuq3_64", 54, 64, "nuq", "q8_0", True, 8, False, 3.25),
+    KVQType("nuq2_64", 55, 64, "nuq", "q8_0", True, 4, False, 2.25),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

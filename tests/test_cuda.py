@@ -79,8 +79,8 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     only a pre-RoPE K takes included): NORM / NEOX, Hadamard 2 / 16 / 32 / 64 / 128 or none, partial rotary (96 of 128, 40 of 64), per-head frequencies, mscale, positions with
     a gap, a shifted block and one out of order, 2 streams, head sizes 64 / 128 / 256. Keys in halves (q53_64 /
     q42_64 / q32_64, 9 cases): rows and decode with the Hadamard that leaves out its stride-32 butterfly (a mutated skip fails
-    the rows by 0.4 of the largest key)."""
-    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 52 failures 0")
+    the rows by 0.4 of the largest key). nuq3_64 / nuq2_64 values (4 cases): with themselves, q8_0 K and keys in halves."""
+    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 56 failures 0")
 
 
 def test_row_kernels_emulated(tmp_path):
@@ -89,9 +89,9 @@ def test_row_kernels_emulated(tmp_path):
     and I32, indices broadcast over dims 2 and 3, padded strides), other rows untouched, and the
     dequantized f32 / f16 equal to the reference dequantizer, for every type; stock q4_0 / q5_0 as a tagged
     SET_ROWS writes them (least-squares scales), against native/ggml/lsq.c; q53_64 / q42_64 / q32_64 against native/ggml/q53.c;
-    and for those five least-squares types the warp-per-block kernel CUDA launches (kvq_quantize_rows_lsq: lane k
+    nuq3_64 / nuq2_64 as the other nuq types; and for those five least-squares types the warp-per-block kernel CUDA launches (kvq_quantize_rows_lsq: lane k
     tries scale k), with NaN, inf, a zero block and a tie of |max| among the values (a scale off by one: 12 fail)."""
-    _run_emulated(tmp_path, "cuda_rows_emu", "checks 87 failures 0")
+    _run_emulated(tmp_path, "cuda_rows_emu", "checks 99 failures 0")
 
 
 def _nvcc_flags(cublas_inc: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Non-uniform (codebook) cache types nuq4, nuq3, nuq2, nuq3o, nuq2o: the C reference
+"""Non-uniform (codebook) cache types nuq4, nuq3, nuq2, nuq3o, nuq2o, nuq3_64, nuq2_64: the C reference
 against the numpy reference (pykvq/ref/nuq.py) bit for bit, every kernel variant
 against the reference, the codebook contract through op_params on real ggml graphs,
 and the types end to end on SmolLM2."""
@@ -161,8 +161,12 @@ def test_reference_rule_hand_checked():
     assert b.oi[0] == 10 and float(b.ov[0]) == -1000.0 and float(b.d[0]) == 1.0
     y = nuq.dequantize_blocks(b)
     assert y[10] == -1000.0 and y[20] == 84.0 and y[30] == 25.0
-    assert [nuq.FORMATS[n].type_size for n in FORMATS] == [18, 14, 10, 29, 21]
-    assert [nuq.FORMATS[n].bits_per_value for n in FORMATS] == [4.5, 3.5, 2.5, 3.625, 2.625]
+    assert [nuq.FORMATS[n].type_size for n in FORMATS] == [18, 14, 10, 29, 21, 26, 18]
+    assert [nuq.FORMATS[n].bits_per_value for n in FORMATS] == [4.5, 3.5, 2.5, 3.625, 2.625, 3.25, 2.25]
+    # a block of 64 without an outlier: one scale from the largest |x| of all 64
+    x = np.zeros(64, np.float32); x[10] = -127.0; x[40] = 25.0
+    b = nuq.quantize_blocks(x, "nuq2_64")
+    assert float(b.d[0]) == 1.0 and b.idx[0, 10] == 0 and b.idx[0, 40] == 2
 
 
 def test_edge_cases_hit_the_midpoints():
@@ -267,7 +271,7 @@ def test_type_registry_and_sizes():
     for name in FORMATS:
         t = cache_types.resolve(name)
         f = nuq.FORMATS[name]
-        assert t == cache_types.CACHE_TYPES[FORMATS[0]] + FORMATS.index(name)   # consecutive, in FORMATS order
+        assert t == cache_types.KVQ_TYPES[name].id
         assert ffi.string(L.ggml_type_name(t)).decode() == name
         assert L.ggml_blck_size(t) == f.block and L.ggml_is_quantized(t)
         assert L.ggml_row_size(t, 128) == 128 // f.block * f.type_size

@@ -19,15 +19,17 @@ int ggml_kvq_nuq_n_codes(enum ggml_type type) {
     switch (type) {
         case GGML_TYPE_NUQ4:  return 16;
         case GGML_TYPE_NUQ3:
-        case GGML_TYPE_NUQ3O: return 8;
+        case GGML_TYPE_NUQ3O:
+        case GGML_TYPE_NUQ3_64: return 8;
         case GGML_TYPE_NUQ2:
-        case GGML_TYPE_NUQ2O: return 4;
+        case GGML_TYPE_NUQ2O:
+        case GGML_TYPE_NUQ2_64: return 4;
         default:              return 0;
     }
 }
 
 int ggml_kvq_nuq_block(enum ggml_type type) {
-    return type == GGML_TYPE_NUQ3O || type == GGML_TYPE_NUQ2O ? QK_NUQO : type == GGML_TYPE_NUQ4 || type == GGML_TYPE_NUQ3 || type == GGML_TYPE_NUQ2 ? QK_NUQ : 0;
+    return ggml_kvq_type_is_nuq(type) ? ggml_kvq_type_qk(type) : 0;
 }
 
 size_t ggml_kvq_nuq_type_size(enum ggml_type type) {
@@ -37,6 +39,8 @@ size_t ggml_kvq_nuq_type_size(enum ggml_type type) {
         case GGML_TYPE_NUQ2:  return sizeof(block_nuq2);
         case GGML_TYPE_NUQ3O: return sizeof(block_nuq3o);
         case GGML_TYPE_NUQ2O: return sizeof(block_nuq2o);
+        case GGML_TYPE_NUQ3_64: return sizeof(block_nuq3_64);
+        case GGML_TYPE_NUQ2_64: return sizeof(block_nuq2_64);
         default:              return 0;
     }
 }
@@ -266,6 +270,15 @@ void ggml_kvq_nuq_pack(enum ggml_type type, const uint8_t * idx, float d, float 
             y->oi = (uint8_t) oi;
             nuq_pack_low2(idx, QK_NUQO, y->qs);
         } break;
+        case GGML_TYPE_NUQ3_64: {
+            block_nuq3_64 * y = blk;
+            nuq_pack_low2(idx, QK_NUQO, y->qs);
+            nuq_pack_high(idx, QK_NUQO, y->qh);
+        } break;
+        case GGML_TYPE_NUQ2_64: {
+            block_nuq2_64 * y = blk;
+            nuq_pack_low2(idx, QK_NUQO, y->qs);
+        } break;
         default:
             GGML_ABORT("not a nuq type");
     }
@@ -275,7 +288,7 @@ static void nuq_quantize_row(enum ggml_type type, const float * x, void * vy, in
     const int     n_codes = ggml_kvq_nuq_n_codes(type);
     const int     qk      = ggml_kvq_nuq_block(type);
     const size_t  bs      = ggml_kvq_nuq_type_size(type);
-    const bool    outl    = type == GGML_TYPE_NUQ3O || type == GGML_TYPE_NUQ2O;
+    const bool    outl    = ggml_kvq_type_outl(type);
     uint8_t       idx[QK_NUQO];
     for (int64_t i = 0; i < k / qk; ++i, x += qk) {
         const int   oi = outl ? ggml_kvq_nuq_outlier(x, qk) : -1;
@@ -291,7 +304,7 @@ static void nuq_dequantize_row(enum ggml_type type, const void * vx, float * y, 
     for (int j = 0; j < ggml_kvq_nuq_n_codes(type); ++j) {
         c[j] = (float) cb[j];
     }
-    uint8_t idx[QK_NUQO];
+    uint8_t idx[QK_NUQO] = {0};   // (qk comes from the table: gcc cannot see every index is written)
     for (int64_t i = 0; i < k / qk; ++i, y += qk) {
         const uint8_t * b = (const uint8_t *) vx + i*bs;
         const float     d = ggml_kvq_f16_bytes(b);
@@ -330,6 +343,16 @@ static void nuq_dequantize_row(enum ggml_type type, const void * vx, float * y, 
                 oi = x->oi;
                 ov = ggml_kvq_f16_bytes(x->ov);
             } break;
+            case GGML_TYPE_NUQ3_64: {
+                const block_nuq3_64 * x = (const block_nuq3_64 *) b;
+                nuq_unpack_low2(x->qs, QK_NUQO, idx);
+                for (int j = 0; j < QK_NUQO; ++j) {
+                    idx[j] |= ((x->qh[j / 8] >> (j % 8)) & 1) << 2;
+                }
+            } break;
+            case GGML_TYPE_NUQ2_64: {
+                nuq_unpack_low2(((const block_nuq2_64 *) b)->qs, QK_NUQO, idx);
+            } break;
             default:
                 GGML_ABORT("not a nuq type");
         }
@@ -361,13 +384,15 @@ NUQ_CODECS(nuq3,  GGML_TYPE_NUQ3,  block_nuq3)
 NUQ_CODECS(nuq2,  GGML_TYPE_NUQ2,  block_nuq2)
 NUQ_CODECS(nuq3o, GGML_TYPE_NUQ3O, block_nuq3o)
 NUQ_CODECS(nuq2o, GGML_TYPE_NUQ2O, block_nuq2o)
+NUQ_CODECS(nuq3_64, GGML_TYPE_NUQ3_64, block_nuq3_64)
+NUQ_CODECS(nuq2_64, GGML_TYPE_NUQ2_64, block_nuq2_64)
 
 bool ggml_kvq_validate_row_nuq(enum ggml_type type, const void * data, size_t nbytes) {
     const size_t bs = ggml_kvq_nuq_type_size(type);
     if (bs == 0 || nbytes % bs != 0) {
         return false;
     }
-    const bool outl = type == GGML_TYPE_NUQ3O || type == GGML_TYPE_NUQ2O;
+    const bool outl = ggml_kvq_type_outl(type);
     for (size_t i = 0; i < nbytes / bs; ++i) {
         const uint8_t * b = (const uint8_t *) data + i*bs;
         if (!isfinite(ggml_kvq_f16_bytes(b))) {

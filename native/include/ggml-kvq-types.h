@@ -26,7 +26,9 @@
     X(nuq2o,   NUQ2O,   50, 64, NUQ, q8_0,    Q8_0,    1,  4, 1, 2625, __VA_ARGS__)     \
     X(q53_64,  Q53_64,  51, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 4500, __VA_ARGS__)     \
     X(q42_64,  Q42_64,  52, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3500, __VA_ARGS__)     \
-    X(q32_64,  Q32_64,  53, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3000, __VA_ARGS__)
+    X(q32_64,  Q32_64,  53, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3000, __VA_ARGS__)     \
+    X(nuq3_64, NUQ3_64, 54, 64, NUQ, q8_0,    Q8_0,    1,  8, 0, 3250, __VA_ARGS__)     \
+    X(nuq2_64, NUQ2_64, 55, 64, NUQ, q8_0,    Q8_0,    1,  4, 0, 2250, __VA_ARGS__)
 
 // what the rows expand to in the upstream files the patches touch (one macro use each)
 #define GGML_KVQ_CASE(name, NAME, ...)       case GGML_TYPE_##NAME:

@@ -135,6 +135,19 @@ typedef struct {
     uint8_t qs[QK_NUQO/4];    // as nuq3o's qs
 } block_nuq2o;                // 21 bytes per 64 values: 2.625 bits/value
 
+// nuq3 / nuq2 with one scale per 64 values and no outlier (values: after the online Hadamard a head's values share
+// one spread, so a scale per 32 buys little; these are the cheaper steps of the V ladder)
+typedef struct {
+    uint8_t d[2];
+    uint8_t qs[QK_NUQO/4];    // as nuq3o's qs
+    uint8_t qh[QK_NUQO/8];    // as nuq3o's qh
+} block_nuq3_64;              // 26 bytes per 64 values: 3.25 bits/value
+
+typedef struct {
+    uint8_t d[2];
+    uint8_t qs[QK_NUQO/4];    // as nuq3o's qs
+} block_nuq2_64;              // 18 bytes per 64 values: 2.25 bits/value
+
 #ifdef __cplusplus
 #define GGML_KVQ_STATIC_ASSERT(c, m) static_assert(c, m)
 #else
@@ -145,6 +158,8 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3)  == 14, "block_nuq3 size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2)  == 10, "block_nuq2 size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3o) == 29, "block_nuq3o size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2o) == 21, "block_nuq2o size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq3_64) == 26, "block_nuq3_64 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2_64) == 18, "block_nuq2_64 size");
 
 // q53_64 (pykvq/ref/q53.py, native/ggml/q53.c): a block of 64 values in 4.5 bits/value, split unevenly: the
 // first 32 in 5 bits (q5_0's rule and layout), the last 32 in 3 bits (the same rule with 8 levels, nuq3's
@@ -216,6 +231,22 @@ GGML_KVQ_HD bool ggml_kvq_type_is_kvq(enum ggml_type type) {
 
 GGML_KVQ_HD bool ggml_kvq_type_is_nuq(enum ggml_type type) {
     return ggml_kvq_type_family(type) == GGML_KVQ_FAMILY_NUQ;
+}
+
+// values per block and whether a block keeps its largest value exactly (the table's qk and outl columns)
+#define GGML_KVQ_QK_CASE(name, NAME, id, qk, ...) case GGML_TYPE_##NAME: return qk;
+GGML_KVQ_HD int ggml_kvq_type_qk(enum ggml_type type) {
+    switch (type) {
+        GGML_KVQ_TYPES(GGML_KVQ_QK_CASE, 0)
+        default: return 0;
+    }
+}
+#define GGML_KVQ_OUTL_CASE(name, NAME, id, qk, family, vdt, VDT, cuda, codes, outl, ...) case GGML_TYPE_##NAME: return outl;
+GGML_KVQ_HD bool ggml_kvq_type_outl(enum ggml_type type) {
+    switch (type) {
+        GGML_KVQ_TYPES(GGML_KVQ_OUTL_CASE, 0)
+        default: return false;
+    }
 }
 
 // the pykvq types native/ggml/cuda has kernels for (the table's cuda column)
@@ -390,12 +421,16 @@ GGML_API void quantize_row_nuq3_ref_cb (const float * x, void * y, int64_t k, co
 GGML_API void quantize_row_nuq2_ref_cb (const float * x, void * y, int64_t k, const int8_t * cb);
 GGML_API void quantize_row_nuq3o_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
 GGML_API void quantize_row_nuq2o_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+GGML_API void quantize_row_nuq3_64_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
+GGML_API void quantize_row_nuq2_64_ref_cb(const float * x, void * y, int64_t k, const int8_t * cb);
 
 GGML_API void dequantize_row_nuq4_cb (const void * x, float * y, int64_t k, const int8_t * cb);
 GGML_API void dequantize_row_nuq3_cb (const void * x, float * y, int64_t k, const int8_t * cb);
 GGML_API void dequantize_row_nuq2_cb (const void * x, float * y, int64_t k, const int8_t * cb);
 GGML_API void dequantize_row_nuq3o_cb(const void * x, float * y, int64_t k, const int8_t * cb);
 GGML_API void dequantize_row_nuq2o_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+GGML_API void dequantize_row_nuq3_64_cb(const void * x, float * y, int64_t k, const int8_t * cb);
+GGML_API void dequantize_row_nuq2_64_cb(const void * x, float * y, int64_t k, const int8_t * cb);
 
 // The trait functions: the codebook bound to the calling thread (slot A to quantize,
 // slot B to dequantize), else the fallback.
@@ -404,12 +439,16 @@ GGML_API void quantize_row_nuq3_ref (const float * x, block_nuq3  * y, int64_t k
 GGML_API void quantize_row_nuq2_ref (const float * x, block_nuq2  * y, int64_t k);
 GGML_API void quantize_row_nuq3o_ref(const float * x, block_nuq3o * y, int64_t k);
 GGML_API void quantize_row_nuq2o_ref(const float * x, block_nuq2o * y, int64_t k);
+GGML_API void quantize_row_nuq3_64_ref(const float * x, block_nuq3_64 * y, int64_t k);
+GGML_API void quantize_row_nuq2_64_ref(const float * x, block_nuq2_64 * y, int64_t k);
 
 GGML_API void dequantize_row_nuq4 (const block_nuq4  * x, float * y, int64_t k);
 GGML_API void dequantize_row_nuq3 (const block_nuq3  * x, float * y, int64_t k);
 GGML_API void dequantize_row_nuq2 (const block_nuq2  * x, float * y, int64_t k);
 GGML_API void dequantize_row_nuq3o(const block_nuq3o * x, float * y, int64_t k);
 GGML_API void dequantize_row_nuq2o(const block_nuq2o * x, float * y, int64_t k);
+GGML_API void dequantize_row_nuq3_64(const block_nuq3_64 * x, float * y, int64_t k);
+GGML_API void dequantize_row_nuq2_64(const block_nuq2_64 * x, float * y, int64_t k);
 
 GGML_API void quantize_row_q53_64_ref(const float * x, block_q53_64 * y, int64_t k);
 GGML_API void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k);

@@ -212,7 +212,8 @@ static void lib_dequantize(const uint8_t * q, int n, const int8_t * cb, float * 
 
 #define KVQ_LIB_TYPES(X) X(GGML_TYPE_BFP4_32) X(GGML_TYPE_BFP4_64) X(GGML_TYPE_BFP8_32) X(GGML_TYPE_NUQ4) \
                          X(GGML_TYPE_NUQ3) X(GGML_TYPE_NUQ2) X(GGML_TYPE_NUQ3O) X(GGML_TYPE_NUQ2O) \
-                         X(GGML_TYPE_Q53_64) X(GGML_TYPE_Q42_64) X(GGML_TYPE_Q32_64)
+                         X(GGML_TYPE_Q53_64) X(GGML_TYPE_Q42_64) X(GGML_TYPE_Q32_64) \
+                         X(GGML_TYPE_NUQ3_64) X(GGML_TYPE_NUQ2_64)
 
 // 0 on success, -1 for a type the codec does not have
 extern "C" int kvq_codec_quantize(int type, const float * x, int n, const int8_t * cb, uint8_t * out) {
@@ -240,6 +241,8 @@ int main() {
     check_nuq<GGML_TYPE_NUQ2>("nuq2", quantize_row_nuq2_ref_cb, dequantize_row_nuq2_cb);
     check_nuq<GGML_TYPE_NUQ3O>("nuq3o", quantize_row_nuq3o_ref_cb, dequantize_row_nuq3o_cb);
     check_nuq<GGML_TYPE_NUQ2O>("nuq2o", quantize_row_nuq2o_ref_cb, dequantize_row_nuq2o_cb);
+    check_nuq<GGML_TYPE_NUQ3_64>("nuq3_64", quantize_row_nuq3_64_ref_cb, dequantize_row_nuq3_64_cb);
+    check_nuq<GGML_TYPE_NUQ2_64>("nuq2_64", quantize_row_nuq2_64_ref_cb, dequantize_row_nuq2_64_cb);
     check_type<GGML_TYPE_Q53_64>("q53_64", nullptr, q_q53_64, dq_q53_64);
     check_type<GGML_TYPE_Q42_64>("q42_64", nullptr, q_q42_64, dq_q42_64);
     check_type<GGML_TYPE_Q32_64>("q32_64", nullptr, q_q32_64, dq_q32_64);

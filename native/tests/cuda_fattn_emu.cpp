@@ -80,6 +80,8 @@ static void encode_row(ggml_type t, const float * x, int n, const int8_t * cb, u
         case GGML_TYPE_NUQ2:    quantize_row_nuq2_ref_cb (x, out, n, cb); dequantize_row_nuq2_cb (out, deq, n, cb); return;
         case GGML_TYPE_NUQ3O:   quantize_row_nuq3o_ref_cb(x, out, n, cb); dequantize_row_nuq3o_cb(out, deq, n, cb); return;
         case GGML_TYPE_NUQ2O:   quantize_row_nuq2o_ref_cb(x, out, n, cb); dequantize_row_nuq2o_cb(out, deq, n, cb); return;
+        case GGML_TYPE_NUQ3_64: quantize_row_nuq3_64_ref_cb(x, out, n, cb); dequantize_row_nuq3_64_cb(out, deq, n, cb); return;
+        case GGML_TYPE_NUQ2_64: quantize_row_nuq2_64_ref_cb(x, out, n, cb); dequantize_row_nuq2_64_cb(out, deq, n, cb); return;
         case GGML_TYPE_Q53_64:  quantize_row_q53_64_ref(x, (block_q53_64 *) out, n); dequantize_row_q53_64((const block_q53_64 *) out, deq, n); return;
         case GGML_TYPE_Q42_64:  quantize_row_q42_64_ref(x, (block_q42_64 *) out, n); dequantize_row_q42_64((const block_q42_64 *) out, deq, n); return;
         case GGML_TYPE_Q32_64:  quantize_row_q32_64_ref(x, (block_q32_64 *) out, n); dequantize_row_q32_64((const block_q32_64 *) out, deq, n); return;
@@ -707,6 +709,8 @@ int main() {
     run_case< 64, GGML_TYPE_NUQ2,    GGML_TYPE_NUQ2   >("nuq2/nuq2",       plain);
     run_case<128, GGML_TYPE_NUQ3O,   GGML_TYPE_NUQ3O  >("nuq3o/nuq3o",     gqa12);
     run_case< 64, GGML_TYPE_NUQ2O,   GGML_TYPE_NUQ2O  >("nuq2o/nuq2o",     options);
+    run_case<128, GGML_TYPE_NUQ3_64, GGML_TYPE_NUQ3_64>("nuq3_64/nuq3_64", gqa12);
+    run_case< 64, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ2_64>("q8_0/nuq2_64",    options);
     run_case<128, GGML_TYPE_F16,     GGML_TYPE_NUQ3   >("f16/nuq3",        plain);
     run_case<128, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ3O  >("q8_0/nuq3o",      options);
     run_case< 64, GGML_TYPE_Q8_0,    GGML_TYPE_BFP4_32>("q8_0/bfp4_32",    no_mask);
@@ -767,6 +771,8 @@ int main() {
     run_case<128, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ3,    true>("q42_64/nuq3",     pre_gqa8,    &norm_q53,  tol);
     run_case< 64, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ2O,   true>("q42_64/nuq2o",    pre_streams, &neox64_32, tol);
     run_case<128, GGML_TYPE_Q32_64,  GGML_TYPE_NUQ2O,   true>("q32_64/nuq2o",    pre_gqa8,    &neox_q53,  tol);
+    run_case<128, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ3_64, true>("q42_64/nuq3_64",  pre_streams, &neox_q53,  tol);
+    run_case< 64, GGML_TYPE_Q32_64,  GGML_TYPE_NUQ2_64, true>("q32_64/nuq2_64",  pre_gqa8,    &neox64_32, tol);
     run_case< 64, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0 centred", pre_streams, &cen_norm, tol);
     run_case<128, GGML_TYPE_NUQ4,    GGML_TYPE_NUQ4,    true>("nuq4/nuq4 centred", pre_gqa8,    &cen_neox, tol);
     run_case<128, GGML_TYPE_Q8_0,    GGML_TYPE_NUQ3O,   true>("q8_0/nuq3o centred", pre_streams, &cen_part, tol);

@@ -43,6 +43,8 @@ REF_NUQ(GGML_TYPE_NUQ3, nuq3)
 REF_NUQ(GGML_TYPE_NUQ2, nuq2)
 REF_NUQ(GGML_TYPE_NUQ3O, nuq3o)
 REF_NUQ(GGML_TYPE_NUQ2O, nuq2o)
+REF_NUQ(GGML_TYPE_NUQ3_64, nuq3_64)
+REF_NUQ(GGML_TYPE_NUQ2_64, nuq2_64)
 
 static void launch_1d(int64_t total, const std::function<void()> & k) {
     emu::launch({ (unsigned) ((total + 127)/128), 1, 1 }, { 128, 1, 1 }, k);
@@ -155,6 +157,8 @@ int main() {
     check_type<GGML_TYPE_NUQ2>("nuq2");
     check_type<GGML_TYPE_NUQ3O>("nuq3o");
     check_type<GGML_TYPE_NUQ2O>("nuq2o");
+    check_type<GGML_TYPE_NUQ3_64>("nuq3_64");
+    check_type<GGML_TYPE_NUQ2_64>("nuq2_64");
     check_type<GGML_TYPE_Q53_64>("q53_64");
     check_type<GGML_TYPE_Q42_64>("q42_64");
     check_type<GGML_TYPE_Q32_64>("q32_64");

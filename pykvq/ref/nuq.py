@@ -1,4 +1,4 @@
-"""Non-uniform quantization (nuq4, nuq3, nuq2, nuq3o, nuq2o): the reference rule.
+"""Non-uniform quantization (nuq4, nuq3, nuq2, nuq3o, nuq2o, nuq3_64, nuq2_64): the reference rule.
 
 Each block of `block` values stores one f16 scale d and, per value, an index
 into a codebook c of 2^bits int8 entries (sorted strictly ascending, each in
@@ -32,6 +32,8 @@ Storage (ggml blocks, little endian, no padding):
   nuq3o (64): d[2] ov[2] oi qs[16] qh[8]   qs byte j: idx(j+16k) & 3 at bits 2k;       29 B  3.625
                                      qh: bit i of the 64-bit word = idx(i) >> 2
   nuq2o (64): d[2] ov[2] oi qs[16]                                                     21 B  2.625
+  nuq3_64 (64): d[2] qs[16] qh[8]  as nuq3o without the outlier                        26 B  3.25
+  nuq2_64 (64): d[2] qs[16]        as nuq2o without the outlier                        18 B  2.25
 
 K·Q converts Q to q8_0 (vec_dot_type) and sums c[idx] * q in int32 per 32 values.
 """
@@ -64,7 +66,8 @@ class NUQFormat:
 
 FORMATS = {f.name: f for f in (
     NUQFormat("nuq4", 32, 4), NUQFormat("nuq3", 32, 3), NUQFormat("nuq2", 32, 2),
-    NUQFormat("nuq3o", 64, 3, 1), NUQFormat("nuq2o", 64, 2, 1))}
+    NUQFormat("nuq3o", 64, 3, 1), NUQFormat("nuq2o", 64, 2, 1),
+    NUQFormat("nuq3_64", 64, 3), NUQFormat("nuq2_64", 64, 2))}
 
 # Used when a model file carries no codebook for a layer: Lloyd-Max centroids of
 # Gaussian blocks of 32 normalised by their absmax to [-127, 127], rounded. After

@@ -1,9 +1,9 @@
-// CPU kernels for the non-uniform cache types (nuq4, nuq3, nuq2, nuq3o, nuq2o).
+// CPU kernels for the non-uniform cache types (nuq4, nuq3, nuq2, nuq3o, nuq2o, nuq3_64, nuq2_64).
 //
 // K·Q runs on integers: Q is quantized to q8_0 (vec_dot_type), the K indices are
 // looked up in the codebook with a byte shuffle (pshufb / tbl, like upstream's
 // iq4_nl kernels), and each 32 values give one int32 dot product and one float
-// scale d·d8. Block-64 types (with an outlier) span two q8_0 blocks and add
+// scale d·d8. Block-64 types span two q8_0 blocks; those with an outlier add
 // (ov - d·c[idx[oi]])·q8[oi]·d8 for the outlier.
 //
 // Codebooks come from the node's op_params (ggml-kvq.h): ggml_kvq_cpu_bind()
@@ -75,13 +75,21 @@ static const int8_t nuq_fb3[16] = GGML_KVQ_NUQ_FALLBACK_3;   // padded with zero
 static const int8_t nuq_fb2[16] = GGML_KVQ_NUQ_FALLBACK_2;
 
 NUQ_INLINE int nuq_n_codes(const enum ggml_type t) {
-    return t == GGML_TYPE_NUQ4 ? 16 : (t == GGML_TYPE_NUQ3 || t == GGML_TYPE_NUQ3O) ? 8 : 4;
+    return t == GGML_TYPE_NUQ4 ? 16 : (t == GGML_TYPE_NUQ3 || t == GGML_TYPE_NUQ3O || t == GGML_TYPE_NUQ3_64) ? 8 : 4;
 }
 NUQ_INLINE int nuq_qk(const enum ggml_type t) {
-    return (t == GGML_TYPE_NUQ3O || t == GGML_TYPE_NUQ2O) ? QK_NUQO : QK_NUQ;
+    return ggml_kvq_type_qk(t);
 }
 NUQ_INLINE bool nuq_outl(const enum ggml_type t) {
-    return t == GGML_TYPE_NUQ3O || t == GGML_TYPE_NUQ2O;
+    return ggml_kvq_type_outl(t);
+}
+// the 2-bit fields (qs) and third bits (qh) of a block of 64 (nuq3o, nuq2o, nuq3_64, nuq2_64): the same layout,
+// after the outlier's fields where there is one
+NUQ_INLINE size_t nuq_qs64(const enum ggml_type t) {
+    return nuq_outl(t) ? offsetof(block_nuq3o, qs) : offsetof(block_nuq3_64, qs);
+}
+NUQ_INLINE size_t nuq_qh64(const enum ggml_type t) {
+    return nuq_outl(t) ? offsetof(block_nuq3o, qh) : offsetof(block_nuq3_64, qh);
 }
 NUQ_INLINE size_t nuq_bs(const enum ggml_type t) {
     switch (t) {
@@ -89,6 +97,8 @@ NUQ_INLINE size_t nuq_bs(const enum ggml_type t) {
         case GGML_TYPE_NUQ3:  return sizeof(block_nuq3);
         case GGML_TYPE_NUQ2:  return sizeof(block_nuq2);
         case GGML_TYPE_NUQ3O: return sizeof(block_nuq3o);
+        case GGML_TYPE_NUQ3_64: return sizeof(block_nuq3_64);
+        case GGML_TYPE_NUQ2_64: return sizeof(block_nuq2_64);
         default:              return sizeof(block_nuq2o);
     }
 }
@@ -202,13 +212,10 @@ NUQ_INLINE int nuq_idx_at(const enum ggml_type t, const uint8_t * b, int j) {
             const block_nuq2 * x = (const block_nuq2 *) b;
             return (x->qs[j % 8] >> (2*(j / 8))) & 3;
         }
-        case GGML_TYPE_NUQ3O: {
-            const block_nuq3o * x = (const block_nuq3o *) b;
-            return ((x->qs[j % 16] >> (2*(j / 16))) & 3) | (((x->qh[j / 8] >> (j % 8)) & 1) << 2);
-        }
-        default: {
-            const block_nuq2o * x = (const block_nuq2o *) b;
-            return (x->qs[j % 16] >> (2*(j / 16))) & 3;
+        default: {   // blocks of 64
+            const uint8_t * qs = b + nuq_qs64(t);
+            const int lo = (qs[j % 16] >> (2*(j / 16))) & 3;
+            return nuq_n_codes(t) == 8 ? lo | (((b[nuq_qh64(t) + j / 8] >> (j % 8)) & 1) << 2) : lo;
         }
     }
 }
@@ -241,6 +248,8 @@ NUQ_INLINE void nuq_quantize_generic(const enum ggml_type t, const float * x, vo
         case GGML_TYPE_NUQ3:  quantize_row_nuq3_ref_cb (x, y, k, cb); break;
         case GGML_TYPE_NUQ2:  quantize_row_nuq2_ref_cb (x, y, k, cb); break;
         case GGML_TYPE_NUQ3O: quantize_row_nuq3o_ref_cb(x, y, k, cb); break;
+        case GGML_TYPE_NUQ3_64: quantize_row_nuq3_64_ref_cb(x, y, k, cb); break;
+        case GGML_TYPE_NUQ2_64: quantize_row_nuq2_64_ref_cb(x, y, k, cb); break;
         default:              quantize_row_nuq2o_ref_cb(x, y, k, cb); break;
     }
 }
@@ -251,6 +260,8 @@ NUQ_INLINE void nuq_to_float_generic(const enum ggml_type t, const int8_t * cb, 
         case GGML_TYPE_NUQ3:  dequantize_row_nuq3_cb (x, y, k, cb); break;
         case GGML_TYPE_NUQ2:  dequantize_row_nuq2_cb (x, y, k, cb); break;
         case GGML_TYPE_NUQ3O: dequantize_row_nuq3o_cb(x, y, k, cb); break;
+        case GGML_TYPE_NUQ3_64: dequantize_row_nuq3_64_cb(x, y, k, cb); break;
+        case GGML_TYPE_NUQ2_64: dequantize_row_nuq2_64_cb(x, y, k, cb); break;
         default:              dequantize_row_nuq2o_cb(x, y, k, cb); break;
     }
 }
@@ -311,12 +322,12 @@ NUQ_INLINE __m256i nuq_idx32_avx2(const enum ggml_type t, const uint8_t * b, con
             }
             return idx;
         }
-        default: {   // NUQ3O, NUQ2O: qs byte j holds values j + 16k at bits 2k
-            const __m256i q  = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (b + offsetof(block_nuq3o, qs))));
+        default: {   // blocks of 64 (NUQ3O, NUQ2O, NUQ3_64, NUQ2_64): qs byte j holds values j + 16k at bits 2k
+            const __m256i q  = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (b + nuq_qs64(t))));
             const __m256i sh = h == 0 ? _mm256_set_epi64x(2, 2, 0, 0) : _mm256_set_epi64x(6, 6, 4, 4);
             __m256i idx = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m3);
-            if (t == GGML_TYPE_NUQ3O) {
-                uint32_t qh; memcpy(&qh, b + offsetof(block_nuq3o, qh) + 4*h, 4);
+            if (nuq_n_codes(t) == 8) {
+                uint32_t qh; memcpy(&qh, b + nuq_qh64(t) + 4*h, 4);
                 idx = _mm256_or_si256(idx, _mm256_and_si256(nuq_bits32_avx2(qh), _mm256_set1_epi8(4)));
             }
             return idx;
@@ -533,8 +544,8 @@ NUQ_INLINE void nuq_idx32_neon(const enum ggml_type t, const uint8_t * b, const 
                 *hi = vorrq_u8(*hi, nuq_bits16_neon(qh[2], qh[3]));
             }
         } break;
-        default: {   // NUQ3O, NUQ2O: qs byte j holds values j + 16k at bits 2k
-            const uint8x16_t q = vld1q_u8(b + offsetof(block_nuq3o, qs));
+        default: {   // blocks of 64 (NUQ3O, NUQ2O, NUQ3_64, NUQ2_64): qs byte j holds values j + 16k at bits 2k
+            const uint8x16_t q = vld1q_u8(b + nuq_qs64(t));
             if (h == 0) {
                 *lo = vandq_u8(q, m3);
                 *hi = vandq_u8(vshrq_n_u8(q, 2), m3);
@@ -542,8 +553,8 @@ NUQ_INLINE void nuq_idx32_neon(const enum ggml_type t, const uint8_t * b, const 
                 *lo = vandq_u8(vshrq_n_u8(q, 4), m3);
                 *hi = vshrq_n_u8(q, 6);
             }
-            if (t == GGML_TYPE_NUQ3O) {
-                const uint8_t * qh = b + offsetof(block_nuq3o, qh) + 4*h;
+            if (nuq_n_codes(t) == 8) {
+                const uint8_t * qh = b + nuq_qh64(t) + 4*h;
                 *lo = vorrq_u8(*lo, nuq_bits16_neon(qh[0], qh[1]));
                 *hi = vorrq_u8(*hi, nuq_bits16_neon(qh[2], qh[3]));
             }
@@ -645,7 +656,8 @@ static inline float nuq_index_block_neon(const float * x, int qk, const float * 
 // X(name, type, ...) gets the caller's extra argument (NUQ_TYPES(X, arg)) after the two
 #define NUQ_TYPES(X, ...) X(nuq4, GGML_TYPE_NUQ4, __VA_ARGS__) X(nuq3, GGML_TYPE_NUQ3, __VA_ARGS__) \
                           X(nuq2, GGML_TYPE_NUQ2, __VA_ARGS__) X(nuq3o, GGML_TYPE_NUQ3O, __VA_ARGS__) \
-                          X(nuq2o, GGML_TYPE_NUQ2O, __VA_ARGS__)
+                          X(nuq2o, GGML_TYPE_NUQ2O, __VA_ARGS__) X(nuq3_64, GGML_TYPE_NUQ3_64, __VA_ARGS__) \
+                          X(nuq2_64, GGML_TYPE_NUQ2_64, __VA_ARGS__)
 #define NUQ_COUNT(name, T, ...) + 1
 enum { NUQ_N_TYPES = 0 NUQ_TYPES(NUQ_COUNT, 0) };
 

@@ -407,11 +407,11 @@ KVQ_HD void kvq_quantize_block(const float * x, uint8_t * y, const int8_t * cb) 
             for (int j = 0; j < qk/2; ++j) {
                 y[2 + j] = (uint8_t) (idx[j] | (idx[j + qk/2] << 4));
             }
-        } else if constexpr (T == GGML_TYPE_NUQ3) {
+        } else if constexpr (!outl) {       // nuq3 / nuq2 and their blocks of 64
             kvq_pack_low2(idx, qk, y + 2);
-            kvq_pack_high(idx, qk, y + 2 + qk/4);
-        } else if constexpr (T == GGML_TYPE_NUQ2) {
-            kvq_pack_low2(idx, qk, y + 2);
+            if constexpr (n_codes == 8) {
+                kvq_pack_high(idx, qk, y + 2 + qk/4);
+            }
         } else {
             kvq_put_f16(y + 2, ggml_kvq_nuq_ov(x[oi]));   // NaN -> 0, clamped to +-65504
             y[4] = (uint8_t) oi;
@@ -527,7 +527,7 @@ KVQ_UNROLL
             // 2-bit fields: byte j % (qk/4), bits 2*(j / (qk/4)); nuq3*: bit j of qh
             constexpr int  q    = qk / 4;
             constexpr bool outl = kvq_traits<T>::outl;
-            constexpr bool hi   = T == GGML_TYPE_NUQ3 || T == GGML_TYPE_NUQ3O;
+            constexpr bool hi   = kvq_traits<T>::ncodes == 8;
             const float d   = kvq_f16_bytes(b);
             const int   off = outl ? 5 : 2;
             const int   sh  = 2 * (j / q);

@@ -526,7 +526,9 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     X(D, TK, GGML_TYPE_NUQ3)                         \
     X(D, TK, GGML_TYPE_NUQ2)                         \
     X(D, TK, GGML_TYPE_NUQ3O)                        \
-    X(D, TK, GGML_TYPE_NUQ2O)
+    X(D, TK, GGML_TYPE_NUQ2O)                        \
+    X(D, TK, GGML_TYPE_NUQ3_64)                      \
+    X(D, TK, GGML_TYPE_NUQ2_64)
 
 #define KVQ_FA_PAIRS(X, D)                                 \
     X(D, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32)             \
@@ -537,6 +539,8 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     X(D, GGML_TYPE_NUQ2,    GGML_TYPE_NUQ2)                \
     X(D, GGML_TYPE_NUQ3O,   GGML_TYPE_NUQ3O)               \
     X(D, GGML_TYPE_NUQ2O,   GGML_TYPE_NUQ2O)               \
+    X(D, GGML_TYPE_NUQ3_64, GGML_TYPE_NUQ3_64)             \
+    X(D, GGML_TYPE_NUQ2_64, GGML_TYPE_NUQ2_64)             \
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_F16)                  \
     KVQ_FA_LOW_BIT_V(X, D, GGML_TYPE_Q8_0)
 
@@ -546,7 +550,9 @@ bool kvq_fattn_vec_d256(const kvq_fattn_args & a, ggml_type tk, ggml_type tv, bo
     X(D, TK, GGML_TYPE_NUQ4)                         \
     X(D, TK, GGML_TYPE_NUQ3O)                        \
     X(D, TK, GGML_TYPE_NUQ3)                         \
-    X(D, TK, GGML_TYPE_NUQ2O)
+    X(D, TK, GGML_TYPE_NUQ2O)                        \
+    X(D, TK, GGML_TYPE_NUQ3_64)                      \
+    X(D, TK, GGML_TYPE_NUQ2_64)
 
 // Pairs compiled for a pre-RoPE K only: stock K / V types (upstream's kernels take them post-RoPE),
 // quantized K with f16 V, and the keys split in halves (laid out for them by a pre-RoPE conversion).
