@@ -12,7 +12,8 @@ from __future__ import annotations
 from pykvq import cache_types
 from pykvq.errors import CacheTypeError
 
-# the candidate types (bits/value: cache_types; q8_0 / q4_0 with a 2-byte scale per 32)
+# the candidate types (bits/value: cache_types; q8_0 / q4_0 with a 2-byte scale per 32): K's default where keys are
+# cached after RoPE, and the ladder --layer-types names for both
 DEFAULT_LADDER = ("nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0")
 # a pre-RoPE file's keys add the types split by importance (q42_64 at 3.5 bits, q53_64 at 4.5):
 # SmolLM2 / Qwen2.5-Coder-1.5B at 3.5 bits and 4096 tokens, KLD 0.0189 -> 0.0141 / 0.0118 -> 0.0093
@@ -22,6 +23,22 @@ PREROPE_K_LADDER = ("nuq2o", "nuq3", "q42_64", "nuq3o", "nuq4", "q53_64", "q8_0"
 # Qwen2.5-Coder-1.5B from 0.0303 to 0.0263 KLD and SmolLM2 from 0.0371 to 0.0341 (window 16: 0.0238 -> 0.0203,
 # 0.0316 -> 0.0313); at 3.5 bits (cache 3.23) one gained, one lost (0.00987 -> 0.00926, 0.0140 -> 0.0148)
 Q32_BELOW = 3.0
+
+
+# the values' default candidates: nuq3_64 (3.25 bits, one scale per 64 values) beside nuq3, since after the online
+# Hadamard a head's values share one spread (SmolLM2, K q8_0, every V layer one type, 4096 tokens: nuq3_64 0.00681
+# KLD, nuq3 0.00665); below 3 bits nuq2_64 (2.25) joins before nuq2o, which frees bits for the keys (--kv-bits 3.0:
+# SmolLM2 0.0341 -> 0.0263, Qwen2.5-Coder-1.5B 0.0207 -> 0.0153). Above it the budget underprices it: its errors cost
+# more than their squares say (uniform V: 0.0250 against nuq2o's 0.0173, squared error only 1.26x), and at 3.5 bits
+# SmolLM2 went 0.0140 -> 0.0176 with it.
+VALUE_LADDER = ("nuq2o", "nuq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
+
+
+def value_ladder(cache_bits: float | None) -> tuple:
+    """The default V candidates for a budget whose cache (the window's rows taken out) gets cache_bits."""
+    if cache_bits is not None and cache_bits < Q32_BELOW:
+        return ("nuq2_64",) + VALUE_LADDER
+    return VALUE_LADDER
 
 
 def prerope_k_ladder(cache_bits: float | None) -> tuple:

@@ -57,7 +57,8 @@ class Options:
     q_norm: bool = True                  # Q-Norm folded into the codebooks
     kv_bits: float | None = None         # bits/value budget: per-layer K/V types from `ladder`
     ladder: tuple = layer_types.DEFAULT_LADDER
-    ladder_k: tuple | None = None        # K's candidates when they differ from V's (None: `ladder`)
+    ladder_k: tuple | None = None        # K's candidates when they differ from V's (None: `ladder`; the converter's
+                                         # command line gives layer_types.DEFAULT_LADDER, V's VALUE_LADDER)
     ladder_k_auto: bool = False          # ladder_k is the pre-RoPE default: dropped where halves types cannot apply
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
@@ -223,7 +224,7 @@ def check_file(m: GGUFModel, opts: Options, g) -> None:
         why = f"{type_k} needs an architecture in the converter's table and a head size its blocks divide"
     if why and opts.ladder_k_auto:      # the default ladder: leave the split types out, not the conversion
         log.info("keys split by importance (q42_64 / q53_64) left out of the budget's K types: %s", why)
-        opts.ladder_k, opts.ladder_k_auto = None, False
+        opts.ladder_k, opts.ladder_k_auto = layer_types.DEFAULT_LADDER, False
         check_file(m, opts, g)
     elif why:
         raise ConvertError(why)

@@ -131,12 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
                         "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
     g.add_argument("--layer-types", default=None, metavar="TYPES",
-                   help="candidate types for --kv-bits (default " + ",".join(pipeline.layer_types.DEFAULT_LADDER) + ")")
+                   help="candidate types for --kv-bits, V's and (without --layer-types-k) K's. Default: V "
+                        + ",".join(pipeline.layer_types.VALUE_LADDER) + ", with nuq2_64 (2.25 bits) first where the "
+                        f"cache's share of the budget is below {pipeline.layer_types.Q32_BELOW:g} bits/value; K "
+                        "the --layer-types-k default")
     g.add_argument("--layer-types-k", default=None, metavar="TYPES",
-                   help="K's candidate types for --kv-bits when they differ from V's. Default: with --prerope-k and "
-                        "no --layer-types, " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 / q53_64: "
-                        f"keys split by importance), with q32_64 (3.0 bits) after nuq2o where the cache's share of the "
-                        f"budget is below {pipeline.layer_types.Q32_BELOW:g} bits/value; else --layer-types")
+                   help="K's candidate types for --kv-bits when they differ from V's. Default: --layer-types where "
+                        "given; else with --prerope-k " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 "
+                        f"/ q53_64: keys split by importance), with q32_64 (3.0 bits) after nuq2o where the cache's "
+                        f"share of the budget is below {pipeline.layer_types.Q32_BELOW:g} bits/value; without it "
+                        + ",".join(pipeline.layer_types.DEFAULT_LADDER))
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
                         "only those of reads the file's window and sinks leave quantized (the backward pass takes "
@@ -287,11 +291,14 @@ def _types_list(arg: str) -> tuple:
 
 
 def _key_ladder(args) -> tuple | None:
-    """K's candidates: --layer-types-k, else the pre-RoPE default when nothing names a ladder, else V's (None)."""
+    """K's candidates: --layer-types-k, else V's where --layer-types names them (None), else the default (the
+    pre-RoPE one with --prerope-k)."""
     if args.layer_types_k is not None:
         return _types_list(args.layer_types_k)
-    auto = args.prerope_k and args.kv_bits is not None and args.layer_types is None
-    return pipeline.layer_types.PREROPE_K_LADDER if auto else None
+    if args.layer_types is not None:
+        return None
+    lt = pipeline.layer_types
+    return lt.PREROPE_K_LADDER if args.prerope_k and args.kv_bits is not None else lt.DEFAULT_LADDER
 
 
 def _is_hf_dir(p: Path) -> bool:
@@ -626,9 +633,12 @@ def convert(args) -> dict:
                             prerope_scale=args.prerope_k_scale, prerope_power=args.prerope_k_power,
                             kv_sinks=args.kv_sinks, kv_window=window,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
-                            ladder=_types_list(args.layer_types or ",".join(pipeline.layer_types.DEFAULT_LADDER)),
+                            ladder=(_types_list(args.layer_types) if args.layer_types is not None
+                                    else pipeline.layer_types.VALUE_LADDER),
                             ladder_k=_key_ladder(args))
-    opts.ladder_k_auto = args.layer_types_k is None and opts.ladder_k is not None     # the default: may drop
+    # the defaults: the pre-RoPE K ladder may drop its split types, and both take their cheap steps below 3 bits
+    opts.ladder_k_auto = args.layer_types_k is None and opts.ladder_k == pipeline.layer_types.PREROPE_K_LADDER
+    ladder_v_auto = args.layer_types is None
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
                            "--calib-seqs 2 or more")
@@ -649,8 +659,12 @@ def convert(args) -> dict:
                                      f"leaves --kv-bits {opts.kv_bits} the cheapest of --layer-types ({low}) at "
                                      f"{opts.kv_bits_ctx} cells")
                 opts.kv_window = wins[0]
-            if opts.ladder_k_auto:      # the window's rows are known: q32_64 joins the default below 3 bits
+            # the window's rows are known: q32_64 and nuq2_64 join the defaults below 3 bits
+            if opts.ladder_k_auto:
                 opts.ladder_k = pipeline.layer_types.prerope_k_ladder(opts.cache_bits())
+            if ladder_v_auto:
+                opts.ladder = pipeline.layer_types.value_ladder(opts.cache_bits())
+                low = opts.cheapest_bits()
             if opts.cache_bits() < low:
                 win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
                        f"{opts.cache_bits():.3f} for the cache)" if opts.window_bits() else "")

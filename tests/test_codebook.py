@@ -82,6 +82,16 @@ def test_prerope_key_ladder_takes_q32_below_three_bits():
     assert layer_types.prerope_k_ladder(3.0) == base and layer_types.prerope_k_ladder(None) == base
 
 
+def test_value_ladder_takes_nuq2_64_below_three_bits():
+    """V's default candidates hold nuq3_64 (3.25 bits) always and nuq2_64 (2.25), first, where the cache's share of
+    the budget is below 3 bits/value, as q32_64 joins K's."""
+    base = layer_types.VALUE_LADDER
+    assert "nuq3_64" in base and "nuq2_64" not in base
+    assert layer_types.value_ladder(3.0 - 16 * 69 / 4096) == ("nuq2_64",) + base
+    assert layer_types.value_ladder(3.5 - 16 * 69 / 4096) == base == layer_types.value_ladder(None)
+    assert [layer_types.bits_per_value(t) for t in layer_types.value_ladder(2.9)[:3]] == [2.25, 2.625, 3.25]
+
+
 @pytest.mark.parametrize("hd, want", [(64, (32, 0)), (128, (128, 32)), (96, (32, 0))])
 def test_online_k_rotation_never_mixes_the_halves_of_a_halves_type(hd, want):
     """With a q53_64 / q42_64 K layer the runtime turns every layer's keys within each 32-value half

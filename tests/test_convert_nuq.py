@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from convert.gguf_io import read_gguf
-from convert.layer_types import DEFAULT_LADDER, PREROPE_K_LADDER
+from convert.layer_types import DEFAULT_LADDER, PREROPE_K_LADDER, VALUE_LADDER
 from pykvq import Model, cache_types
 from pykvq.keys import Keys, Tensors, suffix
 from pykvq.ref import nuq
@@ -37,7 +37,7 @@ def test_budget_file_records_types_and_valid_codebooks(mixed_file):
     bits = []
     for which in ("k", "v"):
         types = _layer_types(m, which)
-        assert len(types) == n and set(types) <= {"nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0"}
+        assert len(types) == n and set(types) <= set(DEFAULT_LADDER if which == "k" else VALUE_LADDER)
         for i, t in enumerate(types):
             bits.append(8.5 if t == "q8_0" else nuq.FORMATS[t].bits_per_value)
             cb = m.tensors.get(Tensors.CODEBOOK[which].format(bid=i))
@@ -113,8 +113,9 @@ def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
     assert np.mean(bits) > 3.6 - window - 0.5          # the budget is spent, not left idle
     assert "the window's 0.270 at 4096 cells" in res.stdout
     assert "counts the errors of reads the window leaves quantized" in res.stdout     # the default budget
-    # a pre-RoPE file's keys may be split by importance by default (CUDA kernels too: no warning); V's ladder as before
-    assert set(_layer_types(m, "k")) <= set(PREROPE_K_LADDER) and set(_layer_types(m, "v")) <= set(DEFAULT_LADDER)
+    # a pre-RoPE file's keys may be split by importance by default (CUDA kernels too: no warning); V's own ladder
+    # (nuq3_64 in it; the cache's 3.33 bits keep nuq2_64 out)
+    assert set(_layer_types(m, "k")) <= set(PREROPE_K_LADDER) and set(_layer_types(m, "v")) <= set(VALUE_LADDER)
     assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     assert "have CPU kernels only" not in res.stdout
     # the key scale's Fisher power: the ladder's nuq2o makes the file's 0.15, and the layers whose keys take uniform
@@ -160,7 +161,7 @@ def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, wik
     m = read_gguf(out)
     tk, tv = _layer_types(m, "k"), _layer_types(m, "v")
     assert set(tk) <= set(k_ladder) and {"q42_64", "q53_64"} & set(tk), tk
-    assert set(tv) <= {"nuq2o", "nuq3", "nuq3o", "nuq4", "q8_0"}, tv
+    assert set(tv) <= set(VALUE_LADDER), tv
     assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     for i, t in enumerate(tk):          # a K codebook for the nuq layers alone
         assert (Tensors.CODEBOOK_K.format(bid=i) in m.tensors) == (t in nuq.FORMATS)
@@ -174,13 +175,14 @@ def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, wik
 
 
 def test_budget_that_picks_no_halves_type_leaves_the_rotation_head_wide(smollm2, wiki_file, tmp_path):
-    """A pre-RoPE budget at its cheapest (nuq2o everywhere) takes no q42_64 / q53_64 key: the runtime turns the keys
-    head-wide, and the file's K codebooks were fitted again for that rotation (the halves rotation they were first
-    fitted in is not what the cache holds; SmolLM2 at 4096 tokens, see docs/RESULTS.md)."""
+    """A pre-RoPE budget at its cheapest (K nuq2o, V nuq2_64 everywhere) takes no q42_64 / q53_64 key: the runtime
+    turns the keys head-wide, and the file's K codebooks were fitted again for that rotation (the halves rotation they
+    were first fitted in is not what the cache holds; SmolLM2 at 4096 tokens, see docs/RESULTS.md)."""
     from conftest import run_tool
-    out = tmp_path / "smol-2.625.gguf"
-    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "2.625", *CALIB)
+    out = tmp_path / "smol-2.4375.gguf"
+    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", str((2.625 + 2.25) / 2), *CALIB)
     m = read_gguf(out)
+    assert set(_layer_types(m, "v")) == {"nuq2_64"}
     assert set(_layer_types(m, "k")) == {"nuq2o"} and str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     r = run_tool("llama-perplexity", "-m", out, "-fa", "on", "-c", "128", "--chunks", "1", "-f", wiki_file, "-v")
     assert r.returncode == 0, r.stderr[-2000:]
