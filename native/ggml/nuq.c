@@ -238,6 +238,13 @@ static inline void nuq_unpack_low2(const uint8_t * qs, int n, uint8_t * idx) {
     }
 }
 
+// the third bit of each index: bit i of qh (nuq_pack_high's layout)
+static inline void nuq_unpack_high(const uint8_t * qh, int n, uint8_t * idx) {
+    for (int j = 0; j < n; ++j) {
+        idx[j] |= ((qh[j / 8] >> (j % 8)) & 1) << 2;
+    }
+}
+
 void ggml_kvq_nuq_pack(enum ggml_type type, const uint8_t * idx, float d, float ov, int oi, void * blk) {
     uint8_t * b = (uint8_t *) blk;
     nuq_put_f16(b, d);
@@ -321,9 +328,7 @@ static void nuq_dequantize_row(enum ggml_type type, const void * vx, float * y, 
             case GGML_TYPE_NUQ3: {
                 const block_nuq3 * x = (const block_nuq3 *) b;
                 nuq_unpack_low2(x->qs, QK_NUQ, idx);
-                for (int j = 0; j < QK_NUQ; ++j) {
-                    idx[j] |= ((x->qh[j / 8] >> (j % 8)) & 1) << 2;
-                }
+                nuq_unpack_high(x->qh, QK_NUQ, idx);
             } break;
             case GGML_TYPE_NUQ2: {
                 nuq_unpack_low2(((const block_nuq2 *) b)->qs, QK_NUQ, idx);
@@ -331,9 +336,7 @@ static void nuq_dequantize_row(enum ggml_type type, const void * vx, float * y, 
             case GGML_TYPE_NUQ3O: {
                 const block_nuq3o * x = (const block_nuq3o *) b;
                 nuq_unpack_low2(x->qs, QK_NUQO, idx);
-                for (int j = 0; j < QK_NUQO; ++j) {
-                    idx[j] |= ((x->qh[j / 8] >> (j % 8)) & 1) << 2;
-                }
+                nuq_unpack_high(x->qh, QK_NUQO, idx);
                 oi = x->oi;
                 ov = ggml_kvq_f16_bytes(x->ov);
             } break;
@@ -346,9 +349,7 @@ static void nuq_dequantize_row(enum ggml_type type, const void * vx, float * y, 
             case GGML_TYPE_NUQ3_64: {
                 const block_nuq3_64 * x = (const block_nuq3_64 *) b;
                 nuq_unpack_low2(x->qs, QK_NUQO, idx);
-                for (int j = 0; j < QK_NUQO; ++j) {
-                    idx[j] |= ((x->qh[j / 8] >> (j % 8)) & 1) << 2;
-                }
+                nuq_unpack_high(x->qh, QK_NUQO, idx);
             } break;
             case GGML_TYPE_NUQ2_64: {
                 nuq_unpack_low2(((const block_nuq2_64 *) b)->qs, QK_NUQO, idx);
