@@ -68,7 +68,8 @@ FOUR_BIT = ["bfp4_32", "bfp4_64", "nuq4"]
 THREE_BIT = ["nuq3", "nuq3o"]
 # pre-RoPE K caches (the K type's layers go pre-RoPE; an f16 K stays upstream's)
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0"]
-HALVES_SETTINGS = ["q42_64/nuq3", "q32_64/nuq2o"]   # the budgets' other key types: KLD only, not benched
+# the budgets' other key types with the values the default budgets pair them with (3.5 / 3.0 bits): KLD only, not benched
+HALVES_SETTINGS = ["q42_64/nuq3_64", "q32_64/nuq2_64"]
 UB1_SETTINGS = ["q4_0", "q53_64/q4_0"]   # the prerope step's KLD with -ub 1 too (every query through the decode kernel)
 DRY_RUN = False
 # the key domain through the tools' environment fallback of --kv-domain (a pre-RoPE file's CUDA-held layers stayed
