@@ -120,10 +120,13 @@ int main(int argc, char ** argv) {
     if (argc == 3) {
         return dump(argv[1], argv[2]);
     }
-    const enum ggml_type types[5] = { GGML_TYPE_NUQ4, GGML_TYPE_NUQ3, GGML_TYPE_NUQ2, GGML_TYPE_NUQ3O, GGML_TYPE_NUQ2O };
-    const char * names[5] = { "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o" };
-    const quant_ref_t ref[5] = { quantize_row_nuq4_ref_cb, quantize_row_nuq3_ref_cb, quantize_row_nuq2_ref_cb,
-                                 quantize_row_nuq3o_ref_cb, quantize_row_nuq2o_ref_cb };
+    enum { NT = 7 };
+    const enum ggml_type types[NT] = { GGML_TYPE_NUQ4, GGML_TYPE_NUQ3, GGML_TYPE_NUQ2, GGML_TYPE_NUQ3O, GGML_TYPE_NUQ2O,
+                                       GGML_TYPE_NUQ3_64, GGML_TYPE_NUQ2_64 };
+    const char * names[NT] = { "nuq4", "nuq3", "nuq2", "nuq3o", "nuq2o", "nuq3_64", "nuq2_64" };
+    const quant_ref_t ref[NT] = { quantize_row_nuq4_ref_cb, quantize_row_nuq3_ref_cb, quantize_row_nuq2_ref_cb,
+                                  quantize_row_nuq3o_ref_cb, quantize_row_nuq2o_ref_cb, quantize_row_nuq3_64_ref_cb,
+                                  quantize_row_nuq2_64_ref_cb };
     const int lens[3] = { 96, 256, 320 };
     static float x[NMAX], q[NMAX], y0[NMAX], y1[NMAX];
     static uint8_t k0[NMAX * 2], k1[NMAX * 2];
@@ -144,7 +147,7 @@ int main(int argc, char ** argv) {
     for (int i = 0; i < ggml_kvq_cpu_n_impls(); ++i) {
         double worst = 0.0;
         int    fails = 0;
-        for (int t = 0; t < 5; ++t) {
+        for (int t = 0; t < NT; ++t) {
             const int nc = ggml_kvq_nuq_n_codes(types[t]);
             const int qk = ggml_kvq_nuq_block(types[t]);
             for (int c = 0; c < 4; ++c) {
