@@ -4,11 +4,12 @@
     g.k[il]   # float32 [n_seq * seq_len, n_head_kv, head_dim], the GGUF's channel order (as pykvq.calibrate's)
 
 llama.cpp's training graph runs the GGUF's own quantized weights forward and backward on the CPU
-(native/llama/llama-kvq-grad.cpp): the squares of these gradients are the diagonal Fisher that the converter's
-codebooks and --kv-bits budgets weigh cache errors with (--sensitivity gradients: the converter's default where
-transformers' pass cannot run), without the f32 copy of the model that transformers' backward pass needs. The
-memory is the model's plus every activation of one window kept for the backward pass (Qwen2.5-Coder-1.5B at 512
-tokens: about 4 GB in all; peak_bytes estimates it).
+(native/llama/llama-kvq-grad.cpp): the squares of these gradients are the diagonal Fisher that codebooks and
+--kv-bits budgets weigh cache errors with, without the f32 copy of the model that transformers' backward pass needs.
+The memory is the model's plus every activation of one window kept for the backward pass (Qwen2.5-Coder-1.5B at 512
+tokens: about 4 GB in all; peak_bytes estimates it), and the products round activations to 8 bits. The converter
+now takes the same gradients from convert/layer_gradients.py (float32, one layer in memory at a time: 1.34 GiB
+for that model's whole --bits 3.5 conversion) and uses this module's windows (token_windows) and result type only.
 
 With window=(sinks, cells) the gradients come only through the reads that a pre-RoPE file's runtime makes of
 quantized cells (the attention graph takes the exact ones through copies of K and V without a gradient), as

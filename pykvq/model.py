@@ -360,18 +360,7 @@ class Model(Generation, Evaluation):
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        L = self._lib
-        cap = len(data) + 16
-        buf = ffi.new("llama_token[]", cap)
-        n = L.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = ffi.new("llama_token[]", cap)
-            n = L.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            raise PykvqError(f"tokenization failed ({n})")
-        return list(ffi.unpack(buf, n))
+        return _tokenize(self._lib, self._vocab, text, add_special, parse_special)
 
     def detokenize(self, tokens, *, special: bool = False) -> str:
         toks = ffi.new("llama_token[]", list(tokens))
@@ -547,6 +536,42 @@ class Model(Generation, Evaluation):
         for r in self._decode_batches(tokens, 0, output_from, True, 0):
             if r is not None:
                 yield r
+
+
+def _tokenize(L, vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    data = text.encode("utf-8")
+    cap = len(data) + 16
+    buf = ffi.new("llama_token[]", cap)
+    n = L.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:
+        cap = -n
+        buf = ffi.new("llama_token[]", cap)
+        n = L.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:
+        raise PykvqError(f"tokenization failed ({n})")
+    return list(ffi.unpack(buf, n))
+
+
+def tokenize_file(path: str | os.PathLike, text: str) -> tuple[list[int], int | None]:
+    """text's tokens by the GGUF's own tokenizer, without special tokens, and the BOS the model wants first in a
+    window (None where it wants none), as Model.tokenize and Model.add_bos give them; only the vocabulary is
+    loaded, none of the weights."""
+    path = Path(path)
+    check_gguf(path)
+    L = lib()
+    reclaim_log()
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    log.clear()
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    if model == ffi.NULL:
+        raise ModelLoadError(f"llama.cpp could not load {path}'s vocabulary: {_last_error()}")
+    try:
+        vocab = L.llama_model_get_vocab(model)
+        bos = int(L.llama_vocab_bos(vocab)) if L.llama_vocab_get_add_bos(vocab) else None
+        return _tokenize(L, vocab, text, False, False), bos
+    finally:
+        L.llama_model_free(model)
 
 
 def check_block_fits(which: str, type_name: str, block: int, head_dim: int) -> None:

@@ -17,7 +17,8 @@ struct llama_context * llama_init_from_model(struct llama_model * model, struct 
 struct llama_context * llama_kvq_init_from_model(struct llama_model * model, struct llama_context_params params,
                                                  int attn_rot_k, int attn_rot_v);
 
-/* pykvq native (ggml-kvq.h, ggml-kvq-cpu.h): reference codecs in ggml-base, kernels in ggml-cpu */
+/* pykvq native (ggml-kvq.h, ggml-kvq-cpu.h): reference codecs in ggml-base, kernels in ggml-cpu (ggml_to_float_t,
+   ggml_from_float_t and ggml_get_type_traits come with pykvq._lib's declarations) */
 const char * ggml_kvq_version(void);
 bool ggml_kvq_cpu_set_fa_mode(const char * mode);
 const char * ggml_kvq_cpu_fa_mode(void);
@@ -28,13 +29,8 @@ void dequantize_row_bfp4_32(const void * x, float * y, int64_t k);
 void dequantize_row_bfp4_64(const void * x, float * y, int64_t k);
 void dequantize_row_bfp8_32(const void * x, float * y, int64_t k);
 typedef void (*ggml_vec_dot_t)(int n, float * s, size_t bs, const void * x, size_t bx, const void * y, size_t by, int nrc);
-typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
-typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
 struct ggml_type_traits_cpu { ggml_from_float_t from_float; ggml_vec_dot_t vec_dot; int vec_dot_type; int64_t nrows; };
 const struct ggml_type_traits_cpu * ggml_get_type_traits_cpu(int type);
-struct ggml_type_traits { const char * type_name; int64_t blck_size; int64_t blck_size_interleave; size_t type_size;
-                          bool is_quantized; ggml_to_float_t to_float; ggml_from_float_t from_float_ref; };
-const struct ggml_type_traits * ggml_get_type_traits(int type);
 int             ggml_kvq_cpu_n_impls(void);
 const char *    ggml_kvq_cpu_impl_name(int i);
 ggml_vec_dot_t  ggml_kvq_cpu_impl_vec_dot(int i, int type);
