@@ -71,12 +71,13 @@ what each step costs (a GGUF input; --sensitivity forward, the default):
                 Q / K / V (then + layers x tokens x (n_head + 2 n_head_kv) x head_dim x 4 bytes). Cached in
                 $PYKVQ_CACHE/calib/runtime
   writing       tensor by tensor from the memory-mapped input; the disk needs about the input's size
+  --sensitivity gradients  (the default for codebooks and --kv-bits) reads the GGUF a layer at a time, decodes it
+                to float32 and runs the forward pass, then the backward pass from the last layer down (numpy):
+                the statistics and the loss's gradients in one pass, without the runtime; memory: every
+                layer's input plus one layer's float32 weights and activations (Qwen2.5-Coder-1.5B, 4 x 512
+                tokens: about 1 GB beside the rest of the conversion); cached in $PYKVQ_CACHE/calib/grad
   --sensitivity backprop  instead dequantizes the GGUF to an f32 HF checkpoint (~4x the parameters in bytes, on
                 disk and in memory) and runs transformers' forward and backward: ~10x the GGUF's size in RAM
-  --sensitivity gradients  the same gradients from the GGUF itself in pykvq's runtime (llama.cpp's backward pass):
-                the model's memory plus one window's activations; cached in $PYKVQ_CACHE/calib/grad. The
-                default for codebooks and --kv-bits where transformers' pass cannot run (no torch, too little
-                memory); where neither can, --kv-bits is priced by the runtime's probe
 
 study transforms:
   python convert/to_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf -o smol-kvq.gguf --ksort --smooth-qk --rotate-v hadamard
@@ -180,24 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "the GGUF (any architecture with standard RoPE, memory about the model's); the keys' "
                         "weight is the energy of the queries that read each channel, V's the norm of its W_o "
                         "columns. backprop: the diagonal Fisher from transformers' backward pass on an f32 HF "
-                        "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for an HF input, with --hf-dir, "
-                        "and for codebooks / --kv-bits, whose budgets compare layers: forward weights cannot). "
+                        "checkpoint (llama / qwen2 only; ~10x the GGUF's size in RAM; the default for codebooks / "
+                        "--kv-bits, whose budgets compare layers (forward weights cannot), with an HF input or "
+                        "--hf-dir). "
                         "probe: forward weights within each layer's K and V, and --kv-bits' prices across them "
                         "measured in the runtime (noise into one slot at a time, the KL divergence it causes: "
                         "2 x layers + 5 forward passes of --probe-len tokens, in the model's own memory; "
-                        "the default for --kv-bits where neither backward pass can run). measure: as probe, then "
+                        "the default for --kv-bits where no backward pass can run). measure: as probe, then "
                         "every candidate type of every slot rounded as "
                         "the file's cache will round it and its KL divergence measured (layers x the two ladders' "
                         "types forward passes of 512 tokens: SmolLM2-135M 14 min on 2 cores, 0.0191 -> 0.0174 at "
-                        "3.5 bits, 0.067 -> 0.050 at 3.0; slow for larger models). gradients: backprop's per-token "
-                        "Fisher from pykvq's runtime instead, llama.cpp's training graph on the GGUF's own weights "
-                        "(llama / qwen2; the model's memory plus one window's activations: Qwen2.5-Coder-1.5B "
-                        "4.7 GiB peak, 230 s for --bits 3.5 on 2 cores; windows of a multiple of 256 tokens; no "
-                        "torch; the default for codebooks / --kv-bits where transformers' pass cannot run: no "
-                        "torch, or less memory than it needs). Like backprop it takes the gradients only through "
-                        "the reads the window leaves quantized. 3.5 bits at 4096 tokens, KLD against backprop on "
-                        "the same calibration tokens: SmolLM2 -3..+7%% (+0.3%% over three samples; the probe "
-                        "+41%%), Qwen2.5-Coder +4..+6%% (the probe level with gradients, in 1.96 GiB)")
+                        "3.5 bits, 0.067 -> 0.050 at 3.0; slow for larger models). gradients (the default for a GGUF input with "
+                        "codebooks or --kv-bits): backprop's statistics and per-token Fisher computed from the GGUF "
+                        "a layer at a time in float32 (llama / qwen2, no torch; the same gradients as transformers' "
+                        "to 1e-4; Qwen2.5-Coder-1.5B --bits 3.5 in 1.34 GiB peak and 174 s on 2 cores, where "
+                        "transformers' pass took 13 GB). Like backprop it takes the gradients only through "
+                        "the reads the window leaves quantized")
     g.add_argument("--probe-len", type=int, default=128, metavar="N",
                    help="with --sensitivity probe: tokens per probe pass (default 128; Qwen2.5-Coder-1.5B at 3.5 "
                         "bits and 4096 tokens, KLD against the backward pass: 128 +8%%, 256 +10%%, 512 +7%%, "
@@ -400,50 +399,43 @@ def _check_resources(gguf_path: Path, out: Path, runtime: bool, out_bytes: int |
                                f"available, running the model needs about {need / 2**30:.2f} GiB")
 
 
-def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, seq_len: int = 512) -> str:
-    """An HF checkpoint at hand: its backward pass costs no extra copy. Codebooks and --kv-bits budgets compare
-    errors across layers and between K and V, which the forward weights cannot (Qwen2.5-Coder --kv-bits 3.6: KLD
-    0.104 forward vs 0.036 backprop), so they take the loss's gradients: transformers' backward pass where it can
-    run, else the same gradients from pykvq's runtime (gradients: on the same calibration tokens, KLD at 3.5 bits
-    and 4096 tokens against backprop's SmolLM2 +0.3% over three samples, Qwen2.5-Coder +4..+6%; the probe
-    +41% and erratic on SmolLM2, level with gradients on Qwen, docs/RESULTS-BY-DATE.md 2026-11-30). Where
-    neither runs (an architecture without a backward graph, windows not of 256 tokens, too little memory) a budget
-    is priced by the runtime (probe) and codebooks take the forward weights."""
+def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, seq_len: int = 512) -> str:
+    """Codebooks and --kv-bits budgets compare errors across layers and between K and V, which the forward weights
+    cannot (Qwen2.5-Coder --kv-bits 3.6: KLD 0.104 forward vs 0.036 backprop), so they take the loss's gradients.
+    From a GGUF: layer by layer in float32 (gradients: transformers' backward pass, one layer in memory at a time;
+    the same gradients to 1e-4, Qwen2.5-Coder-1.5B --bits 3.5 in 174 s and 1.34 GiB where transformers took 513 s
+    and 13 GB; that file's KLD 0.00850 against backprop's 0.00860, docs/RESULTS-BY-DATE.md 2026-11-30, late). An HF checkpoint at hand:
+    transformers' backward pass, which costs no extra copy there. Where neither runs (another architecture, too
+    little memory) a budget is priced by the runtime (probe) and codebooks take the forward weights."""
     if hf_at_hand:
         return "backprop"
     if not opts.needs_fisher():
         return "forward"
+    why_g = _gradients_unavailable(m, n_seq, seq_len)
+    if why_g is None:
+        return "gradients"
     why = _backprop_unavailable(m)
     if why is None:
+        log.info("%s: --sensitivity backprop (transformers' backward pass)", why_g)
         return "backprop"
-    why_g = _gradients_unavailable(m, seq_len)
-    if why_g is None:
-        log.info("%s: --sensitivity gradients (the loss's gradients from pykvq's runtime)", why)
-        return "gradients"
     choice = "probe" if opts.kv_bits is not None else "forward"
-    log.info("%s; %s: --sensitivity %s (%s)", why, why_g, choice,
+    log.info("%s; %s: --sensitivity %s (%s)", why_g, why, choice,
              "the budget priced in the runtime" if choice == "probe" else "forward channel weights")
     return choice
 
 
-def _gradients_unavailable(m: GGUFModel, seq_len: int) -> str | None:
-    """Why pykvq.gradients cannot run here, or None: its architectures and windows, and memory for one window's
-    backward pass (pykvq.gradients.peak_bytes) and 1 GiB. The converter takes the per-token samples after the
-    pass (Qwen2.5-Coder-1.5B --bits 3.5: 4.7 GiB peak in all, estimated 5.8)."""
-    from pykvq import gradients
-    why = gradients.unavailable(m.arch, seq_len)
+def _gradients_unavailable(m: GGUFModel, n_seq: int, seq_len: int) -> str | None:
+    """Why convert/layer_gradients.py cannot run here, or None: its architectures, and memory for its pass
+    (layer_gradients.peak_bytes) and 0.5 GiB (Qwen2.5-Coder-1.5B at 4 x 512 tokens: 0.93 GB measured, 1.7 GiB
+    asked)."""
+    from convert import layer_gradients
+    why = layer_gradients.unavailable(m, seq_len)
     if why:
         return why
-    def largest(key: str, default: int) -> int:         # a per-layer array: its largest value
-        v = m.arch_meta(key, default)
-        return int(max(v)) if isinstance(v, (list, tuple)) else int(v)
-    weights = sum(int(t.data.nbytes) for t in m.tensors.values())
-    need = gradients.peak_bytes(weights, m.layer_count(), largest("embedding_length", 0),
-                                largest("feed_forward_length", 0), largest("attention.head_count", 1),
-                                seq_len) + (1 << 30)
+    need = layer_gradients.peak_bytes(m, n_seq, seq_len) + (1 << 29)
     avail = _mem_available()
     if avail is not None and avail < need:
-        return f"the runtime's backward pass needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available"
+        return f"the layer-by-layer gradients need about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available"
     return None
 
 
@@ -478,28 +470,31 @@ def _mem_available() -> int | None:
 
 def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, args, opts, progress,
                    unknown_arch: bool, tmp: str):
-    """Calibration in pykvq's runtime (pykvq.calibrate) -> (Calib, the geometry with the runtime's rope layout)."""
+    """Calibration from the GGUF -> (Calib, the geometry with the runtime's rope layout): in pykvq's runtime
+    (pykvq.calibrate), or with --sensitivity gradients in the layer-by-layer float32 pass that also takes the
+    gradients (convert/layer_gradients.py)."""
     from convert import rows
     from pykvq import calibrate
     from pykvq.errors import PykvqError
-    grads = None      # first: the backward pass runs while the calibration's per-token samples are not yet held
+    grads = st = None
     if args.sensitivity == "gradients" and opts.needs_gradients():
-        from pykvq import gradients
-        try:
-            win = (opts.kv_sinks, opts.kv_window) if opts.window_weighted() else None
-            grads = gradients.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                             progress=progress, window=win)
-        except PykvqError as e:
-            raise ConvertError(f"gradients in the runtime failed: {e}") from None
-        log.info("gradients: %d tokens at %.1f tokens/s in the runtime's backward pass (mean loss %.3f)%s",
+        # one float32 pass over the GGUF, a layer at a time, gives both the gradients and the statistics
+        from convert import layer_gradients
+        win = (opts.kv_sinks, opts.kv_window) if opts.window_weighted() else None
+        lp = layer_gradients.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                            window=win, samples=opts.needs_samples(), source=source,
+                                            progress=progress)
+        grads, st = lp.gradients, lp.stats
+        log.info("gradients: %d tokens at %.1f tokens/s, layer by layer in float32 (mean loss %.3f)%s",
                  grads.n_seq * grads.seq_len, grads.tokens_per_s, grads.loss,
                  f"; only through the reads of quantized cells (sinks {opts.kv_sinks}, window {opts.kv_window})"
                  if opts.window_weighted() else "")
     try:
         # every token's Q / K / V stays in memory only (0.45 GB for a 1.5B model): the cache keeps the moments
-        st = calibrate.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
-                                      samples=opts.needs_samples(), source=source, progress=progress,
-                                      cache_samples=False)
+        if st is None:
+            st = calibrate.collect_cached(gguf_path, text, n_seq=args.calib_seqs, seq_len=args.calib_len,
+                                          samples=opts.needs_samples(), source=source, progress=progress,
+                                          cache_samples=False)
     except PykvqError as e:
         raise ConvertError(f"calibration in the runtime failed: {e}") from None
     if unknown_arch:
@@ -514,8 +509,9 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
     if opts.needs_fisher():
         v_sens = [calib_mod.value_sensitivity(rows.to_f32(m.tensors[f"blk.{i}.attn_output.weight"]), g)
                   for i in range(g.n_layer)]
-    log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
-             st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
+    if grads is None:
+        log.info("calibration: %d tokens at %.0f tokens/s in the runtime (rope layout %s)",
+                 st.n_seq * st.seq_len, st.tokens_per_s, st.rope_layout)
     price = report = None
     if args.sensitivity in ("probe", "measure") and opts.kv_bits is not None:
         from convert import slot_prices
@@ -692,8 +688,8 @@ def convert(args) -> dict:
             exact = args.dequantize or _weights_all_f32(m)
             opts.requant_type = ("f32" if exact else "q8_0") if args.outtype == "auto" else args.outtype
         if args.sensitivity is None:
-            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir), args.calib_len)
-        forward = args.sensitivity in ("forward", "probe", "measure", "gradients")     # the runtime calibrates
+            args.sensitivity = _default_sensitivity(m, opts, hf or bool(args.hf_dir), args.calib_seqs, args.calib_len)
+        forward = args.sensitivity in ("forward", "probe", "measure", "gradients")     # calibrated from the GGUF
         # an architecture outside the converter's table: the pre-RoPE statistics, codebooks and a runtime-priced
         # budget (no weight transforms), with the layout the runtime's graph tells (checked against the file's rope
         # dimension count after calibration)
@@ -714,7 +710,11 @@ def convert(args) -> dict:
         if needs_calib:
             text, source = calib_mod.calibration_text(args.calib or "canterbury")
             log.info("calibrating on %s: %d x %d tokens (%s)", source, args.calib_seqs, args.calib_len,
-                     "in pykvq's runtime, forward sensitivities" if forward else "transformers, backprop Fisher")
+                     {"gradients": "the GGUF layer by layer in float32, the loss's gradients",
+                      "probe": "in pykvq's runtime, slots priced by its probe",
+                      "measure": "in pykvq's runtime, candidates measured by it"}.get(
+                         args.sensitivity, "in pykvq's runtime, forward sensitivities") if forward
+                     else "transformers, backprop Fisher")
 
         def calibrate(o):
             if not needs_calib:

@@ -120,45 +120,43 @@ def test_unknown_layer_is_a_clear_error(smollm2, text):
         sensitivity.probe(smollm2, text, {(3, "v"): np.ones((2, 64), np.float32)}, seq_len=64, n_threads=2)
 
 
-def test_budget_without_torch_takes_the_runtimes_gradients(smollm2, tmp_path, monkeypatch):
-    """A plain `pip install pykvq` has no torch: --kv-bits then takes the loss's gradients from pykvq's runtime
-    (--sensitivity gradients) by itself, where it used to stop at the backward pass. Where those cannot run (here
-    windows that are not a multiple of 256 tokens) the budget is priced by the probe, and codebooks alone take the
-    forward weights."""
+def test_budget_without_torch_takes_the_layer_gradients(smollm2, tmp_path, monkeypatch):
+    """A plain `pip install pykvq` has no torch: --kv-bits on a GGUF takes the loss's gradients computed layer by
+    layer from the file (--sensitivity gradients, the default for a GGUF with or without torch), for windows of any
+    length (192 tokens here), with the statistics of the same pass."""
     import sys
 
     from convert import to_gguf
     from convert.gguf_io import read_gguf
+    from pykvq import Model
     monkeypatch.setitem(sys.modules, "torch", None)          # import torch now fails, as without the extra
     assert "torch is not installed" in to_gguf._backprop_unavailable(read_gguf(smollm2))
-    args = ["--calib-seqs", "1", "--probe-len", "128", "--no-progress"]
     s = to_gguf.convert(to_gguf.build_parser().parse_args(
-        [str(smollm2), "-o", str(tmp_path / "g.gguf"), "--prerope-k", "--kv-bits", "3.5", "--calib-len", "256", *args]))
+        [str(smollm2), "-o", str(tmp_path / "g.gguf"), "--prerope-k", "--kv-bits", "3.5", "--calib-len", "192",
+         "--calib-seqs", "1", "--no-progress"]))
     assert s["sensitivity"] == "gradients" and not s["slot_prices"]
-    args += ["--calib-len", "192"]
-    s = to_gguf.convert(to_gguf.build_parser().parse_args(
-        [str(smollm2), "-o", str(tmp_path / "a.gguf"), "--prerope-k", "--kv-bits", "3.5", *args]))
-    assert s["sensitivity"] == "probe" and len(s["slot_prices"]) == 60
-    s = to_gguf.convert(to_gguf.build_parser().parse_args(
-        [str(smollm2), "-o", str(tmp_path / "b.gguf"), "--prerope-k", "--cache-type-k", "nuq3", "--cache-type-v", "nuq3", *args]))
-    assert s["sensitivity"] == "forward"
+    with Model(tmp_path / "g.gguf", n_ctx=256) as m:
+        assert len(m.layer_cache_types()) == 30
 
 
-def test_gradients_fall_back_to_the_probe_without_the_memory(smollm2, monkeypatch):
-    """Too little memory for the runtime's backward pass: the default is the probe, and the log says both why's.
-    The estimate is pykvq.gradients.peak_bytes (checked here by hand for SmolLM2's sizes) plus 1 GiB."""
-    from convert import pipeline, to_gguf
+def test_gradients_fall_back_without_the_memory(smollm2, monkeypatch):
+    """Too little memory for the layer-by-layer pass (convert/layer_gradients.peak_bytes, plus 0.5 GiB): transformers'
+    backward pass where it can run (it needs more, so only where the estimate alone is short), else the probe for a
+    budget and the forward weights for codebooks; the log says why."""
+    from convert import layer_gradients, pipeline, to_gguf
     from convert.gguf_io import read_gguf
-    from pykvq import gradients
     m = read_gguf(smollm2)
-    # 30 layers x 512 tokens x 4 bytes x (12 x 576 + 4 x 1536 + 2 x 9 x 512), the weights, 256 MiB
-    w = sum(int(t.data.nbytes) for t in m.tensors.values())
-    assert gradients.peak_bytes(w, 30, 576, 1536, 9, 512) == w + 30 * 512 * 4 * 22272 + (256 << 20)
-    need = gradients.peak_bytes(w, 30, 576, 1536, 9, 512) + (1 << 30)
-    monkeypatch.setattr(to_gguf, "_backprop_unavailable", lambda m: "torch is not installed")
-    monkeypatch.setattr(to_gguf, "_mem_available", lambda: need + 1)
+    need = layer_gradients.peak_bytes(m, 4, 512) + (1 << 29)
+    # SmolLM2 at 4 x 512 tokens: 31 residual streams of 2048 x 576 floats, its gradients, one layer and its work
+    assert 0.3e9 < need - (1 << 29) < 1.0e9
     opts = pipeline.Options(prerope_k=True, kv_bits=3.5)
-    assert to_gguf._default_sensitivity(m, opts, False, 512) == "gradients"
+    monkeypatch.setattr(to_gguf, "_mem_available", lambda: need + 1)
+    assert to_gguf._default_sensitivity(m, opts, False, 4, 512) == "gradients"
     monkeypatch.setattr(to_gguf, "_mem_available", lambda: need - 1)
-    assert "backward pass needs about" in to_gguf._gradients_unavailable(m, 512)
-    assert to_gguf._default_sensitivity(m, opts, False, 512) == "probe"
+    assert "layer-by-layer gradients need about" in to_gguf._gradients_unavailable(m, 4, 512)
+    monkeypatch.setattr(to_gguf, "_backprop_unavailable", lambda m: None)
+    assert to_gguf._default_sensitivity(m, opts, False, 4, 512) == "backprop"
+    monkeypatch.setattr(to_gguf, "_backprop_unavailable", lambda m: "torch is not installed")
+    assert to_gguf._default_sensitivity(m, opts, False, 4, 512) == "probe"
+    codebooks = pipeline.Options(prerope_k=True, cache_type_k="nuq3", cache_type_v="nuq3")
+    assert to_gguf._default_sensitivity(m, codebooks, False, 4, 512) == "forward"
