@@ -42,11 +42,14 @@ def to_int8(c: np.ndarray) -> np.ndarray:
 
 
 def weighted_kmeans(v: np.ndarray, w: np.ndarray, n: int, iters: int = 60,
-                    init: np.ndarray | None = None) -> np.ndarray:
+                    init: np.ndarray | None = None, presorted: bool = False) -> np.ndarray:
     """1-D Lloyd iterations on samples v with weights w (each step lowers sum w (v - c)^2);
-    init: given centroids, else weighted quantiles."""
-    order = np.argsort(v, kind="stable")
-    v, w = v[order].astype(np.float64), w[order].astype(np.float64)
+    init: given centroids, else weighted quantiles. presorted: v is already in ascending order (w with it)."""
+    if not presorted:
+        # equal values fall in one cluster whatever their order, so an unstable sort (5x faster) gives the same sums
+        order = np.argsort(v)
+        v, w = v[order], w[order]
+    v, w = v.astype(np.float64), w.astype(np.float64)
     w = w + 1e-30 * (w.sum() == 0)
     cw = np.cumsum(w)
     cwv = np.cumsum(w * v)
@@ -98,11 +101,13 @@ def fit(x: np.ndarray, fisher: np.ndarray, fmt: str, method: str = "fisher", *, 
         v = None
     else:
         v, w = samples(x, fisher, f)
+        order = np.argsort(v)
+        vs, ws = v[order], w[order]
         # plain k-means first; the Fisher-weighted one starts from it, because the weights are
         # heavy-tailed (a few tokens dominate) and quantile starts end in poor local optima
-        c = weighted_kmeans(v, np.ones_like(w), f.n_codes)
+        c = weighted_kmeans(vs, np.ones_like(ws), f.n_codes, presorted=True)
         if method == "fisher":
-            c = weighted_kmeans(v, w, f.n_codes, init=c)
+            c = weighted_kmeans(vs, ws, f.n_codes, init=c, presorted=True)
     if q_norm:
         if v is None:
             v, _ = samples(x, fisher, f)
