@@ -35,6 +35,7 @@ ARCHS = ("llama", "qwen2")          # decoder_grad's layer: pre-norm RMS, RoPE, 
 VOCAB_CHUNK = 8192                  # output rows decoded at a time (Qwen's 152k-token head: 50 MB of float32)
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                  "ffn_down")
+OPTIONAL_TENSORS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
 
 def unavailable(m: GGUFModel, seq_len: int = 512) -> str | None:
@@ -53,6 +54,12 @@ def unavailable(m: GGUFModel, seq_len: int = 512) -> str | None:
             missing.append(n)
     if missing:
         return f"the file lacks {missing[0]}" + (f" and {len(missing) - 1} more tensors" if len(missing) > 1 else "")
+    # a tensor the layer does not compute with (an output bias, a Q / K norm, a converted file's per-head RoPE
+    # frequencies) would leave its forward silently wrong
+    known = {f"{n}.weight" for n in LAYER_TENSORS} | set(OPTIONAL_TENSORS)
+    for name in m.tensors:
+        if name.startswith("blk.") and name.split(".", 2)[2] not in known:
+            return f"the layer-by-layer gradients do not compute with {name}"
     return None
 
 

@@ -150,6 +150,17 @@ def test_an_architecture_it_does_not_know_is_refused(text):
         lg.collect(m.path, text, n_seq=1, seq_len=64)
 
 
+def test_a_tensor_the_layer_does_not_use_is_refused(smollm2):
+    """A layer tensor outside decoder_grad's layer (an output projection's bias here) would leave the forward silently
+    wrong: refused by name, so the converter falls back to another sensitivity."""
+    from convert.gguf_io import Tensor
+    m = read_gguf(smollm2)
+    assert lg.unavailable(m) is None
+    w = m.tensors["blk.3.attn_output.weight"]
+    m.tensors["blk.3.attn_output.bias"] = Tensor("blk.3.attn_output.bias", w.qtype, np.zeros(576, np.float32))
+    assert "blk.3.attn_output.bias" in lg.unavailable(m)
+
+
 @pytest.mark.qwen
 def test_qwen_gradients_match_transformers(text):
     """qwen2: Q / K / V biases and the neox turn, against transformers on the dequantized checkpoint, 256 tokens with
