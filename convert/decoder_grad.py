@@ -222,7 +222,7 @@ def layer_backward(x: np.ndarray, dy: np.ndarray, w: LayerWeights, s: Shape, cos
     return dx, dk, dv
 
 
-def head_backward(x: np.ndarray, norm_w: np.ndarray, eps: float, labels: np.ndarray, row_chunks, label_rows: np.ndarray,
+def head_backward(x: np.ndarray, norm_w: np.ndarray, eps: float, row_chunks, label_rows: np.ndarray,
                   seq_len: int) -> tuple[np.ndarray, float]:
     """The mean next-token loss of each sequence and its gradient w.r.t. the last layer's output x [T, n_embd].
     row_chunks yields the output matrix's rows [C, n_embd] in vocabulary order; label_rows [T, n_embd] are the

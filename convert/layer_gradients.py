@@ -107,7 +107,7 @@ def layer_weights(m: GGUFModel, i: int) -> dg.LayerWeights:
 def _output_rows(m: GGUFModel):
     name = "output.weight" if "output.weight" in m.tensors else "token_embd.weight"     # tied embeddings
     n = m.tensors[name].n_rows
-    return name, n, (tensor_f32(m, name, slice(a, a + VOCAB_CHUNK)) for a in range(0, n, VOCAB_CHUNK))
+    return name, (tensor_f32(m, name, slice(a, a + VOCAB_CHUNK)) for a in range(0, n, VOCAB_CHUNK))
 
 
 def _trim() -> None:
@@ -180,8 +180,8 @@ def collect(gguf_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len:
                                    keep=lambda q, k, v: layers.append(_stats(q, k, v, samples))))
         next(steps)
     _trim()
-    name, _, rows = _output_rows(m)
-    dx, loss = dg.head_backward(xs.pop(), tensor_f32(m, "output_norm.weight"), s.eps, labels, rows,
+    name, rows = _output_rows(m)
+    dx, loss = dg.head_backward(xs.pop(), tensor_f32(m, "output_norm.weight"), s.eps, rows,
                                 tensor_f32(m, name, labels), seq_len)
     next(steps)
     if not np.isfinite(loss):
@@ -219,10 +219,7 @@ def collect_cached(gguf_path: str | os.PathLike, text: str, *, n_seq: int = 4, s
     for st_f in fs:
         if f.is_file() and st_f.is_file():
             try:
-                z = np.load(f)
-                n = int(z["n_layer"])
-                g = RuntimeGradients([z[f"k{i}"] for i in range(n)], [z[f"v{i}"] for i in range(n)], n_seq,
-                                     seq_len, float(z["loss"]), float(z["seconds"]))
+                g = RuntimeGradients.load(f, n_seq, seq_len)
                 stats = RuntimeStats.load(st_f)
                 stats.source = source
                 return LayerPass(g, stats)
@@ -232,10 +229,6 @@ def collect_cached(gguf_path: str | os.PathLike, text: str, *, n_seq: int = 4, s
     lp = collect(gguf_path, text, n_seq=n_seq, seq_len=seq_len, window=window, samples=samples, source=source,
                  progress=progress)
     d.mkdir(parents=True, exist_ok=True)
-    g = lp.gradients
-    tmp = f.with_name(f.name + ".tmp.npz")
-    np.savez(tmp, n_layer=len(g.k), loss=g.loss, seconds=g.seconds, **{f"k{i}": a for i, a in enumerate(g.k)},
-             **{f"v{i}": a for i, a in enumerate(g.v)})
-    tmp.replace(f)
+    lp.gradients.save(f)
     lp.stats.save(d / f"layers-{h.hexdigest()[:24]}.{'samples' if samples else 'moments'}.npz", samples=samples)
     return lp

@@ -232,7 +232,7 @@ void llama_sampler_free(struct llama_sampler * smpl);
 const char * ggml_type_name(int type);
 size_t ggml_row_size(int type, int64_t ne);
 int64_t ggml_blck_size(int type);
-/* ggml's own row decoders (pykvq/dequant.py): upstream's struct, field for field */
+/* ggml's own row decoders (convert/weights_f32.py): upstream's struct, field for field */
 typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
 typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
 struct ggml_type_traits {

@@ -68,6 +68,21 @@ class RuntimeGradients:
     def tokens_per_s(self) -> float:
         return self.n_seq * self.seq_len / self.seconds if self.seconds > 0 else 0.0
 
+    def save(self, path: str | os.PathLike) -> None:
+        """An npz written through a temporary name (a cache entry is whole or absent)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, n_layer=len(self.k), loss=self.loss, seconds=self.seconds,
+                 **{f"k{i}": a for i, a in enumerate(self.k)}, **{f"v{i}": a for i, a in enumerate(self.v)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, n_seq: int, seq_len: int) -> "RuntimeGradients":
+        z = np.load(path)
+        n = int(z["n_layer"])
+        return cls([z[f"k{i}"] for i in range(n)], [z[f"v{i}"] for i in range(n)], n_seq, seq_len,
+                   float(z["loss"]), float(z["seconds"]))
+
 
 def token_windows(tokens: list[int], n_seq: int, seq_len: int, bos: int | None) -> list[tuple[list, list]]:
     """(inputs, labels) of n_seq windows of seq_len: calibrate.collect's windows (BOS first when bos is not None),
@@ -164,16 +179,10 @@ def collect_cached(model_path: str | os.PathLike, text: str, *, n_seq: int = 4, 
     f = cache_dir() / "calib" / "grad" / f"{h.hexdigest()[:24]}.npz"
     if f.is_file():
         try:
-            z = np.load(f)
-            n = int(z["n_layer"])
-            return RuntimeGradients([z[f"k{i}"] for i in range(n)], [z[f"v{i}"] for i in range(n)], n_seq, seq_len,
-                                    float(z["loss"]), float(z["seconds"]))
+            return RuntimeGradients.load(f, n_seq, seq_len)
         except Exception:                # a damaged entry: run again
             f.unlink(missing_ok=True)
     g = collect(model_path, text, n_seq=n_seq, seq_len=seq_len, progress=progress, window=window)
     f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f.name + ".tmp.npz")
-    np.savez(tmp, n_layer=len(g.k), loss=g.loss, seconds=g.seconds, **{f"k{i}": a for i, a in enumerate(g.k)},
-             **{f"v{i}": a for i, a in enumerate(g.v)})
-    tmp.replace(f)
+    g.save(f)
     return g

@@ -129,7 +129,7 @@ def test_the_head_is_the_mean_next_token_loss(smollm2, first_window):
     lab = np.concatenate([labels, labels[::-1]])
     W = tensor_f32(m, "token_embd.weight")                   # SmolLM2 ties its output to the embeddings
     nw = tensor_f32(m, "output_norm.weight")
-    dx, loss = dg.head_backward(x, nw, s.eps, lab, (W[a:a + 5000] for a in range(0, len(W), 5000)), W[lab], 32)
+    dx, loss = dg.head_backward(x, nw, s.eps, (W[a:a + 5000] for a in range(0, len(W), 5000)), W[lab], 32)
     h, rr = dg.rms_norm(x, s.eps)
     logits = (h * nw).astype(np.float64) @ W.T.astype(np.float64)
     logits -= logits.max(axis=1, keepdims=True)
