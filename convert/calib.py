@@ -106,7 +106,7 @@ def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None, grads=
     """A Calib from pykvq.calibrate's RuntimeStats (channels in the GGUF's order, made NORM here). Sensitivities
     are the forward estimates above; with samples, per-token gk / gv carry them (constant over tokens) for the
     codebooks and budgets; v_sens (per layer value_sensitivity [n_kv, head_dim]) is needed for gv. grads
-    (pykvq.gradients.RuntimeGradients, the same windows): the runtime's backward pass instead, per token, as
+    (pykvq.gradients.RuntimeGradients, the same windows): the layer-by-layer backward pass instead, per token, as
     the transformers pass gives them (sensitivity "backprop")."""
     idx = hf_to_norm(g) if g.layout == "neox" else np.arange(g.head_dim)
     n = len(st.layers)

@@ -25,7 +25,6 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/ggml/cpu/nuq-cpu.c
     ${GGML_KVQ_DIR}/ggml/cpu/q53-cpu.c
     ${GGML_KVQ_DIR}/ggml/cpu/lsq-cpu.c
-    ${GGML_KVQ_DIR}/ggml/cpu/out-prod-q.c
     ${GGML_KVQ_DIR}/ggml/cpu/kvq-dispatch.c
     ${GGML_KVQ_DIR}/ggml/cpu/fattn.cpp
     ${GGML_KVQ_DIR}/ggml/cpu/fattn-rows.cpp
@@ -50,6 +49,5 @@ set(LLAMA_KVQ_SOURCES
     ${GGML_KVQ_DIR}/llama/llama-kvq-prerope.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-calib.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-probe.cpp
-    ${GGML_KVQ_DIR}/llama/llama-kvq-grad.cpp
     ${GGML_KVQ_DIR}/llama/llama-kvq-window.cpp
     CACHE INTERNAL "pykvq's libllama sources")

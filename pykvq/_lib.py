@@ -165,19 +165,6 @@ bool llama_kvq_calib_shape(const struct llama_kvq_calib * calib, int32_t il, int
                            int64_t * head_dim, int64_t * n_head, int64_t * n_tokens);
 int64_t llama_kvq_calib_get(const struct llama_kvq_calib * calib, int32_t il, int32_t which, const char * what,
                             void * dst, int64_t capacity);
-/* runtime gradients (native/llama/llama-kvq-grad.cpp; pykvq/gradients.py); which: 1 k, 2 v */
-struct llama_kvq_grad;
-struct llama_kvq_grad * llama_kvq_grad_init(void);
-void llama_kvq_grad_free(struct llama_kvq_grad * grad);
-void llama_kvq_grad_attach(struct llama_kvq_grad * grad, struct llama_context_params * params);
-bool llama_kvq_grad_set_window(struct llama_kvq_grad * grad, int32_t n_sink, int32_t n_win);
-bool llama_kvq_grad_run(struct llama_kvq_grad * grad, struct llama_context * ctx, const llama_token * tokens,
-                        const llama_token * labels, int32_t n);
-double llama_kvq_grad_loss(const struct llama_kvq_grad * grad);
-int32_t llama_kvq_grad_n_layer(const struct llama_kvq_grad * grad);
-int64_t llama_kvq_grad_get(const struct llama_kvq_grad * grad, int32_t il, int32_t which, int64_t * head_dim,
-                           int64_t * n_head, float * dst, int64_t capacity);
-const char * llama_kvq_grad_error(const struct llama_kvq_grad * grad);
 /* sensitivity probes (native/llama/llama-kvq-probe.cpp; pykvq/sensitivity.py); which: 1 k, 2 v */
 struct llama_kvq_probe;
 struct llama_kvq_probe * llama_kvq_probe_init(void);

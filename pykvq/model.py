@@ -102,7 +102,7 @@ class Model(Generation, Evaluation):
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
                  encoder: str | None = None, k_centre_residual: float | None = None,
                  kv_window: int | None = None, kv_sinks: int | None = None, n_ubatch: int | None = None,
-                 _calibration=None, _probe=None, _gradients=None):
+                 _calibration=None, _probe=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
         if encoder not in ENCODERS:
@@ -131,10 +131,8 @@ class Model(Generation, Evaluation):
         reclaim_log()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
-        if _calibration is not None or _probe is not None or _gradients is not None:
-            mp.use_extra_bufts = False      # no repacked copy of the weights: memory ~ the file; OUT_PROD reads them
-        if _gradients is not None:
-            mp.load_mode = 0                # LLAMA_LOAD_MODE_NONE: the optimizer step writes the one parameter
+        if _calibration is not None or _probe is not None:
+            mp.use_extra_bufts = False      # no repacked copy of the weights: memory ~ the file
         log.clear()
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if self._model == ffi.NULL:
@@ -193,8 +191,6 @@ class Model(Generation, Evaluation):
             L.llama_kvq_calib_attach(_calibration, ffi.addressof(cp))
         if _probe is not None:          # pykvq.sensitivity: noise into one layer's K / V as the graph computes it
             L.llama_kvq_probe_attach(_probe, ffi.addressof(cp))
-        if _gradients is not None:      # pykvq.gradients: the training graph, one ubatch of n_ctx, an f32 cache
-            L.llama_kvq_grad_attach(_gradients, ffi.addressof(cp))
         log.clear()
         settings = dict(attn_rot_k=_ROT_NAMES[rot_k], attn_rot_v=_ROT_NAMES[rot_v], k_domain=k_domain,
                         encoder=encoder, k_centre_residual=k_centre_residual, kv_window=kv_window, kv_sinks=kv_sinks)

@@ -59,11 +59,6 @@ void quantize_row_q5_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRI
 // scales (ggml_kvq_set_encoder) and dst is q4_0 / q5_0; NULL otherwise (the CPU dispatch seam, ops.cpp)
 GGML_BACKEND_API ggml_from_float_t ggml_kvq_cpu_encoder_from_float(const struct ggml_tensor * dst);
 
-// OUT_PROD with a quantized src0, upstream's result in tiles (cpu/out-prod-q.c; the CPU dispatch seam, ops.cpp):
-// the rows of params->ith, dst already zeroed
-struct ggml_compute_params;
-void ggml_kvq_out_prod_q_f32(const struct ggml_compute_params * params, struct ggml_tensor * dst);
-
 // Codebooks for the node about to run (called first thing in ggml_compute_forward, by
 // every thread): when the node or one of src[0..2] is a nuq type, its op_params slots go
 // to this thread's storage in ggml-cpu and in ggml-base (ggml_kvq_bind_codebooks), which

@@ -140,33 +140,6 @@ LLAMA_API void llama_kvq_probe_next_batch(struct llama_kvq_probe * probe, uint64
 LLAMA_API int64_t llama_kvq_probe_hits(const struct llama_kvq_probe * probe);
 LLAMA_API const char * llama_kvq_probe_error(const struct llama_kvq_probe * probe);
 
-// ---- runtime gradients (native/llama/llama-kvq-grad.cpp; pykvq.gradients) ------------------------------------------
-// Per layer and token, the gradient of the next-token loss w.r.t. pre-RoPE K (the input of the ROPE node Kcur-<il>)
-// and V, from llama.cpp's training graph on the model's own weights: what the converter's Fisher weights need, without
-// an f32 copy of the model. Load the model with load_mode NONE and use_extra_bufts false; the context runs on the CPU.
-struct llama_kvq_grad;
-
-LLAMA_API struct llama_kvq_grad * llama_kvq_grad_init(void);
-LLAMA_API void llama_kvq_grad_free(struct llama_kvq_grad * grad);
-// make params fit: the eval callback, n_batch = n_ubatch = n_ctx, an f32 cache, flash attention off
-LLAMA_API void llama_kvq_grad_attach(struct llama_kvq_grad * grad, struct llama_context_params * params);
-// the exact window whose reads pass no gradient (n_sink first positions, the last n_win cells before each query, as
-// the runtime reads a pre-RoPE cache): convert/calib.py's window-weighted Fisher. Before the first pass; false if not
-LLAMA_API bool llama_kvq_grad_set_window(struct llama_kvq_grad * grad, int32_t n_sink, int32_t n_win);
-// the eval callback llama_kvq_grad_attach installs
-LLAMA_API bool llama_kvq_grad_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
-// one forward and backward pass over tokens[0..n) with next-token labels[0..n), n = the context's n_ctx (the first
-// call sets the context up for training: a context that ran it serves nothing else). false: llama_kvq_grad_error
-LLAMA_API bool llama_kvq_grad_run(struct llama_kvq_grad * grad, struct llama_context * ctx, const llama_token * tokens,
-                                  const llama_token * labels, int32_t n);
-LLAMA_API double llama_kvq_grad_loss(const struct llama_kvq_grad * grad);       // the last pass's mean loss
-LLAMA_API int32_t llama_kvq_grad_n_layer(const struct llama_kvq_grad * grad);   // layers whose K gradient it saw
-// layer il's gradient of which (1 K, 2 V) in the last pass, float [n_tokens, n_head, head_dim] into dst (NULL: the
-// count only); its head_dim and n_head. -1: none
-LLAMA_API int64_t llama_kvq_grad_get(const struct llama_kvq_grad * grad, int32_t il, int32_t which, int64_t * head_dim,
-                                     int64_t * n_head, float * dst, int64_t capacity);
-LLAMA_API const char * llama_kvq_grad_error(const struct llama_kvq_grad * grad);
-
 #ifdef __cplusplus
 }
 #endif
