@@ -1,5 +1,6 @@
 """The converter's presets (issue 58): no flag that chooses the preparation writes the recommended 4.5-bit file,
---bits B a budget file with its window counted at --ctx cells; choosing flags and --bits together are refused,
+--bits 3.5 one type pair with the window that fits at --ctx cells, any other --bits B a budget file with its window
+counted at --ctx cells; choosing flags and --bits together are refused,
 and --help shows the presets before the study transforms."""
 from __future__ import annotations
 
@@ -26,11 +27,25 @@ def test_no_flag_is_the_recommended_45_bit_file():
 
 
 def test_bits_below_is_a_budget_counted_at_ctx():
-    flags, a = _resolve("--bits", "3.5")
-    assert flags == "--prerope-k --kv-bits 3.5 --kv-bits-ctx 4096"
-    assert (a.prerope_k, a.kv_bits, a.kv_bits_ctx, a.cache_type_k) == (True, 3.5, 4096, None)
+    flags, a = _resolve("--bits", "3")
+    assert flags == "--prerope-k --kv-bits 3 --kv-bits-ctx 4096"
+    assert (a.prerope_k, a.kv_bits, a.kv_bits_ctx, a.cache_type_k) == (True, 3.0, 4096, None)
     _, a = _resolve("--bits", "3", "--ctx", "16384")
     assert (a.kv_bits, a.kv_bits_ctx) == (3.0, 16384)
+
+
+def test_bits_35_is_one_pair_with_the_window_that_fits():
+    """q42_64 / nuq3_64 (3.375 bits) for every layer; the window's f16 rows, 16 (sinks + window + 1) / ctx bits,
+    take the rest: 32 rows at 4096 cells, so 4 sinks + 27; 128 rows at 16384."""
+    flags, a = _resolve("--bits", "3.5")
+    assert flags == "--prerope-k --cache-type-k q42_64 --cache-type-v nuq3_64 --kv-window 27"
+    assert (a.prerope_k, a.cache_type_k, a.cache_type_v, a.kv_window, a.kv_bits) == (True, "q42_64", "nuq3_64", 27, None)
+    assert _resolve("--bits", "3.5", "--ctx", "16384")[1].kv_window == 123
+    assert _resolve("--bits", "3.5", "--kv-window", "16")[1].kv_window == 16          # the user's, where it fits
+    # where no window fits (a short --ctx, or the user's too long, or auto) the budget counts it instead
+    for argv in (("--ctx", "512"), ("--kv-window", "200"), ("--kv-window", "auto")):
+        flags, a = _resolve("--bits", "3.5", *argv)
+        assert flags.startswith("--prerope-k --kv-bits 3.5") and a.cache_type_k is None, argv
 
 
 def test_chosen_flags_are_left_alone_and_do_not_mix_with_bits():
