@@ -1,5 +1,5 @@
 """The converter's presets (issue 58): no flag that chooses the preparation writes the recommended 4.5-bit file,
---bits 3.5 one type pair with the window that fits at --ctx cells, any other --bits B a budget file with its window
+--bits 3.5 one type pair with the window that fits at --ctx cells (up to ~8k), any other --bits B a budget file with its window
 counted at --ctx cells; choosing flags and --bits together are refused,
 and --help shows the presets before the study transforms."""
 from __future__ import annotations
@@ -36,14 +36,14 @@ def test_bits_below_is_a_budget_counted_at_ctx():
 
 def test_bits_35_is_one_pair_with_the_window_that_fits():
     """q42_64 / nuq3_64 (3.375 bits) for every layer; the window's f16 rows, 16 (sinks + window + 1) / ctx bits,
-    take the rest: 32 rows at 4096 cells, so 4 sinks + 27; 128 rows at 16384."""
+    take the rest: 32 rows at 4096 cells, so 4 sinks + 27; 64 rows at 8192."""
     flags, a = _resolve("--bits", "3.5")
     assert flags == "--prerope-k --cache-type-k q42_64 --cache-type-v nuq3_64 --kv-window 27"
     assert (a.prerope_k, a.cache_type_k, a.cache_type_v, a.kv_window, a.kv_bits) == (True, "q42_64", "nuq3_64", 27, None)
-    assert _resolve("--bits", "3.5", "--ctx", "16384")[1].kv_window == 123
-    assert _resolve("--bits", "3.5", "--kv-window", "16")[1].kv_window == 16          # the user's, where it fits
-    # where no window fits (a short --ctx, or the user's too long, or auto) the budget counts it instead
-    for argv in (("--ctx", "512"), ("--kv-window", "200"), ("--kv-window", "auto")):
+    assert _resolve("--bits", "3.5", "--ctx", "8192")[1].kv_window == 59
+    # where the default window fits beside the pair (16384: the budget has bits above the pair), where no window
+    # fits (a short --ctx), or the user chose the window, the budget counts it instead
+    for argv in (("--ctx", "16384"), ("--ctx", "512"), ("--kv-window", "16"), ("--kv-window", "auto")):
         flags, a = _resolve("--bits", "3.5", *argv)
         assert flags.startswith("--prerope-k --kv-bits 3.5") and a.cache_type_k is None, argv
 
