@@ -38,10 +38,10 @@ _UPSTREAM_PATHS = (Path(__file__).resolve().parent / "llama_cpp" / "convert_hf_t
                    ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py")
 UPSTREAM = next((p for p in _UPSTREAM_PATHS if p.is_file()), _UPSTREAM_PATHS[-1])
 
-# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 one type
-# pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the per-layer budget on
-# Qwen2.5-Coder-1.5B and beat it by 22% on SmolLM2, whose budget moves with the calibration sample; RESULTS-BY-DATE
-# 2026-11-30); any other B the per-layer budget
+# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and up to
+# 8k cells of --ctx one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
+# per-layer budget on Qwen2.5-Coder-1.5B and beat it by 20% on SmolLM2, whose budget moves by 25% with the
+# calibration sample; RESULTS-BY-DATE 2026-11-30, second session); else the per-layer budget
 PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")
 PRESET_35 = ("--prerope-k", "--cache-type-k", "q42_64", "--cache-type-v", "nuq3_64")
 PRESET_BUDGET = ("--prerope-k", "--kv-bits")
