@@ -293,15 +293,14 @@ def _pair_window(bits: float, preset: tuple, args, parser: argparse.ArgumentPars
     (3.5 at 4096: 3.23 bits; it lost there); the pair then takes the longest window that fits. Where the default
     window fits beside the pair (16384 cells), where none fits (a short --ctx), or with a --kv-window of the user's,
     the budget (at 16384 it beat the pair on Qwen2.5-Coder-1.5B: 0.00782 against 0.00863)."""
-    from pykvq.cache_info import window_bits
+    from pykvq.cache_info import longest_window, window_bits
     if args.kv_window != parser.get_default("kv_window"):
         return None
     bpv = pipeline.layer_types.bits_per_value
     pair = (bpv(preset[2]) + bpv(preset[4])) / 2
     if pair + window_bits(args.kv_sinks, args.kv_window, args.ctx) <= bits + 1e-9:
         return None
-    w = int((bits - pair) * args.ctx / 16) - args.kv_sinks - 1
-    return w if w >= 0 else None
+    return longest_window(bits - pair, args.kv_sinks, args.ctx)
 
 
 def _power(arg: str) -> float:

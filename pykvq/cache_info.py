@@ -10,6 +10,13 @@ def window_bits(sinks: int, window: int, n_ctx: int) -> float:
     return 16.0 * (sinks + window + 1) / n_ctx if (sinks or window) and n_ctx > 0 else 0.0
 
 
+def longest_window(bits: float, sinks: int, n_ctx: int) -> int | None:
+    """The longest window whose f16 rows (window_bits) cost at most bits per value at n_ctx cells, or None where not
+    even the sinks and the row being written fit."""
+    w = int(bits * n_ctx / 16 + 1e-9) - sinks - 1
+    return w if w >= 0 else None
+
+
 @dataclass(frozen=True)
 class KVCacheInfo:
     """Exact KV-cache geometry and size of a context.

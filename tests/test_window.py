@@ -254,6 +254,10 @@ def test_suite_settings_name_the_window():
     assert s.window_bits(4096) == pytest.approx(16 * 69 / 4096)
     assert parse_setting("q4_0@prerope:sinks-4").window_bits(4096) == pytest.approx(16 * 5 / 4096)
     assert parse_setting("q4_0@prerope").window_bits(4096) == 0.0
+    # its inverse: the longest window within a share of bits (by hand: 0.125 x 4096 / 16 = 32 rows = 4 + 27 + 1)
+    from pykvq.cache_info import longest_window, window_bits
+    assert longest_window(0.125, 4, 4096) == 27 and window_bits(4, 27, 4096) == pytest.approx(0.125)
+    assert longest_window(0.125, 4, 8192) == 59 and longest_window(0.125, 4, 512) is None
     with pytest.raises(PykvqError, match="keep pre-RoPE keys exact"):
         parse_setting("q4_0:win-64")
 
