@@ -66,6 +66,7 @@ class Options:
     prerope_power: float | None = None   # the fisher scale's power (None: prerope.fisher_power of the K types)
     kv_sinks: int = 4                    # the runtime's default exact sinks / window for a pre-RoPE file
     kv_window: int = 64                  # (pykvq.cache.kv_sinks / kv_window; 0: off)
+    kv_window_type: str = "q8_0"         # their rows' type (pykvq.cache.kv_window_type): f16 or q8_0
     kv_bits_ctx: int = 0                 # > 0: kv_bits counts that window at this many cells (0: the cache alone)
     budget_weights: str = "window"       # kv_bits' errors per token: "window" (only what the file's window leaves
                                          # quantized: calib.py's backward pass, or window_weights.py), "uniform"
@@ -95,9 +96,9 @@ class Options:
         return sum(min(layer_types.bits_per_value(t) for t in self.ladder_for(w)) for w in "kv") / 2
 
     def window_bits(self) -> float:
-        """Bits/value the file's default window adds at kv_bits_ctx cells (its f16 rows: the sinks, the window and
-        the row being written, over the cells; the runtime's own count)."""
-        return window_bits(self.kv_sinks, self.kv_window, self.kv_bits_ctx) if self.prerope_k else 0.0
+        """Bits/value the file's default window adds at kv_bits_ctx cells (its rows: the sinks, the window and the row
+        being written, over the cells; the runtime's own count)."""
+        return window_bits(self.kv_sinks, self.kv_window, self.kv_bits_ctx, self.kv_window_type) if self.prerope_k else 0.0
 
     def cache_bits(self) -> float | None:
         """The budget the per-layer types share: kv_bits less what the window takes."""
@@ -447,9 +448,11 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         m.set(Keys.Cache.K_SCALE_METHOD, opts.prerope_scale, VT.STRING)
         m.set(Keys.Cache.KV_SINKS, int(opts.kv_sinks), VT.UINT32)
         m.set(Keys.Cache.KV_WINDOW, int(opts.kv_window), VT.UINT32)
+        m.set(Keys.Cache.KV_WINDOW_TYPE, opts.kv_window_type, VT.STRING)
         rep.prerope["scale"] = opts.prerope_scale
         rep.prerope["power"] = opts.fisher_power()
         rep.prerope["kv_sinks"], rep.prerope["kv_window"] = int(opts.kv_sinks), int(opts.kv_window)
+        rep.prerope["kv_window_type"] = opts.kv_window_type
     m.set(Keys.Cache.TYPE_K, type_k, VT.STRING)
     m.set(Keys.Cache.TYPE_V, type_v, VT.STRING)
     return rep

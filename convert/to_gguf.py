@@ -38,8 +38,8 @@ _UPSTREAM_PATHS = (Path(__file__).resolve().parent / "llama_cpp" / "convert_hf_t
                    ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py")
 UPSTREAM = next((p for p in _UPSTREAM_PATHS if p.is_file()), _UPSTREAM_PATHS[-1])
 
-# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and up to
-# 8k cells of --ctx one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
+# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and below
+# 8k cells of --ctx (q8_0 window rows; up to 8k with f16 rows) one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
 # per-layer budget on Qwen2.5-Coder-1.5B and beat it by 20% on SmolLM2, whose budget moves by 25% with the
 # calibration sample; RESULTS-BY-DATE 2026-11-30, second session); else the per-layer budget
 PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bits", type=float, default=None, metavar="B",
                    help="the cache's bits/value: 4.5 (the default) writes the recommended 4.5-bit file ("
                         + " ".join(PRESET_45) + "); 3.5: " + " ".join(PRESET_35) + " with the exact window that fits "
-                        "at --ctx cells (27 at 4096) where the default window would not (up to ~8k cells; beyond, the "
+                        "at --ctx cells (55 at 4096 in q8_0 rows) where the default window would not (below 8k cells; from there, the "
                         "budget); any other B: " + " ".join(PRESET_BUDGET) + " B, each layer's K and V "
                         "its own type, the file's exact window counted at --ctx cells")
     g.add_argument("--ctx", type=int, default=PRESET_CTX, metavar="N",
@@ -123,12 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits/value budget: give each layer's K and V its own type from --layer-types, ranked "
                         "by Fisher-weighted quantization error, with the average <= B")
     g.add_argument("--kv-bits-ctx", type=int, default=0, metavar="N",
-                   help="with --kv-bits and a --prerope-k window: count the window's f16 rows at N cells in the budget "
-                        "(16 x (sinks + window + 1) / N bits/value: 0.27 for 4 + 64 at 4096), so that B is the whole "
-                        "cache's size at that context; 0 (default): B is the quantized cache's alone")
+                   help="with --kv-bits and a --prerope-k window: count the window's rows at N cells in the budget "
+                        "(8.5 x (sinks + window + 1) / N bits/value in q8_0: 0.14 for 4 + 64 at 4096; 16 x in f16), so "
+                        "that B is the whole cache's size at that context; 0 (default): B is the quantized cache's alone")
     g.add_argument("--kv-window", type=_window_arg, default=64, metavar="N|auto",
                    help="with --prerope-k: and the last N cells written per sequence (pykvq.cache.kv_window; default "
-                        "%(default)s, 0: off). 4 + 64 cost 0.27 bits/value at 4096 tokens and take 4-bit keys and values "
+                        "%(default)s, 0: off). 4 + 64 cost 0.14 bits/value at 4096 tokens in q8_0 rows (0.27 in f16) and take 4-bit keys and values "
                         "from 6.1x to 1.7x q8_0's KLD on SmolLM2, 2.3x to 1.08x on Qwen2.5-Coder-1.5B (docs/RESULTS.md); "
                         "--kv-sinks / --kv-window at run time override it. auto (with --kv-bits and --kv-bits-ctx N): "
                         "the file is made for each length from 16 up that leaves the cache its cheapest types, each run "
@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-sinks", type=int, default=4, metavar="N",
                    help="with --prerope-k: the runtime keeps the first N positions of each sequence in f16 beside the "
                         "quantized cache unless told otherwise (pykvq.cache.kv_sinks; default %(default)s, 0: off)")
+    g.add_argument("--kv-window-type", choices=("q8_0", "f16"), default="q8_0",
+                   help="with --prerope-k: the type the window's and sinks' rows are held in (pykvq.cache.kv_window_type; "
+                        "default %(default)s: half f16's bytes, the same KLD on SmolLM2 at 3 bits and 4096 tokens, "
+                        "0.03010 against 0.03006; CUDA-held layers keep f16 rows; --kv-window-type at run time "
+                        "overrides it)")
     g.add_argument("--layer-types", default=None, metavar="TYPES",
                    help="candidate types for --kv-bits, V's and (without --layer-types-k) K's. Default: V "
                         + ",".join(pipeline.layer_types.VALUE_LADDER) + ", with nuq2_64 (2.25 bits) first where the "
@@ -290,17 +295,18 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
 def _pair_window(bits: float, preset: tuple, args, parser: argparse.ArgumentParser) -> int | None:
     """The exact window a one-pair preset takes at --ctx cells, or None for the budget. The pair is for contexts
     where the default window leaves the budget less than the pair's bits, so that it would put layers below them
-    (3.5 at 4096: 3.23 bits; it lost there); the pair then takes the longest window that fits. Where the default
-    window fits beside the pair (16384 cells), where none fits (a short --ctx), or with a --kv-window of the user's,
+    (3.5 at 4096: 3.36 bits with q8_0 rows, 3.23 with f16; it lost there); the pair then takes the longest window
+    that fits. Where the default window fits beside the pair (8192 cells and up with q8_0 rows, 16384 with f16; not
+    measured at 8192), where none fits (a short --ctx), or with a --kv-window of the user's,
     the budget (at 16384 it beat the pair on Qwen2.5-Coder-1.5B: 0.00782 against 0.00863)."""
     from pykvq.cache_info import longest_window, window_bits
     if args.kv_window != parser.get_default("kv_window"):
         return None
     bpv = pipeline.layer_types.bits_per_value
     pair = (bpv(preset[2]) + bpv(preset[4])) / 2
-    if pair + window_bits(args.kv_sinks, args.kv_window, args.ctx) <= bits + 1e-9:
+    if pair + window_bits(args.kv_sinks, args.kv_window, args.ctx, args.kv_window_type) <= bits + 1e-9:
         return None
-    return longest_window(bits - pair, args.kv_sinks, args.ctx)
+    return longest_window(bits - pair, args.kv_sinks, args.ctx, args.kv_window_type)
 
 
 def _power(arg: str) -> float:
@@ -652,7 +658,7 @@ def convert(args) -> dict:
                             max_cond=args.max_cond, learn_loss=args.learn_loss,
                             learn_init=args.learn_init, prerope_k=args.prerope_k,
                             prerope_scale=args.prerope_k_scale, prerope_power=args.prerope_k_power,
-                            kv_sinks=args.kv_sinks, kv_window=window,
+                            kv_sinks=args.kv_sinks, kv_window=window, kv_window_type=args.kv_window_type,
                             kv_bits_ctx=args.kv_bits_ctx, budget_weights=args.kv_bits_weights,
                             ladder=(_types_list(args.layer_types) if args.layer_types is not None
                                     else pipeline.layer_types.VALUE_LADDER),
@@ -674,7 +680,7 @@ def convert(args) -> dict:
             low = opts.cheapest_bits()
             if auto_window:
                 from convert import window_choice
-                wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low)
+                wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low, opts.kv_window_type)
                 if not wins:
                     raise ValueError(f"--kv-window auto: no window of {', '.join(map(str, window_choice.WINDOWS))} "
                                      f"leaves --kv-bits {opts.kv_bits} the cheapest of --layer-types ({low}) at "
@@ -873,12 +879,14 @@ def main(argv=None) -> int:
               + f"; {p['layers']} layers, largest |mean|/std "
               f"{p['max_mean_over_std']:.1f}, largest/median std in a head {p['max_std_spread']:.1f}")
         print(f"exact window by default: the first {p['kv_sinks']} positions and the last {p['kv_window']} cells of each "
-              "sequence in f16 (pykvq.cache.kv_sinks / kv_window; --kv-sinks / --kv-window at run time override it)")
+              f"sequence in {p.get('kv_window_type', 'f16')} rows (pykvq.cache.kv_sinks / kv_window / kv_window_type; "
+              "--kv-sinks / --kv-window / --kv-window-type at run time override it)")
         from pykvq.cache_types import bits_per_value
         from pykvq.diagnose import outlook
         types = (s["layer_types_k"] + s["layer_types_v"] if s["layer_types_k"]
                  else [s["cache_type_k"], s["cache_type_v"]])
-        print(outlook(float(np.mean([bits_per_value(t) for t in types])), p["kv_sinks"], p["kv_window"]))
+        print(outlook(float(np.mean([bits_per_value(t) for t in types])), p["kv_sinks"], p["kv_window"],
+                      p.get("kv_window_type", "f16")))
     if s["inexact_block_scales"]:
         print(f"smoothing rounded {s['inexact_block_scales']} of {s['block_scales']} f16 block scales "
               "(subnormal ones; each change < 6e-8)")

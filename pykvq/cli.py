@@ -186,7 +186,8 @@ def cmd_info(args) -> int:
     if prepared:
         from .diagnose import outlook
         info = m.kv_cache_info()
-        print(outlook(info.bits_per_value, int(m.setting("kv_sinks") or 0), int(m.setting("kv_window") or 0)))
+        print(outlook(info.bits_per_value, int(m.setting("kv_sinks") or 0), int(m.setting("kv_window") or 0),
+                      m.setting("kv_window_type") or "f16"))
     return 0
 
 

@@ -32,6 +32,7 @@ class Keys:
         K_SCALE_METHOD = "pykvq.cache.k_scale_method"        # informative: how the pre-RoPE scale was chosen
         KV_SINKS = "pykvq.cache.kv_sinks"                    # uint32: default exact sinks (pre-RoPE keys)
         KV_WINDOW = "pykvq.cache.kv_window"                  # uint32: default exact window, cells per sequence
+        KV_WINDOW_TYPE = "pykvq.cache.kv_window_type"        # string: its rows' type, "f16" / "q8_0" (absent: f16)
 
         TYPE = {"k": TYPE_K, "v": TYPE_V}
         LAYER_TYPES = {"k": LAYER_TYPES_K, "v": LAYER_TYPES_V}

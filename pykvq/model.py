@@ -85,7 +85,8 @@ class Model(Generation, Evaluation):
     k_centre_residual: the centred cache's residual mean energy (x the head's variance; default 0.5).
     kv_window / kv_sinks: a pre-RoPE key cache keeps the last kv_window positions up to each query and the first
     kv_sinks positions unquantized (f16) beside the quantized cache (default: the file's pykvq.cache.kv_window /
-    kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md).
+    kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md). kv_window_type: their
+    rows' type, "f16" or "q8_0" (default: the file's pykvq.cache.kv_window_type, else f16; q8_0 in CPU-held layers only).
     None for any of these: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL /
     PYKVQ_KV_WINDOW / PYKVQ_KV_SINKS,
     else the process default (pykvq.use_with_llama_cpp), else auto. self.k_domain / self.encoder say what the context really runs.
@@ -101,7 +102,8 @@ class Model(Generation, Evaluation):
                  attn_rot_k: str | bool | None = "auto", attn_rot_v: str | bool | None = "auto",
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
                  encoder: str | None = None, k_centre_residual: float | None = None,
-                 kv_window: int | None = None, kv_sinks: int | None = None, n_ubatch: int | None = None,
+                 kv_window: int | None = None, kv_sinks: int | None = None, kv_window_type: str | None = None,
+                 n_ubatch: int | None = None,
                  _calibration=None, _probe=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
@@ -193,7 +195,8 @@ class Model(Generation, Evaluation):
             L.llama_kvq_probe_attach(_probe, ffi.addressof(cp))
         log.clear()
         settings = dict(attn_rot_k=_ROT_NAMES[rot_k], attn_rot_v=_ROT_NAMES[rot_v], k_domain=k_domain,
-                        encoder=encoder, k_centre_residual=k_centre_residual, kv_window=kv_window, kv_sinks=kv_sinks)
+                        encoder=encoder, k_centre_residual=k_centre_residual, kv_window=kv_window, kv_sinks=kv_sinks,
+                        kv_window_type=kv_window_type)
         try:
             with _kvq_params(L, settings) as kvq:
                 self._ctx = L.llama_kvq_init_from_model_params(self._model, cp, kvq)
@@ -313,7 +316,8 @@ class Model(Generation, Evaluation):
         rot = [w for w, on in self.attn_rotation.items() if on]
         baked = self.baked_transforms()
         sinks, win = self.setting("kv_sinks"), self.setting("kv_window")
-        exact = f" (f16: first {sinks} positions, last {win} cells)" if {sinks, win} - {None, "0"} else ""
+        exact = (f" ({self.setting('kv_window_type') or 'f16'}: first {sinks} positions, last {win} cells)"
+                 if {sinks, win} - {None, "0"} else "")
         return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
                 + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}{exact}"
                 + f"; q4_0/q5_0 scales {self.encoder}")

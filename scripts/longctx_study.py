@@ -54,6 +54,11 @@ class Row:
     v: str                 # per-token type
     window: int = 0        # W recent tokens exact
     sinks: int = 0         # S first tokens exact
+    vwindow: int | None = None   # the values' own window (None: W); keys and values can keep different windows
+    wtype: str = "f16"     # how the window and sinks are held: f16 (exact) or q8_0 (per token, the head's Hadamard)
+
+    def vwin(self) -> int:
+        return self.window if self.vwindow is None else self.vwindow
 
     def group(self) -> int:
         return int(self.k.split("x")[1]) if self.k.startswith("grp") else 1
@@ -74,8 +79,9 @@ def type_bits(t: str) -> float:
 
 
 def row_bits(r: Row, ctx: int) -> float:
-    exact = min(ctx, r.window + r.sinks)
-    return ((ctx - exact) * (type_bits(r.k) + type_bits(r.v)) / 2 + exact * 16.0) / ctx
+    wb = type_bits(r.wtype)
+    ek, ev = min(ctx, r.window + r.sinks), min(ctx, r.vwin() + r.sinks)
+    return ((ctx - ek) * type_bits(r.k) + ek * wb + (ctx - ev) * type_bits(r.v) + ev * wb) / (2 * ctx)
 
 
 def lsq_blocks(x: np.ndarray, bits: int) -> np.ndarray:
@@ -179,6 +185,7 @@ class Harness:
             self.vmaps[kind] = maps
         self.row: Row | None = None
         self.kq: dict[int, np.ndarray] = {}
+        self.kw: dict[int, np.ndarray] = {}
         ml = sys.modules[type(st.model.model.layers[0].self_attn).__module__]
         prev, h = ml.apply_rotary_pos_emb, self
 
@@ -204,6 +211,11 @@ class Harness:
                     xq = torch.from_numpy(np.ascontiguousarray((y * scale + mean)[..., st.inv].transpose(1, 0, 2),
                                                                np.float32))[None]
                     h.kq[i] = prev(q, xq, cos, sin, *a, **kw)[1]
+                    if r.wtype != "f16":             # the window's rows held in another type (pre-RoPE, as the cache)
+                        y8 = per_token((x - mean) / scale, r.wtype, g.head_dim)
+                        x8 = torch.from_numpy(np.ascontiguousarray((y8 * scale + mean)[..., st.inv].transpose(1, 0, 2),
+                                                                   np.float32))[None]
+                        h.kw[i] = prev(q, x8, cos, sin, *a, **kw)[1]
             return q2, k2
         ml.apply_rotary_pos_emb = rope
 
@@ -223,9 +235,14 @@ class Harness:
                 vq = torch.from_numpy(np.ascontiguousarray(h.quant_v(v_np, r.v, i).transpose(1, 0, 2),
                                                            np.float32))[None]
                 s_q = torch.matmul(query, repeat_kv(h.kq[i], n_rep).transpose(2, 3)) * scaling
+                if r.wtype != "f16":
+                    s_e = torch.matmul(query, repeat_kv(h.kw[i], n_rep).transpose(2, 3)) * scaling
+                    value = torch.from_numpy(np.ascontiguousarray(h.quant_v(v_np, r.wtype, i).transpose(1, 0, 2),
+                                                                  np.float32))[None]
                 G = r.group()
-                mask_q = ((sidx // G + 1) * G <= t - r.window + 1) & (sidx >= r.sinks)   # read quantized
+                mask_q = ((sidx // G + 1) * G <= t - r.window + 1) & (sidx >= r.sinks)   # keys read quantized
                 s = torch.where(mask_q, s_q, s_e)
+                mask_q = (sidx <= t - r.vwin()) & (sidx >= r.sinks)                       # values read quantized
             s = s.masked_fill(sidx > t, float("-inf"))      # causal (one unpadded sequence; the mask given is unused)
             p = torch.softmax(s, dim=-1, dtype=torch.float32)
             if mask_q is None:
@@ -324,6 +341,11 @@ def main(argv=None) -> int:
         # values alone (K q8_0) at 3.5 bits: uniform, or split by importance (channels or a whitened eigenbasis)
         *[Row(f"V {v} / K q8_0 + window 64, sinks 4", "q8_0", v, 64, S)
           for v in ("lsq3", "vsc3", "vmix42", "vklt42", "vklt42I", "vklt42W", "vmix42W", "vsc3W", "lsq2", "vklt32I")],
+        # the window split: keys' and values' own lengths, or held in q8_0 (the 3.5-bit pair's kinds of K / V)
+        *[Row(f"mix42 / lsq3 + window K {kw} V {vw}{' in q8_0' if wt != 'f16' else ''}, sinks 4", "mix42", "lsq3",
+              kw, S, vw, wt)
+          for kw, vw, wt in ((64, 64, "f16"), (0, 0, "f16"), (64, 0, "f16"), (0, 64, "f16"), (128, 0, "f16"),
+                             (0, 128, "f16"), (16, 16, "f16"), (128, 128, "q8_0"), (64, 64, "q8_0"))],
     ]
     if args.only:
         keep = set(args.only.split(";"))

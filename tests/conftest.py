@@ -121,10 +121,12 @@ def smollm2_converted(smollm2, smollm2_hf, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_prerope(smollm2, tmp_path_factory):
-    """SmolLM2 converted with --prerope-k (the default calibration: 4 x 512 tokens, seconds)."""
+    """SmolLM2 converted with --prerope-k (the default calibration: 4 x 512 tokens, seconds), the window's rows in
+    f16: the tests compare it bit for bit with f16 caches and RPC peers (whose rows are f16); q8_0 rows, the
+    converter's default, are tested in test_window.py."""
     from test_convert import run_convert
     out = tmp_path_factory.mktemp("prerope") / "smol-prerope.gguf"
-    run_convert(smollm2, "-o", out, "--prerope-k")
+    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-window-type", "f16")
     return out
 
 

@@ -60,8 +60,10 @@ void ggml_kvq_fa_set_centred(struct ggml_tensor * fa, struct ggml_tensor * pos, 
 void ggml_kvq_fa_set_window(struct ggml_tensor * fa, struct ggml_tensor * rows) {
     GGML_ASSERT(ggml_kvq_fa_get_prerope(fa, NULL, NULL, NULL, NULL) && !ggml_kvq_fa_is_centred(fa));
     const struct ggml_tensor * k = fa->src[1], * v = fa->src[2], * pos = fa->src[5];
-    GGML_ASSERT(rows->type == GGML_TYPE_F16 && rows->ne[0] == k->ne[0]*k->ne[2] + v->ne[0]*v->ne[2]);
-    GGML_ASSERT(rows->nb[0] == sizeof(ggml_fp16_t) && ggml_nrows(rows) == rows->ne[1]);
+    GGML_ASSERT((rows->type == GGML_TYPE_F16 || rows->type == GGML_TYPE_Q8_0) && rows->ne[0] == k->ne[0]*k->ne[2] + v->ne[0]*v->ne[2]);
+    GGML_ASSERT(rows->nb[0] == ggml_type_size(rows->type) && ggml_nrows(rows) == rows->ne[1]);
+    // q8_0 rows: every head's K and V starts on a block (the CPU's kernels dequantize whole blocks)
+    GGML_ASSERT(rows->type != GGML_TYPE_Q8_0 || (k->ne[0] % 32 == 0 && v->ne[0] % 32 == 0));
     GGML_ASSERT((pos->ne[2] == 2 || pos->ne[2] == 4) && pos->ne[3] == 1);
     fa->src[9] = rows;
 }

@@ -455,7 +455,8 @@ uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, const llama_kvq_ctx
     if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
         auto & c = llama_kvq_cache::of(*kv);
         const uint32_t n = c.set_k_domain(opts);
-        c.set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0), n_ubatch);
+        c.set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0), n_ubatch,
+                     opts.kv_window_type == GGML_TYPE_Q8_0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16);
         return n;
     }
     // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and

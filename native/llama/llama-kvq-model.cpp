@@ -61,6 +61,7 @@ static void kvq_check_keys(const gguf_context * ctx) {
         { LLAMA_KVQ_KEY_CACHE_K_SCALE_METHOD,    GGUF_TYPE_STRING, {} },
         { LLAMA_KVQ_KEY_CACHE_KV_SINKS,          GGUF_TYPE_UINT32, {} },
         { LLAMA_KVQ_KEY_CACHE_KV_WINDOW,         GGUF_TYPE_UINT32, {} },
+        { LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE,    GGUF_TYPE_STRING, { "f16", "q8_0" } },
         { LLAMA_KVQ_KEY_BAKED_KSORT,             GGUF_TYPE_BOOL,   {} },
         { LLAMA_KVQ_KEY_BAKED_KSORT_KEY,         GGUF_TYPE_STRING, {} },
         { LLAMA_KVQ_KEY_BAKED_SMOOTH_QK,         GGUF_TYPE_BOOL,   {} },
@@ -380,6 +381,11 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
         *n = (int) std::min<unsigned long long>(std::stoull(v), INT32_MAX);
         LLAMA_LOG_INFO("%s: exact %s = %d (from the GGUF's %s; --kv-%s 0 turns it off)\n", "llama_kvq_apply_model_defaults",
                        what, *n, name, what);
+    }
+    if (kvq.kv_window_type < 0 && !key(LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE).empty()) {
+        kvq.kv_window_type = key(LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE) == "q8_0" ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+        LLAMA_LOG_INFO("%s: exact window rows in %s (from the GGUF's %s)\n", "llama_kvq_apply_model_defaults",
+                       ggml_type_name((ggml_type) kvq.kv_window_type), LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE);
     }
 
     // (a q53_64 file's pairs are laid out by importance, "importance": its halves keep their own 32-wide Hadamards)

@@ -1,5 +1,6 @@
-// pykvq: the exact window of a pre-RoPE key cache. Per layer and stream, n_sink + n_win rows hold unquantized (f16)
-// copies of what the cache stores for its first positions (attention sinks: position < n_sink) and for the cells
+// pykvq: the exact window of a pre-RoPE key cache. Per layer and stream, n_sink + n_win rows hold unquantized (f16,
+// or q8_0 where the CPU attends: half the bytes, and 8-bit rows cost nothing measurable against f16 ones) copies of
+// what the cache stores for its first positions (attention sinks: position < n_sink) and for the cells
 // written last (a ring of n_win rows). Every cell is quantized into the cache as usual when written; flash attention
 // reads a cell's exact row instead while the row is still its own (ggml_kvq_fa_set_window), so a cell "enters" the
 // quantized cache when the ring moves past it. Pre-RoPE rows do not depend on positions: a K-shift moves nothing.
@@ -30,7 +31,7 @@ struct llama_kvq_window {
     uint32_t n_seq  = 1;                 // sequences per stream (n_seq_max of a unified cache, else 1)
     uint32_t n_slot = 0;                 // (n_sink + n_win) per sequence + 1: the last takes what a batch writes past a ring
     uint32_t n_stage = 0;                // rows after every stream's slots: one per token of a ubatch (n_ubatch)
-    std::vector<ggml_tensor *> rows;     // per cache layer: F16 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream + n_stage]
+    std::vector<ggml_tensor *> rows;     // per cache layer: F16 / Q8_0 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream + n_stage]
     std::vector<ggml_context_ptr> ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
     // per stream: the cell whose row each slot holds, the slot of each cell (-1: none), each sequence's ring's next slot
@@ -50,7 +51,7 @@ struct llama_kvq_window {
     uint32_t base(uint32_t q) const { return q*(n_sink + n_win); }
 };
 
-uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch) {
+uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch, ggml_type row_type) {
     win.reset();
     if (n_win == 0 && n_sink == 0) {
         return 0;
@@ -76,7 +77,7 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
     w->n_stage = std::max(n_ubatch, 1u);
     w->rows.assign(layers.size(), nullptr);
     w->keep.assign(layers.size(), {});
-    uint32_t n_layers = 0, n_device = 0;
+    uint32_t n_layers = 0, n_device = 0, n_q8 = 0;
     size_t bytes = 0, stage_bytes = 0, cache_bytes = 0;
     double values = 0.0;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
@@ -93,9 +94,13 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
             ++n_device;
             continue;
         }
+        // q8_0 rows where the CPU's kernels read them (CUDA's read f16), and K's part ends on a block
+        const bool q8 = row_type == GGML_TYPE_Q8_0 && ggml_backend_buffer_is_host(layer.k->buffer) &&
+                        layer.k->ne[0] % ggml_blck_size(GGML_TYPE_Q8_0) == 0 && layer.v->ne[0] % ggml_blck_size(GGML_TYPE_Q8_0) == 0;
+        n_q8 += q8;
         ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
-        ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0],
+        ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), q8 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0],
                                              (int64_t) w->n_slot*n_stream + w->n_stage);
         ggml_format_name(t, "kvq_window_l%u", layer.il);
         ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
@@ -125,17 +130,34 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
         LLAMA_LOG_WARN("%s: exact window off in %u pre-RoPE layers: their K cache is on a device without a kernel for it "
                        "(the CPU's and CUDA's read it)\n", __func__, n_device);
     }
+    if (row_type == GGML_TYPE_Q8_0 && n_q8 < n_layers) {
+        LLAMA_LOG_WARN("%s: exact window rows in f16 in %u layers: q8_0 rows are read by the CPU's kernels only\n",
+                       __func__, n_layers - n_q8);
+    }
     win = w;
-    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query kept in f16 "
+    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query kept in %s "
                    "beside the quantized cache (%.2f MiB; K+V %.3f bits/value at %u cells with it, %.3f without; plus %.2f MiB "
                    "of stage rows for a ubatch's %u tokens)\n",
-                   __func__, n_layers, layers.size(), n_sink, n_win, bytes / (1024.0*1024.0), 8.0*(cache_bytes + bytes) / values,
+                   __func__, n_layers, layers.size(), n_sink, n_win, n_q8 == 0 ? "f16" : n_q8 == n_layers ? "q8_0" : "f16 / q8_0",
+                   bytes / (1024.0*1024.0), 8.0*(cache_bytes + bytes) / values,
                    kv.get_size(), 8.0*cache_bytes / values, stage_bytes / (1024.0*1024.0), w->n_stage);
     return n_layers;
 }
 
 std::pair<uint32_t, uint32_t> llama_kvq_cache::window_size() const {
     return win ? std::pair<uint32_t, uint32_t>{ win->n_sink, win->n_win } : std::pair<uint32_t, uint32_t>{ 0, 0 };
+}
+
+const char * llama_kvq_cache::window_type() const {
+    if (win) {
+        for (const ggml_tensor * t : win->rows) {
+            if (t != nullptr && t->type == GGML_TYPE_Q8_0) {
+                return "q8_0";
+            }
+        }
+        return "f16";
+    }
+    return "";
 }
 
 // a stream copy (seq_cp across streams) copies the cells: their rows and what holds them go along
@@ -277,7 +299,7 @@ void llama_kvq_cache::win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tenso
     ggml_tensor * k2 = ggml_view_2d(ctx, k_cur, n_k, n_tokens, k_cur->nb[2], 0);
     ggml_tensor * v2 = ggml_view_2d(ctx, v_cur, n_v, n_tokens, v_cur->nb[2], 0);
     ggml_tensor * rk = ggml_view_2d(ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
-    ggml_tensor * rv = ggml_view_2d(ctx, rows, n_v, rows->ne[1], rows->nb[1], n_k*ggml_element_size(rows));
+    ggml_tensor * rv = ggml_view_2d(ctx, rows, n_v, rows->ne[1], rows->nb[1], ggml_row_size(rows->type, n_k));
     // the stage rows now; the ring after this layer's attention has read the rows it held (kvq_win_attach)
     ggml_tensor * stage = ggml_view_1d(ctx, idxs, n_tokens, 0);
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, rk, k2, stage));
@@ -302,7 +324,7 @@ void llama_kvq_cache::win_attach(ggml_tensor * fa, int32_t il) const {
         ggml_build_forward_expand(kw.gf, fa);
         const int64_t n_k = kw.k2->ne[0], n_v = kw.v2->ne[0];
         ggml_tensor * rk = ggml_view_2d(kw.ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
-        ggml_tensor * rv = ggml_view_2d(kw.ctx, rows, n_v, rows->ne[1], rows->nb[1], n_k*ggml_element_size(rows));
+        ggml_tensor * rv = ggml_view_2d(kw.ctx, rows, n_v, rows->ne[1], rows->nb[1], ggml_row_size(rows->type, n_k));
         ggml_build_forward_expand(kw.gf, ggml_set_rows(kw.ctx, rk, kw.k2, kw.idxs));
         ggml_build_forward_expand(kw.gf, ggml_set_rows(kw.ctx, rv, kw.v2, kw.idxs));
         kw = {};
@@ -451,18 +473,29 @@ bool llama_kvq_cache::win_state_read(llama_io_read_i & io, uint32_t strm, uint32
         uint32_t row_bytes = 0;
         io.read(&row_bytes, sizeof(row_bytes));
         ggml_tensor * rows = win ? win->rows[ikv] : nullptr;
-        // f16 K and V of one cell, whether or not this cache keeps a window (a damaged state asks for no more)
+        // f16 or q8_0 K and V of one cell, whether or not this cache keeps a window (a damaged state asks for no more)
         const uint32_t il = kv.layers[ikv].il;
-        const size_t want = sizeof(ggml_fp16_t)*(kv.hparams.n_embd_k_gqa(il) + kv.hparams.n_embd_v_gqa(il));
-        if (row_bytes != 0 && row_bytes != want) {
-            LLAMA_LOG_ERROR("%s: layer %u: the state's exact rows are %u bytes, the cache's %zu\n", __func__, il, row_bytes, want);
+        const int64_t n_el = kv.hparams.n_embd_k_gqa(il) + kv.hparams.n_embd_v_gqa(il);
+        const ggml_type from = row_bytes == ggml_row_size(GGML_TYPE_F16, n_el) ? GGML_TYPE_F16 : GGML_TYPE_Q8_0;
+        if (row_bytes != 0 && (row_bytes != ggml_row_size(from, n_el) || n_el % ggml_blck_size(from) != 0)) {
+            LLAMA_LOG_ERROR("%s: layer %u: the state's exact rows are %u bytes, neither f16 nor q8_0 rows of the cache's %lld "
+                            "values\n", __func__, il, row_bytes, (long long) n_el);
             return false;
         }
         complete = complete && (rows == nullptr || row_bytes != 0);
+        std::vector<float> f32;
         for (uint32_t r = 0; r < n_rows && row_bytes != 0; ++r) {
-            if (rows) { // a row that finds no slot goes to the trash slot (a device state's reader takes tensor reads only)
-                const uint32_t slot = dest[r] >= 0 ? (uint32_t) dest[r] : win->trash();
+            const uint32_t slot = rows == nullptr ? 0 : dest[r] >= 0 ? (uint32_t) dest[r] : win->trash();
+            if (rows && rows->type == from) { // a row that finds no slot goes to the trash slot (a device state's reader takes tensor reads only)
                 io.read_tensor(rows, ((size_t) strm*win->n_slot + slot)*row_bytes, row_bytes);
+            } else if (rows) {                // a state saved with the other row type: converted (q8_0 <-> f16)
+                skip.resize(row_bytes);
+                io.read(skip.data(), row_bytes);
+                f32.resize(n_el);
+                ggml_get_type_traits(from)->to_float(skip.data(), f32.data(), n_el);
+                std::vector<uint8_t> row(rows->nb[1]);
+                ggml_get_type_traits(rows->type)->from_float_ref(f32.data(), row.data(), n_el);
+                ggml_backend_tensor_set(rows, row.data(), ((size_t) strm*win->n_slot + slot)*rows->nb[1], rows->nb[1]);
             } else {
                 skip.resize(row_bytes);
                 io.read(skip.data(), row_bytes);

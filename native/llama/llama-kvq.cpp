@@ -101,6 +101,15 @@ const kvq_setting k_settings[] = {
       "--kv-sinks", "N",
       "pre-RoPE key cache: keep the first N positions (attention sinks) unquantized (f16) (default: the file's "
       "pykvq.cache.kv_sinks, 4 for a --prerope-k file; 0: off)" },
+    { "kv_window_type", "PYKVQ_KV_WINDOW_TYPE", "f16 or q8_0",
+      [](llama_kvq_ctx_opts & o, const char * v) {
+          const int i = kvq_index_of(v, { "f16", "q8_0" });
+          o.kv_window_type = i == 0 ? GGML_TYPE_F16 : i == 1 ? GGML_TYPE_Q8_0 : -1;
+          return i >= 0;
+      },
+      "--kv-window-type", "{f16,q8_0}",
+      "how the exact window's and sinks' rows are held: f16, or q8_0 at about half the bytes, in layers the CPU "
+      "attends (default: the file's pykvq.cache.kv_window_type, else f16)" },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
 
@@ -300,6 +309,15 @@ int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, 
             n = std::max(n, sinks ? s : w);
         });
         return snprintf(buf, buf ? size : 0, "%u", n);
+    }
+    if (strcmp(name, "kv_window_type") == 0) {
+        // q8_0 where any cache holds q8_0 rows, f16 where all hold f16, "" where none keeps a window
+        v = "";
+        llama_kvq_for_each_kv_cache(ctx->get_memory(), [&](llama_kv_cache & kv) {
+            const char * t = llama_kvq_cache::of(kv).window_type();
+            v = *v == '\0' || strcmp(t, "q8_0") == 0 ? t : v;
+        });
+        return snprintf(buf, buf ? size : 0, "%s", v);
     }
     if (strcmp(name, "k_domain") == 0) {
         v = n_pre > 0 ? "pre" : n_centred > 0 ? "centred" : "post";

@@ -72,8 +72,9 @@ def run(src: Path, settings: list[Setting], out: Path, *, text: str, text_name: 
         _say(f"[{i + 1}/{len(todo)}] {s.label}")
         with Model(path, n_ctx=n_ctx, flash_attn=True, **s.model_kwargs(evaluation=True)) as m:
             row = evaluate(m, base, chunks, progress)
-            if s.window_bits(m.n_ctx):     # the window's f16 rows counted at the context used
-                row.update(window_bits=s.window_bits(m.n_ctx), bits_per_value=row["bits_per_value"] + s.window_bits(m.n_ctx))
+            wb = s.window_bits(m.n_ctx, m.setting("kv_window_type") or "f16")   # its rows at the context used
+            if wb:
+                row.update(window_bits=wb, bits_per_value=row["bits_per_value"] + wb)
         row.update(label=s.label, k=s.k, v=s.v, transform=s.transform, rotation=s.rotation, stock=s.stock,
                    convert_seconds=conv["seconds"])
         store.put(s.label, row)

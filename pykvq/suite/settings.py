@@ -116,10 +116,10 @@ class Setting:
         kw.update(kv_sinks=self.sinks, kv_window=self.window)
         return kw
 
-    def window_bits(self, n_ctx: int) -> float:
-        """Bits per value the exact window adds at n_ctx cells (pykvq.cache_info.window_bits)."""
+    def window_bits(self, n_ctx: int, row_type: str = "f16") -> float:
+        """Bits per value the exact window adds at n_ctx cells in rows of row_type (pykvq.cache_info.window_bits)."""
         from ..cache_info import window_bits
-        return window_bits(self.sinks, self.window, n_ctx)
+        return window_bits(self.sinks, self.window, n_ctx, row_type)
 
 
 def parse_setting(spec: str) -> Setting:
