@@ -506,7 +506,9 @@ def prerope_model(a) -> Path | None:
     if a.prerope_model:
         return Path(a.prerope_model)
     out = Path(a.out) / "prerope.gguf"
-    r = run([sys.executable, "-m", "convert.to_gguf", a.model, "-o", out, "--prerope-k"], cwd=REPO, timeout=1800)
+    # f16 window rows, as CUDA's kernels hold them: the CPU and GPU runs read the same window
+    r = run([sys.executable, "-m", "convert.to_gguf", a.model, "-o", out, "--prerope-k", "--kv-window-type", "f16"],
+            cwd=REPO, timeout=1800)
     if r.returncode != 0:
         log("prerope step skipped: the converter did not run here (needs pykvq's venv; or pass --prerope-model): "
             + r.stderr.strip()[-300:])

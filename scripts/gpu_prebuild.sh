@@ -49,12 +49,13 @@ tar -C $B/pack -cJf .gpu1/build-cuda.tar.xz bin fallback-lib
 if [ -z "$PRE" ]; then
   PRE=$B/pre.gguf
   # calibration runs the model in pykvq's runtime: the CPU build's, else this CUDA build's on the CPU (the driver
-  # stub fails CUDA's initialisation, so ggml finds no device)
+  # stub fails CUDA's initialisation, so ggml finds no device). f16 window rows: CUDA's kernels hold f16 rows, so the
+  # check's CPU and GPU runs read the same window
   if [ -e build/bin/libllama.so ]; then
-    $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k --no-progress
+    $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k --kv-window-type f16 --no-progress
   else
     PYKVQ_LIB=$(pwd)/$B/bin/libllama.so LD_LIBRARY_PATH=$(pwd)/$B/stub:$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-        $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k --no-progress
+        $PY convert/to_gguf.py "$MODEL" -o "$PRE" --prerope-k --kv-window-type f16 --no-progress
   fi
 fi
 CAP=$(( 60*1024*1024 ))       # a call carries 64 MiB, the tree (~3 MB) included
