@@ -38,14 +38,16 @@ _UPSTREAM_PATHS = (Path(__file__).resolve().parent / "llama_cpp" / "convert_hf_t
                    ROOT / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py")
 UPSTREAM = next((p for p in _UPSTREAM_PATHS if p.is_file()), _UPSTREAM_PATHS[-1])
 
-# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and below
-# 8k cells of --ctx (q8_0 window rows; up to 8k with f16 rows) one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
+# the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and up to
+# 8k cells of --ctx one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
 # per-layer budget on Qwen2.5-Coder-1.5B and beat it by 20% on SmolLM2, whose budget moves by 25% with the
-# calibration sample; RESULTS-BY-DATE 2026-11-30, second session); else the per-layer budget
+# calibration sample; at 8192 it beat it by 29% on SmolLM2; RESULTS-BY-DATE 2026-11-30); else the per-layer budget
+# (at 16384 it beat the pair on Qwen2.5-Coder-1.5B)
 PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")
 PRESET_35 = ("--prerope-k", "--cache-type-k", "q42_64", "--cache-type-v", "nuq3_64")
 PRESET_BUDGET = ("--prerope-k", "--kv-bits")
 PRESET_CTX = 4096
+PAIR_CTX = 8192       # the longest --ctx the 3.5-bit pair is measured to beat the budget at
 # the flags that choose what the file prepares: with none of them the 4.5-bit preset applies
 CHOOSING = ("ksort", "smooth_qk", "rotate_v", "learn_k", "prerope_k", "cache_type_k", "cache_type_v", "kv_bits",
             "layer_types", "layer_types_k", "dequantize")
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bits", type=float, default=None, metavar="B",
                    help="the cache's bits/value: 4.5 (the default) writes the recommended 4.5-bit file ("
                         + " ".join(PRESET_45) + "); 3.5: " + " ".join(PRESET_35) + " with the exact window that fits "
-                        "at --ctx cells (55 at 4096 in q8_0 rows) where the default window would not (below 8k cells; from there, the "
+                        "at --ctx cells (55 at 4096 in q8_0 rows), up to 8k cells (beyond, the "
                         "budget); any other B: " + " ".join(PRESET_BUDGET) + " B, each layer's K and V "
                         "its own type, the file's exact window counted at --ctx cells")
     g.add_argument("--ctx", type=int, default=PRESET_CTX, metavar="N",
@@ -293,19 +295,15 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
 
 
 def _pair_window(bits: float, preset: tuple, args, parser: argparse.ArgumentParser) -> int | None:
-    """The exact window a one-pair preset takes at --ctx cells, or None for the budget. The pair is for contexts
-    where the default window leaves the budget less than the pair's bits, so that it would put layers below them
-    (3.5 at 4096: 3.36 bits with q8_0 rows, 3.23 with f16; it lost there); the pair then takes the longest window
-    that fits. Where the default window fits beside the pair (8192 cells and up with q8_0 rows, 16384 with f16; not
-    measured at 8192), where none fits (a short --ctx), or with a --kv-window of the user's,
-    the budget (at 16384 it beat the pair on Qwen2.5-Coder-1.5B: 0.00782 against 0.00863)."""
-    from pykvq.cache_info import longest_window, window_bits
-    if args.kv_window != parser.get_default("kv_window"):
+    """The exact window a one-pair preset takes at --ctx cells (the longest whose rows fit beside the pair in bits),
+    or None for the budget: past PAIR_CTX cells (at 16384 the budget beat the pair on Qwen2.5-Coder-1.5B, 0.00782
+    against 0.00863; at 4096 and 8192 the pair won), where no window fits (a short --ctx), or with a --kv-window of
+    the user's."""
+    from pykvq.cache_info import longest_window
+    if args.kv_window != parser.get_default("kv_window") or args.ctx > PAIR_CTX:
         return None
     bpv = pipeline.layer_types.bits_per_value
     pair = (bpv(preset[2]) + bpv(preset[4])) / 2
-    if pair + window_bits(args.kv_sinks, args.kv_window, args.ctx, args.kv_window_type) <= bits + 1e-9:
-        return None
     return longest_window(bits - pair, args.kv_sinks, args.ctx, args.kv_window_type)
 
 

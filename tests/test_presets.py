@@ -36,17 +36,19 @@ def test_bits_below_is_a_budget_counted_at_ctx():
 
 def test_bits_35_is_one_pair_with_the_window_that_fits():
     """q42_64 / nuq3_64 (3.375 bits) for every layer; the window's q8_0 rows, 8.5 (sinks + window + 1) / ctx bits,
-    take the rest: 60 rows at 4096 cells, so 4 sinks + 55 (f16 rows, 16 (sinks + window + 1) / ctx: 4 + 27)."""
+    take the rest: 60 rows at 4096 cells, so 4 sinks + 55; 120 at 8192 (f16 rows, 16 (sinks + window + 1) / ctx:
+    4 + 27 and 4 + 59)."""
     flags, a = _resolve("--bits", "3.5")
     assert flags == "--prerope-k --cache-type-k q42_64 --cache-type-v nuq3_64 --kv-window 55"
     assert (a.prerope_k, a.cache_type_k, a.cache_type_v, a.kv_window, a.kv_bits) == (True, "q42_64", "nuq3_64", 55, None)
     assert a.kv_window_type == "q8_0"
+    assert _resolve("--bits", "3.5", "--ctx", "8192")[1].kv_window == 115
     _, a = _resolve("--bits", "3.5", "--kv-window-type", "f16")
     assert (a.kv_window, a.kv_window_type) == (27, "f16")
     assert _resolve("--bits", "3.5", "--ctx", "8192", "--kv-window-type", "f16")[1].kv_window == 59
-    # where the default window fits beside the pair (8192 cells and up in q8_0, 16384 in f16: the budget has bits
-    # above the pair), where no window fits (a short --ctx), or the user chose the window, the budget counts it
-    for argv in (("--ctx", "8192"), ("--ctx", "16384"), ("--ctx", "256"), ("--kv-window", "16"), ("--kv-window", "auto"),
+    # past 8192 cells (where the budget won), where no window fits (a short --ctx), or with the user's window: the
+    # budget counts the window instead
+    for argv in (("--ctx", "16384"), ("--ctx", "256"), ("--kv-window", "16"), ("--kv-window", "auto"),
                  ("--ctx", "16384", "--kv-window-type", "f16")):
         flags, a = _resolve("--bits", "3.5", *argv)
         assert flags.startswith("--prerope-k --kv-bits 3.5") and a.cache_type_k is None, argv
