@@ -101,20 +101,20 @@ def test_bad_budget_and_types_are_refused(smollm2, tmp_path):
 
 
 def test_budget_counts_the_window_at_a_context(smollm2, tmp_path):
-    """--kv-bits-ctx N: the budget is the whole cache's at N cells, the window's f16 rows included (16 x (4 + 64 + 1)
-    / 4096 = 0.2695 bits/value for a --prerope-k file's default sinks and window), so the per-layer types share what
-    is left; a budget the window alone would eat is refused before calibration, and nothing is written."""
+    """--kv-bits-ctx N: the budget is the whole cache's at N cells, the window's q8_0 rows included (8.5 x (4 + 64 + 1)
+    / 4096 = 0.1432 bits/value for a --prerope-k file's default sinks, window and row type), so the per-layer types
+    share what is left; a budget the window alone would eat is refused before calibration, and nothing is written."""
     out = tmp_path / "smol-3.6-at-4096.gguf"
     res = run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "3.6", "--kv-bits-ctx", "4096", *CALIB)
     m = read_gguf(out)
     bits = [cache_types.bits_per_value(t) for which in ("k", "v") for t in _layer_types(m, which)]
-    window = 16 * (4 + 64 + 1) / 4096
+    window = 8.5 * (4 + 64 + 1) / 4096
     assert np.mean(bits) <= 3.6 - window + 1e-9
     assert np.mean(bits) > 3.6 - window - 0.5          # the budget is spent, not left idle
-    assert "the window's 0.270 at 4096 cells" in res.stdout
+    assert "the window's 0.143 at 4096 cells" in res.stdout
     assert "counts the errors of reads the window leaves quantized" in res.stdout     # the default budget
     # a pre-RoPE file's keys may be split by importance by default (CUDA kernels too: no warning); V's own ladder
-    # (nuq3_64 in it; the cache's 3.33 bits keep nuq2_64 out)
+    # (nuq3_64 in it; the cache's 3.46 bits keep nuq2_64 out)
     assert set(_layer_types(m, "k")) <= set(PREROPE_K_LADDER) and set(_layer_types(m, "v")) <= set(VALUE_LADDER)
     assert str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     assert "have CPU kernels only" not in res.stdout
@@ -206,7 +206,9 @@ def test_key_codebooks_leave_out_the_positions_the_runtime_keeps_exact(smollm2, 
     assert Options(prerope_k=True).exact_positions() == 4
     assert Options(prerope_k=True, kv_sinks=0).exact_positions() == 0
     assert Options().exact_positions() == 0             # a post-RoPE file keeps no window
-    assert Options(prerope_k=True, kv_bits=3.6, kv_bits_ctx=4096).cache_bits() == pytest.approx(3.6 - 16 * 69 / 4096)
+    assert Options(prerope_k=True, kv_bits=3.6, kv_bits_ctx=4096).cache_bits() == pytest.approx(3.6 - 8.5 * 69 / 4096)
+    assert Options(prerope_k=True, kv_bits=3.6, kv_bits_ctx=4096,
+                   kv_window_type="f16").cache_bits() == pytest.approx(3.6 - 16 * 69 / 4096)
     assert Options(prerope_k=True, kv_bits=3.6).cache_bits() == 3.6
 
 
