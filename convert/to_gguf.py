@@ -41,7 +41,7 @@ UPSTREAM = next((p for p in _UPSTREAM_PATHS if p.is_file()), _UPSTREAM_PATHS[-1]
 # the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and up to
 # 8k cells of --ctx one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
 # per-layer budget on Qwen2.5-Coder-1.5B and beat it by 20% on SmolLM2, whose budget moves by 25% with the
-# calibration sample; at 8192 it beat it by 29% on SmolLM2; RESULTS-BY-DATE 2026-11-30); else the per-layer budget
+# calibration sample; at 8192 by 29% on SmolLM2 and 8% on Qwen; RESULTS-BY-DATE 2026-11-30); else the per-layer budget
 # (at 16384 it beat the pair on Qwen2.5-Coder-1.5B)
 PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")
 PRESET_35 = ("--prerope-k", "--cache-type-k", "q42_64", "--cache-type-v", "nuq3_64")
