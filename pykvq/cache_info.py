@@ -3,23 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-# bits per value of the exact window's rows by their type (pykvq.cache.kv_window_type / the kv_window_type setting):
-# f16, or q8_0 (the CPU's kernels; a CUDA-held layer keeps f16 rows)
-WINDOW_ROW_BITS = {"f16": 16.0, "q8_0": 8.5}
+from .cache_types import bits_per_value
 
 
 def window_bits(sinks: int, window: int, n_ctx: int, row_type: str = "f16") -> float:
     """Bits per value the exact window adds at n_ctx cells: its rows (the sinks, the window and the row being
-    written, in row_type) beside the quantized cache; 0 without a window."""
-    bits = WINDOW_ROW_BITS[row_type]
-    return bits * (sinks + window + 1) / n_ctx if (sinks or window) and n_ctx > 0 else 0.0
+    written, in row_type: pykvq.cache.kv_window_type, f16 or q8_0) beside the quantized cache; 0 without a window."""
+    return bits_per_value(row_type) * (sinks + window + 1) / n_ctx if (sinks or window) and n_ctx > 0 else 0.0
 
 
 def longest_window(bits: float, sinks: int, n_ctx: int, row_type: str = "f16") -> int | None:
     """The longest window whose rows (window_bits) cost at most bits per value at n_ctx cells, or None where not
     even the sinks and the row being written fit."""
-    w = int(bits * n_ctx / WINDOW_ROW_BITS[row_type] + 1e-9) - sinks - 1
+    w = int(bits * n_ctx / bits_per_value(row_type) + 1e-9) - sinks - 1
     return w if w >= 0 else None
 
 

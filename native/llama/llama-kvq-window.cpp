@@ -484,6 +484,7 @@ bool llama_kvq_cache::win_state_read(llama_io_read_i & io, uint32_t strm, uint32
         }
         complete = complete && (rows == nullptr || row_bytes != 0);
         std::vector<float> f32;
+        std::vector<uint8_t> row;
         for (uint32_t r = 0; r < n_rows && row_bytes != 0; ++r) {
             const uint32_t slot = rows == nullptr ? 0 : dest[r] >= 0 ? (uint32_t) dest[r] : win->trash();
             if (rows && rows->type == from) { // a row that finds no slot goes to the trash slot (a device state's reader takes tensor reads only)
@@ -493,7 +494,7 @@ bool llama_kvq_cache::win_state_read(llama_io_read_i & io, uint32_t strm, uint32
                 io.read(skip.data(), row_bytes);
                 f32.resize(n_el);
                 ggml_get_type_traits(from)->to_float(skip.data(), f32.data(), n_el);
-                std::vector<uint8_t> row(rows->nb[1]);
+                row.resize(rows->nb[1]);
                 ggml_get_type_traits(rows->type)->from_float_ref(f32.data(), row.data(), n_el);
                 ggml_backend_tensor_set(rows, row.data(), ((size_t) strm*win->n_slot + slot)*rows->nb[1], rows->nb[1]);
             } else {

@@ -26,7 +26,8 @@ fa_prerope fa_prerope_of(const ggml_tensor * dst) {
         pr.win_nb1  = rows->nb[1];
         pr.win_n    = rows->ne[1];
         pr.win_v0   = dst->src[1]->ne[0]*dst->src[1]->ne[2];
-        pr.win_q8   = rows->type == GGML_TYPE_Q8_0;
+        pr.win_type = rows->type;
+        pr.win_to_float = fa_to_float(rows->type, false);
         GGML_ASSERT(rows->type == GGML_TYPE_F16 || rows->type == GGML_TYPE_Q8_0);
         if (dst->src[5]->ne[2] >= 4) {
             pr.win_last = pr.pos + 2*plane;

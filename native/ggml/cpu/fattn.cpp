@@ -216,20 +216,10 @@ inline float fa_max(const float * x, int64_t n) {
     return m[0];
 }
 
-// the D values at element offset off of window row r, as floats (q8_0 rows: off and D are whole blocks, since a
-// head's values start and end on one)
+// the D values at element offset off of window row r, as floats, by the cache rows' own decoder (q8_0 rows: off
+// and D are whole blocks, since a head's values start and end on one)
 inline void fa_window_row(const fa_prerope & pr, int32_t r, int64_t off, int64_t D, float * out) {
-    if (pr.win_q8) {
-        const block_q8_0 * b = (const block_q8_0 *) (pr.win_rows + r*pr.win_nb1) + off/QK8_0;
-        for (int64_t i = 0; i < D/QK8_0; ++i) {
-            const float d = GGML_CPU_FP16_TO_FP32(b[i].d);
-            for (int j = 0; j < QK8_0; ++j) {
-                out[i*QK8_0 + j] = d*b[i].qs[j];
-            }
-        }
-        return;
-    }
-    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) (pr.win_rows + r*pr.win_nb1) + off, out, D);
+    pr.win_to_float(pr.win_rows + r*pr.win_nb1 + ggml_row_size(pr.win_type, off), out, D);
 }
 
 // the window's rows (wrow: each cell's row, -1: none; nullptr: no window) over a decoded tile of n rows of D

@@ -58,7 +58,8 @@ struct fa_prerope {
     size_t  win_nb1 = 0;
     int64_t win_n   = 0;             // rows of src[9]
     int64_t win_v0  = 0;             // where V starts in a row (elements)
-    bool    win_q8  = false;         // rows in q8_0 (else f16)
+    ggml_type win_type = GGML_TYPE_F16;      // rows in f16 or q8_0
+    ggml_to_float_t win_to_float = nullptr;  // their row decoder (fa_to_float)
     // per query (planes 2 and 3; nullptr: every query reads every row): the last query position that reads each
     // cell's row, and each query's position
     const int32_t * win_last = nullptr;
