@@ -94,9 +94,11 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
             ++n_device;
             continue;
         }
-        // q8_0 rows where the CPU's kernels read them (CUDA's read f16), and K's part ends on a block
+        // q8_0 rows where the CPU's kernels read them (CUDA's read f16), and every head's K and V start on a block
+        // (what ggml_kvq_fa_set_window asserts)
+        const int64_t qk = ggml_blck_size(GGML_TYPE_Q8_0);
         const bool q8 = row_type == GGML_TYPE_Q8_0 && ggml_backend_buffer_is_host(layer.k->buffer) &&
-                        layer.k->ne[0] % ggml_blck_size(GGML_TYPE_Q8_0) == 0 && layer.v->ne[0] % ggml_blck_size(GGML_TYPE_Q8_0) == 0;
+                        kv.hparams.n_embd_head_k(layer.il) % qk == 0 && kv.hparams.n_embd_head_v(layer.il) % qk == 0;
         n_q8 += q8;
         ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
