@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-window-type", choices=("q8_0", "f16"), default="q8_0",
                    help="with --prerope-k: the type the window's and sinks' rows are held in (pykvq.cache.kv_window_type; "
                         "default %(default)s: half f16's bytes, the same KLD on SmolLM2 at 3 bits and 4096 tokens, "
-                        "0.03010 against 0.03006; CUDA-held layers keep f16 rows; --kv-window-type at run time "
+                        "0.03010 against 0.03006; RPC workers keep f16 rows; --kv-window-type at run time "
                         "overrides it)")
     g.add_argument("--layer-types", default=None, metavar="TYPES",
                    help="candidate types for --kv-bits, V's and (without --layer-types-k) K's. Default: V "

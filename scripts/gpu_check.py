@@ -41,7 +41,7 @@ Steps (each writes $OUT or results/gpu/):
   prerope   the model converted with --prerope-k (or --prerope-model), fully offloaded: the log
             must show every quantized-K layer pre-RoPE and the graph splits equal f16's (no CPU
             fallback); KLD GPU vs CPU (same bound as kld; q53_64, q42_64 and q32_64 keys and q4_0 in the
-            centred domain too) and, for reference, the post-RoPE cache's (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
+            centred domain too; the window's rows in q8_0, also in batches of 1) and, for reference, the post-RoPE cache's (PYKVQ_K_DOMAIN=post) on the GPU; llama-bench tg32 / pp512 at --prerope-depths, pre-RoPE
             as a ratio to post-RoPE of the same type and to f16 (issue 20: decode >= 0.95x post,
             >= 1.0x f16; prefill >= 0.9x f16), printed, not failed on
 """
@@ -70,6 +70,7 @@ THREE_BIT = ["nuq3", "nuq3o"]
 PREROPE_SETTINGS = ["q4_0", "nuq4", "bfp4_32", "q8_0/nuq4", "nuq3", "q53_64/q4_0"]
 # the budgets' other key types with the values the default budgets pair them with (3.5 / 3.0 bits): KLD only, not benched
 HALVES_SETTINGS = ["q42_64/nuq3_64", "q32_64/nuq2_64"]
+WINDOW_Q8_SETTINGS = ["q4_0", "q42_64/nuq3_64"]   # the prerope step's KLD with the window's rows in q8_0 too
 UB1_SETTINGS = ["q4_0", "q53_64/q4_0"]   # the prerope step's KLD with -ub 1 too (every query through the decode kernel)
 DRY_RUN = False
 # the key domain through the tools' environment fallback of --kv-domain (a pre-RoPE file's CUDA-held layers stayed
@@ -388,12 +389,14 @@ def _kld(text: str) -> float | None:
 
 
 def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False, domain: str | None = None,
-                 base_tag: str | None = None) -> dict:
+                 base_tag: str | None = None, window_type: str | None = None) -> dict:
     """KLD against an f16-cache CPU base, each setting on CPU and on GPU; they must agree.
     prerope: a pre-RoPE file, its keys forced pre-RoPE (PYKVQ_K_DOMAIN=pre); the GPU runs once more with batches of 32
     and of 1 (wrong on the H200 of 2026-11-27, right on 2026-11-28) and the bisection's variants, and once with its
     post-RoPE cache (PYKVQ_K_DOMAIN=post), reported.
-    domain: another key domain for both runs (centred); base_tag: reuse that comparison's base logits."""
+    domain: another key domain for both runs (centred); base_tag: reuse that comparison's base logits.
+    window_type: the exact window's rows in that type on both (PYKVQ_KV_WINDOW_TYPE), the GPU in batches of 1 too,
+    and each run's log must say the rows are held so."""
     exe = Path(a.build) / "bin" / "llama-perplexity"
     base = Path(a.out) / f"kld-base-{base_tag or tag}.bin"
     common = ["-m", model, "-f", a.text, "-c", "512", "--chunks", str(a.chunks), "-fa", "on"]
@@ -405,7 +408,11 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False,
     # (name, -ngl, extra arguments, environment, settings it runs for or None: all); every GPU run but the post-RoPE
     # one must match the CPU's
     env = DOMAIN_ENV["pre"] if prerope else DOMAIN_ENV[domain] if domain else None
+    if window_type:
+        env = dict(env or {}, PYKVQ_KV_WINDOW_TYPE=window_type)
     runs = [("cpu", "0", [], env, None), ("gpu", "99", [], env, None)]
+    if window_type:
+        runs.append(("gpu_ub1", "99", ["-b", "512", "-ub", "1"], env, None))
     if prerope:
         ub32, ub1, first = ["-b", "512", "-ub", "32"], ["-b", "512", "-ub", "1"], UB1_SETTINGS[:1]
         runs += [("gpu_ub32", "99", ub32, env, None),
@@ -431,6 +438,9 @@ def _kld_compare(a, model, settings: list[str], tag: str, prerope: bool = False,
             r = run([exe, *common, "-ngl", ngl, "-ctk", k, "-ctv", v, *extra, "--kl-divergence-base", base,
                      "--kl-divergence"], env_set=env_set, timeout=1800)
             row[dev] = _kld(r.stdout + r.stderr)
+            m = re.search(r"up to each query kept in (\S+(?: / \S+)?) beside", r.stderr)
+            if window_type and not DRY_RUN and (m is None or m.group(1) != window_type):
+                a.failures.append(f"kld {tag} {s} {dev}: window rows {m.group(1) if m else None}, not {window_type}")
         out[s] = row
         log(f"{tag} {s}: KLD " + " ".join(f"{dev} {x}" for dev, x in row.items()))
         c = row["cpu"]
@@ -548,6 +558,9 @@ def step_prerope(a) -> dict:
     out["kld_halves"] = _kld_compare(a, model, HALVES_SETTINGS, "halves", prerope=True, base_tag="prerope")
     # the centred domain (CUDA kernels since 2026-11-28, emulated only before this): q4_0 on CPU and GPU
     out["kld_centred"] = _kld_compare(a, model, ["q4_0"], "centred", domain="centred", base_tag="prerope")
+    # the window's rows in q8_0 (the file's are f16): CUDA reads them since 2026-12-01 (emulated only before this)
+    out["kld_window_q8"] = _kld_compare(a, model, WINDOW_Q8_SETTINGS, "window_q8", domain="pre", base_tag="prerope",
+                                        window_type="q8_0")
     out["bench"] = _prerope_bench(a, model)
     return out
 

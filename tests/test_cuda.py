@@ -79,8 +79,9 @@ def test_fattn_decode_kernel_emulated(tmp_path):
     only a pre-RoPE K takes included): NORM / NEOX, Hadamard 2 / 16 / 32 / 64 / 128 or none, partial rotary (96 of 128, 40 of 64), per-head frequencies, mscale, positions with
     a gap, a shifted block and one out of order, 2 streams, head sizes 64 / 128 / 256. Keys in halves (q53_64 /
     q42_64 / q32_64, 9 cases): rows and decode with the Hadamard that leaves out its stride-32 butterfly (a mutated skip fails
-    the rows by 0.4 of the largest key). nuq3_64 / nuq2_64 values (4 cases): with themselves, q8_0 K and keys in halves."""
-    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 56 failures 0")
+    the rows by 0.4 of the largest key). nuq3_64 / nuq2_64 values (4 cases): with themselves, q8_0 K and keys in halves. The exact window (decode 5 cases,
+    prefill 4): its rows in f16 and in q8_0 (`--kv-window-type`; a wrong q8_0 row offset fails 3 of the 4 q8_0 cases)."""
+    _run_emulated(tmp_path, "cuda_fattn_emu", "cases 60 failures 0")
 
 
 def test_row_kernels_emulated(tmp_path):
@@ -152,14 +153,17 @@ def test_gpu_check_plan_without_a_gpu(tmp_path):
     # base; per setting CPU, GPU, GPU in batches of 32, GPU post-RoPE; batches of 1 for UB1_SETTINGS; the bisection's
     # six extra runs of the first (CPU in batches of 32, graph reuse off, PDL off twice, blocking launches, batches of
     # 1 without CUDA graphs); the other key types in halves (HALVES_SETTINGS) as the settings, batches of 1 left out;
-    # then q4_0 centred on CPU and GPU against the same base
+    # then q4_0 centred on CPU and GPU against the same base; then WINDOW_Q8_SETTINGS with q8_0 window rows on the
+    # CPU, the GPU and the GPU in batches of 1
     ub1 = len(ast.literal_eval(re.search(r"^UB1_SETTINGS = (\[.*?\])", script.read_text(), re.M).group(1)))
     h = len(ast.literal_eval(re.search(r"^HALVES_SETTINGS = (\[.*?\])", script.read_text(), re.M).group(1)))
-    assert len(kld) == 1 + 4*(n + h) + ub1 + 6 + 2
-    assert sum("-ngl 0" in c for c in kld) == 1 + n + h + 1 + 1
+    w = len(ast.literal_eval(re.search(r"^WINDOW_Q8_SETTINGS = (\[.*?\])", script.read_text(), re.M).group(1)))
+    assert len(kld) == 1 + 4*(n + h) + ub1 + 6 + 2 + 3*w
+    assert sum("-ngl 0" in c for c in kld) == 1 + n + h + 1 + 1 + w
     assert sum(c.startswith("PYKVQ_K_DOMAIN=post") for c in kld) == n + h
-    assert sum("-ub 32" in c for c in kld) == n + h + 4 and sum("-ub 1 " in c for c in kld) == ub1 + 1
-    assert sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*(n + h) + ub1 + 6
+    assert sum("-ub 32" in c for c in kld) == n + h + 4 and sum("-ub 1 " in c for c in kld) == ub1 + 1 + w
+    assert sum(c.startswith("PYKVQ_K_DOMAIN=pre") for c in kld) == 3*(n + h) + ub1 + 6 + 3*w
+    assert sum("PYKVQ_KV_WINDOW_TYPE=q8_0" in c for c in kld) == 3*w
     assert sum("-ctk q32_64" in c for c in kld) == 4
     assert sum("GGML_CUDA_PDL=0" in c for c in kld) == 2 and sum("LLAMA_GRAPH_REUSE_DISABLE=1" in c for c in kld) == 1
     assert sum(c.startswith("PYKVQ_K_DOMAIN=centred") for c in kld) == 2

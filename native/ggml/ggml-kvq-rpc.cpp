@@ -48,3 +48,9 @@ uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
     }
     return 0;
 }
+
+bool ggml_kvq_dev_window_q8(ggml_backend_dev_t dev) {
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    const char * name = reg ? ggml_backend_reg_name(reg) : "";
+    return strcmp(name, "CPU") == 0 || strcmp(name, "CUDA") == 0;
+}

@@ -31,6 +31,9 @@ GGML_API uint8_t ggml_kvq_rpc_hello_mark(const ggml_backend_t * backends, size_t
 // what a device runs (GGML_KVQ_RPC_* bits): CPU and CUDA pre-RoPE, centred and the window, an RPC device
 // what its worker's HELLO said (0 before it), any other none. The worker's mark and the client's check both use it.
 GGML_API uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev);
+// whether a device's kernels read exact-window rows in q8_0 (CPU, CUDA); an RPC worker's HELLO has no bit for it
+// (its rows stay f16)
+GGML_API bool    ggml_kvq_dev_window_q8(ggml_backend_dev_t dev);
 
 // client side: true when the worker at endpoint is a pykvq worker of this layout; remembers its capabilities
 GGML_API bool ggml_kvq_rpc_accept_worker(const char * endpoint, uint8_t mark);

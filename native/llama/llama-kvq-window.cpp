@@ -1,5 +1,5 @@
 // pykvq: the exact window of a pre-RoPE key cache. Per layer and stream, n_sink + n_win rows hold unquantized (f16,
-// or q8_0 where the CPU attends: half the bytes, and 8-bit rows cost nothing measurable against f16 ones) copies of
+// or q8_0 where the CPU or CUDA attends: half the bytes, and 8-bit rows cost nothing measurable against f16 ones) copies of
 // what the cache stores for its first positions (attention sinks: position < n_sink) and for the cells
 // written last (a ring of n_win rows). Every cell is quantized into the cache as usual when written; flash attention
 // reads a cell's exact row instead while the row is still its own (ggml_kvq_fa_set_window), so a cell "enters" the
@@ -94,10 +94,11 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
             ++n_device;
             continue;
         }
-        // q8_0 rows where the CPU's kernels read them (CUDA's read f16), and every head's K and V start on a block
-        // (what ggml_kvq_fa_set_window asserts)
+        // q8_0 rows where the kernels read them (the CPU's and CUDA's; an RPC worker's stay f16), and every head's K
+        // and V start on a block (what ggml_kvq_fa_set_window asserts)
         const int64_t qk = ggml_blck_size(GGML_TYPE_Q8_0);
-        const bool q8 = row_type == GGML_TYPE_Q8_0 && ggml_backend_buffer_is_host(layer.k->buffer) &&
+        const bool q8 = row_type == GGML_TYPE_Q8_0 &&
+                        (ggml_backend_buffer_is_host(layer.k->buffer) || ggml_kvq_dev_window_q8(ggml_backend_buft_get_device(buft))) &&
                         kv.hparams.n_embd_head_k(layer.il) % qk == 0 && kv.hparams.n_embd_head_v(layer.il) % qk == 0;
         n_q8 += q8;
         ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
@@ -133,7 +134,8 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
                        "(the CPU's and CUDA's read it)\n", __func__, n_device);
     }
     if (row_type == GGML_TYPE_Q8_0 && n_q8 < n_layers) {
-        LLAMA_LOG_WARN("%s: exact window rows in f16 in %u layers: q8_0 rows are read by the CPU's kernels only\n",
+        LLAMA_LOG_WARN("%s: exact window rows in f16 in %u layers: q8_0 rows are read by the CPU's and CUDA's kernels "
+                       "(not over RPC) of heads a multiple of 32\n",
                        __func__, n_layers - n_q8);
     }
     win = w;

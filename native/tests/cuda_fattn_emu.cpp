@@ -226,17 +226,19 @@ static void ref_prerope_row(const float * c, int D, int kvh, int pos, const Pre 
 // PRE: a pre-RoPE K cache (P): the cache holds c ~ N(0, 1); the reference attends to the post-RoPE
 // keys ref_prerope_row makes of the dequantized c, at ggml's float angles (run_rows measures what
 // those cost against exact angles); tol: the allowed max error relative to max(1, max |ref|)
-// an exact window over a pre-RoPE cache: n_rows f16 rows [K | V of every KV head]; cells name rows at random
-// (some past the last row: read quantized); per_query: planes 2 / 3 (the query's position against each cell's
+// an exact window over a pre-RoPE cache: n_rows f16 (q8: q8_0) rows [K | V of every KV head]; cells name rows at
+// random (some past the last row: read quantized); per_query: planes 2 / 3 (the query's position against each cell's
 // last reader), else every named row is read
 struct Win {
     int  n_rows;
     bool per_query;
+    bool q8 = false;
 };
 
 // the window's inputs for n_seq streams of n_kv cells (planes at stride n_kv, like make_pre's positions)
 struct WinData {
-    std::vector<half>    rows;                // [n_rows][2*D*n_head_kv]
+    std::vector<uint8_t> bytes;               // [n_rows][2*D*n_head_kv] f16 or q8_0 values
+    std::vector<float>   vals;                // the same values decoded: what the reference reads
     std::vector<int32_t> row, last, qpos;     // planes 1, 2, 3: [seq][n_kv]
     kvq_window_args      args;
 };
@@ -245,8 +247,27 @@ struct WinData {
 static WinData make_win(const Win & W, int D, int n_head_kv, int n_kv, int n_seq, int n_q, bool unique) {
     WinData w;
     const int64_t rl = 2*(int64_t) D*n_head_kv;
-    w.rows.resize((size_t) W.n_rows*rl);
-    for (half & h : w.rows) h.bits = ggml_kvq_fp32_to_fp16(gauss());
+    const int64_t rb = W.q8 ? rl/32*34 : rl*2;
+    w.bytes.resize((size_t) W.n_rows*rb);
+    w.vals.resize((size_t) W.n_rows*rl);
+    for (int64_t b = 0; b < (int64_t) W.n_rows*rl; b += 32) {   // q8_0 as ggml quantizes it: d = amax/127
+        float x[32], amax = 0.0f;
+        for (int i = 0; i < 32; ++i) { x[i] = gauss(); amax = std::max(amax, fabsf(x[i])); }
+        uint8_t * o = &w.bytes[(size_t) (b/rl)*rb + (size_t) (W.q8 ? (b % rl)/32*34 : (b % rl)*2)];
+        const uint16_t dh = ggml_kvq_fp32_to_fp16(amax/127.0f);
+        for (int i = 0; i < 32; ++i) {
+            if (W.q8) {
+                const int8_t q = (int8_t) roundf(x[i]*(127.0f/amax));
+                o[2 + i] = (uint8_t) q;
+                w.vals[b + i] = ggml_kvq_fp16_to_fp32(dh)*q;
+            } else {
+                const uint16_t h = ggml_kvq_fp32_to_fp16(x[i]);
+                memcpy(o + 2*i, &h, 2);
+                w.vals[b + i] = ggml_kvq_fp16_to_fp32(h);
+            }
+        }
+        if (W.q8) memcpy(o, &dh, 2);
+    }
     w.row.assign((size_t) n_seq*n_kv, -1);
     w.last.assign((size_t) n_seq*n_kv, 0);
     w.qpos.assign((size_t) n_seq*n_kv, 0);
@@ -276,11 +297,12 @@ static WinData make_win(const Win & W, int D, int n_head_kv, int n_kv, int n_seq
         }
     }
     w.args = {};
-    w.args.rows = (const char *) w.rows.data();
+    w.args.rows = (const char *) w.bytes.data();
+    w.args.q8   = W.q8;
     w.args.row  = w.row.data();
     w.args.last = W.per_query ? w.last.data() : nullptr;
     w.args.qpos = W.per_query ? w.qpos.data() : nullptr;
-    w.args.nb1  = rl*(int64_t) sizeof(half);
+    w.args.nb1  = rb;
     w.args.v0   = (int64_t) D*n_head_kv;
     w.args.n    = W.n_rows;
     return w;
@@ -334,13 +356,13 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
                 ++n_exact;
                 for (int kvh = 0; kvh < c.n_kv_heads; ++kvh) {
                     const size_t rr = ((size_t) s*c.n_kv_heads + kvh)*c.n_kv + k;
-                    const half * wk = &wd.rows[(size_t) r*2*D*c.n_kv_heads + (size_t) kvh*D];
-                    const half * wv = wk + (size_t) D*c.n_kv_heads;
-                    for (int i = 0; i < D; ++i) wx[i] = __half2float(wk[i]);
+                    const float * wk = &wd.vals[(size_t) r*2*D*c.n_kv_heads + (size_t) kvh*D];
+                    const float * wv = wk + (size_t) D*c.n_kv_heads;
+                    for (int i = 0; i < D; ++i) wx[i] = wk[i];
                     ref_prerope_row(wx.data(), D, kvh, pd.pos[(size_t) s*c.n_kv + k], *P, pd, kpost.data(), true);
                     for (int i = 0; i < D; ++i) {
                         Kd[rr*D + i] = (float) kpost[i];
-                        Vd[rr*D + i] = __half2float(wv[i]);
+                        Vd[rr*D + i] = wv[i];
                     }
                 }
             }
@@ -436,7 +458,7 @@ static void run_case(const char * name, const Case & c, const Pre * P = nullptr,
         printf("pre-RoPE %s n_dims=%d rot=%d pos0=%d ", P->neox ? "NEOX" : "NORM", P->n_dims, P->n_rot_h, P->pos0);
     }
     if (W) {
-        printf("window rows=%d per_query=%d exact cells=%d ", W->n_rows, W->per_query, n_exact);
+        printf("window rows=%d %s per_query=%d exact cells=%d ", W->n_rows, W->q8 ? "q8_0" : "f16", W->per_query, n_exact);
         if (n_exact == 0) ++failures;   // a window case that reads no row tests nothing
     }
     printf("%s D=%d kv_heads=%d gqa=%d n_kv=%d seq=%d split=%d mask=%d sinks=%d softcap=%g alibi=%g: max err %.2e (max |ref| %.2f) %s\n",
@@ -583,17 +605,22 @@ static void run_window_prefill(const char * name, const Pre & P, const Win & W, 
     const int64_t n_wrows = (int64_t) n_w*n_head_kv*n_seq;
     const kvq_cb none = {};
     emu::launch({ (unsigned) ((n_wrows + 3)/4), 1, 1 }, { WARP_SIZE, 4, 1 }, [&] {
-        kvq_prerope_k_to_f16<D, GGML_TYPE_F16>(wd.args.rows, kw.data(), pw, none, n_w, n_head_kv, n_wrows, wd.args.nb1, rk, 0);
+        if (W.q8) {
+            kvq_prerope_k_to_f16<D, GGML_TYPE_Q8_0>(wd.args.rows, kw.data(), pw, none, n_w, n_head_kv, n_wrows, wd.args.nb1,
+                                                    kvq_window_offset(wd.args, D), 0);
+        } else {
+            kvq_prerope_k_to_f16<D, GGML_TYPE_F16>(wd.args.rows, kw.data(), pw, none, n_w, n_head_kv, n_wrows, wd.args.nb1, rk, 0);
+        }
     });
     const int64_t n_out = (int64_t) D*n_all*n_head_kv*n_seq;
     std::vector<half> Ka(n_out), Va(n_out), Ma((size_t) n_all*n_qpad*n_seq);
     emu::launch({ blocks(n_out), 1, 1 }, { tb, 1, 1 }, [&] {
         kvq_win_assemble((const char *) K16.data(), rk, rk*n_kv, rk*n_kv*n_head_kv, (const char *) kw.data(), rk, rk*n_w,
-                         rk*n_w*n_head_kv, D, n_kv, n_w, n_all, n_head_kv, n_seq, Ka.data());
+                         rk*n_w*n_head_kv, false, D, n_kv, n_w, n_all, n_head_kv, n_seq, Ka.data());
     });
     emu::launch({ blocks(n_out), 1, 1 }, { tb, 1, 1 }, [&] {
-        kvq_win_assemble((const char *) V16.data(), rk, rk*n_kv, rk*n_kv*n_head_kv, wd.args.rows + wd.args.v0*2,
-                         wd.args.nb1, rk, 0, D, n_kv, n_w, n_all, n_head_kv, n_seq, Va.data());
+        kvq_win_assemble((const char *) V16.data(), rk, rk*n_kv, rk*n_kv*n_head_kv, wd.args.rows + kvq_window_offset(wd.args, wd.args.v0),
+                         wd.args.nb1, kvq_window_offset(wd.args, D), 0, W.q8, D, n_kv, n_w, n_all, n_head_kv, n_seq, Va.data());
     });
     emu::launch({ blocks((int64_t) Ma.size()), 1, 1 }, { tb, 1, 1 }, [&] {
         kvq_win_mask((const char *) M.data(), (int64_t) n_kv*2, (int64_t) n_kv*n_qpad*2, (int64_t) n_kv*n_qpad*2, n_seq,
@@ -624,6 +651,9 @@ static void run_window_prefill(const char * name, const Pre & P, const Win & W, 
         }
         for (int i = 0; i < D; ++i) o[i] = den > 0.0 ? o[i]/den : 0.0;
     };
+    // the reference's exact values: the rows' as upstream's f16 kernel reads them (f16 rows: the same bits)
+    std::vector<half> vref(wd.vals.size());
+    for (size_t i = 0; i < vref.size(); ++i) vref[i].bits = ggml_kvq_fp32_to_fp16(wd.vals[i]);
     // the reference's exact keys: each named row turned at its cell's position, rounded to f16 as the cache's
     std::vector<half> kref((size_t) n_w*n_head_kv*n_seq*D);
     std::vector<double> kpost(D);
@@ -633,8 +663,8 @@ static void run_window_prefill(const char * name, const Pre & P, const Win & W, 
             const int32_t r = wd.row[(size_t) s*n_kv + k];
             if (r < 0 || r >= n_w) continue;
             for (int kvh = 0; kvh < n_head_kv; ++kvh) {
-                const half * wk = &wd.rows[(size_t) r*2*D*n_head_kv + (size_t) kvh*D];
-                for (int i = 0; i < D; ++i) wx[i] = __half2float(wk[i]);
+                const float * wk = &wd.vals[(size_t) r*2*D*n_head_kv + (size_t) kvh*D];
+                for (int i = 0; i < D; ++i) wx[i] = wk[i];
                 ref_prerope_row(wx.data(), D, kvh, pd.pos[(size_t) s*n_kv + k], P, pd, kpost.data(), true);
                 for (int i = 0; i < D; ++i) kref[(((size_t) s*n_head_kv + kvh)*n_w + r)*D + i].bits = ggml_kvq_fp32_to_fp16((float) kpost[i]);
             }
@@ -669,7 +699,7 @@ static void run_window_prefill(const char * name, const Pre & P, const Win & W, 
                        },
                        [&](int c) {
                            const int r = win_row_ref(wd, W, n_kv, s, j, c);
-                           return r >= 0 ? &wd.rows[(size_t) r*2*D*n_head_kv + (size_t) (n_head_kv + kvh)*D] : &V16[(hb*n_kv + c)*D];
+                           return r >= 0 ? &vref[(size_t) r*2*D*n_head_kv + (size_t) (n_head_kv + kvh)*D] : &V16[(hb*n_kv + c)*D];
                        },
                        [&](int c) { return (double) __half2float(M[((size_t) s*n_qpad + j)*n_kv + c]); }, q, o2.data());
                 for (int c = 0; c < n_kv && h == 0; ++c) n_exact += win_row_ref(wd, W, n_kv, s, j, c) >= 0;
@@ -683,9 +713,9 @@ static void run_window_prefill(const char * name, const Pre & P, const Win & W, 
     ++cases;
     const bool ok = max_err <= tol*std::max(1.0, max_ref) && n_exact > 0 && (!W.per_query || n_mixed_cells > 0);
     if (!ok) ++failures;
-    printf("window prefill %s D=%d kv_heads=%d gqa=%d n_kv=%d rows=%d (%d with padding) streams=%d queries=%d per_query=%d: "
+    printf("window prefill %s D=%d kv_heads=%d gqa=%d n_kv=%d rows=%d %s (%d with padding) streams=%d queries=%d per_query=%d: "
            "exact (query, cell) pairs %d, cells read exactly by some queries only %d; max err %.2e (max |ref| %.2f) %s\n",
-           name, D, n_head_kv, gqa, n_kv, n_w, n_all, n_seq, n_q, W.per_query, n_exact, n_mixed_cells, max_err, max_ref,
+           name, D, n_head_kv, gqa, n_kv, n_w, W.q8 ? "q8_0" : "f16", n_all, n_seq, n_q, W.per_query, n_exact, n_mixed_cells, max_err, max_ref,
            ok ? "ok" : "FAIL");
 }
 
@@ -779,11 +809,17 @@ int main() {
     // exact window: the decode kernel reads a cell's row when the query's planes say so; prefill's stand-in
     const Win win_q   = { 40, true  };
     const Win win_all = { 24, false };
+    const Win win_q8  = { 40, true, true };   // rows in q8_0 (--kv-window-type q8_0)
+    const Win win_q8a = { 24, false, true };
     run_case<128, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_streams, &neox_part, tol, &win_q);
     run_case< 64, GGML_TYPE_NUQ3,    GGML_TYPE_NUQ3,    true>("nuq3/nuq3",       pre_gqa8,    &norm_h16,  tol, &win_q);
     run_case< 64, GGML_TYPE_BFP4_32, GGML_TYPE_BFP4_32, true>("bfp4_32/bfp4_32", pre_streams, &neox64,    tol, &win_all);
+    run_case<128, GGML_TYPE_Q42_64,  GGML_TYPE_NUQ3_64, true>("q42_64/nuq3_64",  pre_streams, &neox_q53,  tol, &win_q8);
+    run_case< 64, GGML_TYPE_Q4_0,    GGML_TYPE_Q4_0,    true>("q4_0/q4_0",       pre_gqa8,    &neox64,    tol, &win_q8a);
     run_window_prefill<128>("NEOX partial", neox_part, win_q,   2, 3, 300, 2, 7, 1e-3);
     run_window_prefill< 64>("NORM",         norm_h16,  win_all, 1, 8, 200, 1, 5, 1e-3);
+    run_window_prefill<128>("NEOX partial", neox_part, win_q8,  2, 3, 300, 2, 7, 1e-3);
+    run_window_prefill< 64>("NORM",         norm_h16,  win_q8a, 1, 8, 200, 1, 5, 1e-3);
     printf("pre-RoPE rows below position 10000: max err f32 %.2e, f16 beyond rounding %.2e\n", max_rel_f32, max_rel_f16);
     printf("cases %d failures %d\n", cases, failures);
     return failures != 0;

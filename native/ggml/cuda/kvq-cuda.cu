@@ -221,6 +221,7 @@ static bool kvq_fa_window_args(const ggml_tensor * op, kvq_window_args * w) {
     const int32_t     * p     = (const int32_t *) pos->data;
     const int64_t       plane = pos->nb[2] / (int64_t) sizeof(int32_t);
     w->rows = (const char *) rows->data;
+    w->q8   = rows->type == GGML_TYPE_Q8_0;
     w->nb1  = rows->nb[1];
     w->n    = (int) rows->ne[1];
     w->v0   = op->src[1]->ne[0]*op->src[1]->ne[2];
@@ -232,7 +233,7 @@ static bool kvq_fa_window_args(const ggml_tensor * op, kvq_window_args * w) {
     return true;
 }
 
-// a window these kernels read: f16 rows [K | V] of every KV head, planes as ggml_kvq_fa_set_window lays them
+// a window these kernels read: f16 or q8_0 rows [K | V] of every KV head, planes as ggml_kvq_fa_set_window lays them
 static bool kvq_fa_window_supported(const ggml_tensor * op) {
     const ggml_tensor * rows = ggml_kvq_fa_get_window(op);
     if (rows == nullptr) {
@@ -242,7 +243,10 @@ static bool kvq_fa_window_supported(const ggml_tensor * op) {
     const ggml_tensor * V = op->src[2];
     const ggml_tensor * pos  = op->src[5];
     const ggml_tensor * mask = op->src[3];
-    return rows->type == GGML_TYPE_F16 && rows->nb[0] == sizeof(half) && rows->ne[2] == 1 && rows->ne[3] == 1 &&
+    const bool f16 = rows->type == GGML_TYPE_F16 && rows->nb[0] == sizeof(half);
+    const bool q8  = rows->type == GGML_TYPE_Q8_0 && rows->nb[0] == ggml_type_size(GGML_TYPE_Q8_0) &&
+                     K->ne[0] % ggml_blck_size(GGML_TYPE_Q8_0) == 0 && V->ne[0] % ggml_blck_size(GGML_TYPE_Q8_0) == 0;
+    return (f16 || q8) && rows->ne[2] == 1 && rows->ne[3] == 1 &&
            rows->ne[0] == K->ne[0]*K->ne[2] + V->ne[0]*V->ne[2] && rows->ne[1] < INT32_MAX &&
            (pos->ne[2] == 2 || pos->ne[2] == 4) && pos->ne[0] >= op->src[0]->ne[1] &&
            mask != nullptr && mask->type == GGML_TYPE_F16 && mask->nb[0] == sizeof(half);   // prefill rebuilds the mask
@@ -368,15 +372,16 @@ static void kvq_fattn_window_standin(const ggml_tensor * dst, const kvq_prerope_
     kvq_win_inverse<<<kvq_grid((int64_t) n_kv*n_str), KVQ_CUDA_BLOCK, 0, stream>>>(w, pre.pos_stride, n_kv, n_str, b.inv.ptr);
     kvq_win_positions<<<kvq_grid((int64_t) n_w*n_str), KVQ_CUDA_BLOCK, 0, stream>>>(b.inv.ptr, pre.pos, pre.pos_stride, n_w, n_str, b.pos.ptr);
 
-    // the rows' keys, post-RoPE: the prefill conversion over src[9]'s K part (an f16 view [D, n_w, n_head, n_str],
-    // every stream the same rows) at those positions
+    // the rows' keys, post-RoPE: the prefill conversion over src[9]'s K part (an f16 / q8_0 view [D, n_w, n_head,
+    // n_str], every stream the same rows) at those positions
+    const ggml_type wt = w.q8 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
     ggml_tensor rows_k = *K, kw;
-    rows_k.type  = GGML_TYPE_F16;
+    rows_k.type  = wt;
     rows_k.data  = (void *) w.rows;
     rows_k.ne[1] = n_w;
-    rows_k.nb[0] = sizeof(half);
+    rows_k.nb[0] = ggml_type_size(wt);
     rows_k.nb[1] = w.nb1;
-    rows_k.nb[2] = D*sizeof(half);
+    rows_k.nb[2] = kvq_window_offset(w, D);
     rows_k.nb[3] = 0;
     kvq_f16_like(&kw, &rows_k);
     kvq_prerope_args pw = pre;
@@ -386,15 +391,15 @@ static void kvq_fattn_window_standin(const ggml_tensor * dst, const kvq_prerope_
 
     // K and V with the rows appended
     const int64_t n_out = (int64_t) D*n_all*n_head*n_str;
-    const int64_t rk = (int64_t) D*sizeof(half);
     b.k.alloc(n_out);
     b.v.alloc(n_out);
     kvq_win_assemble<<<kvq_grid(n_out), KVQ_CUDA_BLOCK, 0, stream>>>(
         (const char *) s->k.data, s->k.nb[1], s->k.nb[2], s->k.nb[3],
-        (const char *) kw.data, kw.nb[1], kw.nb[2], kw.nb[3], D, n_kv, n_w, n_all, n_head, n_str, b.k.ptr);
+        (const char *) kw.data, kw.nb[1], kw.nb[2], kw.nb[3], false, D, n_kv, n_w, n_all, n_head, n_str, b.k.ptr);
     kvq_win_assemble<<<kvq_grid(n_out), KVQ_CUDA_BLOCK, 0, stream>>>(
         (const char *) s->v.data, s->v.nb[1], s->v.nb[2], s->v.nb[3],
-        w.rows + w.v0*(int64_t) sizeof(half), w.nb1, rk, 0, D, n_kv, n_w, n_all, n_head, n_str, b.v.ptr);
+        w.rows + kvq_window_offset(w, w.v0), w.nb1, kvq_window_offset(w, D), 0, w.q8, D, n_kv, n_w, n_all, n_head, n_str,
+        b.v.ptr);
 
     // the mask: per query, a cell or its exact row
     const int64_t n_mask = (int64_t) n_all*n_qpad*ne2*n_str;

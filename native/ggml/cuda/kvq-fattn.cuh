@@ -11,7 +11,7 @@
 // Codebooks (nuq K / V) come in the kernel arguments, so CUDA graphs replay them as they are.
 // PRE: a pre-RoPE K cache; each decoded K row is turned into its post-RoPE key (kvq-prerope.cuh)
 // once per warp, i.e. once for the block's whole GQA group, before the K·Q dots.
-// WINDOW (PRE only; ggml_kvq_fa_set_window): cells whose exact row the query still reads take that f16 row
+// WINDOW (PRE only; ggml_kvq_fa_set_window): cells whose exact row the query still reads take that f16 / q8_0 row
 // (the same pre-RoPE domain, so the same transform follows) instead of their quantized one; a tile asks once,
 // lane i for key i, and a tile without such a cell (nearly all of them) reads as before.
 #pragma once
@@ -102,7 +102,12 @@ static __device__ __forceinline__ void kvq_fa_load_window_rows(const kvq_window_
     for (int u = 0; u < U; ++u) {
         const int r = __shfl_sync(0xFFFFFFFF, wr, (i0 + u) & (WARP_SIZE - 1), WARP_SIZE);
         if (i0 + u < nk && r >= 0) {
-            kvq_fa_load<GGML_TYPE_F16, N>(w.rows + (int64_t) r*w.nb1 + off*(int64_t) sizeof(half), c0, nullptr, out[u]);
+            const char * row = w.rows + (int64_t) r*w.nb1 + kvq_window_offset(w, off);
+            if (w.q8) {
+                kvq_fa_load<GGML_TYPE_Q8_0, N>(row, c0, nullptr, out[u]);
+            } else {
+                kvq_fa_load<GGML_TYPE_F16, N>(row, c0, nullptr, out[u]);
+            }
         }
     }
 }

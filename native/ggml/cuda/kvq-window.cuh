@@ -1,6 +1,7 @@
 // pykvq: the exact window of a pre-RoPE cache (ggml-kvq.h, ggml_kvq_fa_set_window) on CUDA.
 //
-// src[9] holds f16 rows [K of every KV head | V of every KV head] in the cache's own domain; plane 1 of
+// src[9] holds f16 or q8_0 rows [K of every KV head | V of every KV head] in the cache's own domain (q8_0: every
+// head starts on a block); plane 1 of
 // the positions input gives each cell's row (-1, or a row past src[9]'s: the quantized cell), plane 2
 // the last query position that reads it, plane 3 each query's position (absent: every query reads
 // every row). A query reads a cell's exact row instead of its quantized one when both planes say so.
@@ -23,7 +24,13 @@ struct kvq_window_args {
     int64_t nb1;            // bytes between rows
     int64_t v0;             // where V starts in a row (elements)
     int     n;              // rows
+    bool    q8;             // rows in q8_0 (else f16)
 };
+
+// the bytes before element e of a window row (e on a block boundary for q8_0 rows)
+KVQ_HD int64_t kvq_window_offset(const kvq_window_args & w, const int64_t e) {
+    return w.q8 ? e/32*34 : e*(int64_t) sizeof(half);
+}
 
 // one query's view of the window
 struct kvq_window_query {
@@ -124,11 +131,12 @@ static __global__ void kvq_win_mask(const char * mask, const int64_t nb1, const 
 }
 
 // dst [D, n_all, n_head, n_stream] (f16, contiguous): rows 0 .. n_kv-1 from src, then n_w rows from wsrc, then
-// zeros; both f16 at byte strides (a 0 stride: the same rows for every head / stream)
+// zeros; src f16, wsrc f16 or (wq8) q8_0 rows of D values, both at byte strides (a 0 stride: the same rows for every
+// head / stream)
 static __global__ void kvq_win_assemble(const char * src, const int64_t nb1, const int64_t nb2, const int64_t nb3,
                                         const char * wsrc, const int64_t wnb1, const int64_t wnb2, const int64_t wnb3,
-                                        const int D, const int n_kv, const int n_w, const int n_all, const int n_head,
-                                        const int n_stream, half * dst) {
+                                        const bool wq8, const int D, const int n_kv, const int n_w, const int n_all,
+                                        const int n_head, const int n_stream, half * dst) {
     const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
     if (i >= (int64_t) D*n_all*n_head*n_stream) {
         return;
@@ -138,7 +146,14 @@ static __global__ void kvq_win_assemble(const char * src, const int64_t nb1, con
     if (c < n_kv) {
         dst[i] = ((const half *) (src + c*nb1 + h*nb2 + s*nb3))[d];
     } else if (c < n_kv + n_w) {
-        dst[i] = ((const half *) (wsrc + (c - n_kv)*wnb1 + h*wnb2 + s*wnb3))[d];
+        const char * row = wsrc + (c - n_kv)*wnb1 + h*wnb2 + s*wnb3;
+        if (wq8) {   // rounded to f16 once: upstream's f16 kernel reads them, as it reads the cache's own V
+            float f;
+            kvq_dequantize<GGML_TYPE_Q8_0, 1>((const uint8_t *) row, (int) d, nullptr, &f);
+            dst[i] = kvq_half_bits(ggml_kvq_fp32_to_fp16(f));
+        } else {
+            dst[i] = ((const half *) row)[d];
+        }
     } else {
         dst[i] = kvq_half_bits(0);
     }
