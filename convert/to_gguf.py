@@ -39,15 +39,15 @@ _UPSTREAM_PATHS = (Path(__file__).resolve().parent / "llama_cpp" / "convert_hf_t
 UPSTREAM = next((p for p in _UPSTREAM_PATHS if p.is_file()), _UPSTREAM_PATHS[-1])
 
 # the presets (--bits): the 4.5-bit file with the lowest KLD measured on both suite models (README); at 3.5 and up to
-# 8k cells of --ctx one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied the
-# per-layer budget on Qwen2.5-Coder-1.5B and beat it by 20% on SmolLM2, whose budget moves by 25% with the
-# calibration sample; at 8192 by 29% on SmolLM2 and 8% on Qwen; RESULTS-BY-DATE 2026-11-30); else the per-layer budget
-# (at 16384 it beat the pair on Qwen2.5-Coder-1.5B)
+# PAIR_CTX cells of --ctx one type pair for every layer with the rest of B in the exact window (at 4096 tokens it tied
+# the per-layer budget on Qwen2.5-Coder-1.5B and beat it by 20% on SmolLM2, whose budget moves by 25% with the
+# calibration sample; at 8192 by 29% on SmolLM2 and 8% on Qwen; at 16384 on Qwen by 5% with q8_0 window rows, where
+# with f16 rows, half the window, the budget won by 9%; RESULTS-BY-DATE 2026-11-30 / 12-01); else the per-layer budget
 PRESET_45 = ("--prerope-k", "--cache-type-k", "q53_64", "--cache-type-v", "q4_0")
 PRESET_35 = ("--prerope-k", "--cache-type-k", "q42_64", "--cache-type-v", "nuq3_64")
 PRESET_BUDGET = ("--prerope-k", "--kv-bits")
 PRESET_CTX = 4096
-PAIR_CTX = 8192       # the longest --ctx the 3.5-bit pair is measured to beat the budget at
+PAIR_CTX = {"q8_0": 16384, "f16": 8192}   # by window row type: the longest --ctx the 3.5-bit pair was measured to win at
 # the flags that choose what the file prepares: with none of them the 4.5-bit preset applies
 CHOOSING = ("ksort", "smooth_qk", "rotate_v", "learn_k", "prerope_k", "cache_type_k", "cache_type_v", "kv_bits",
             "layer_types", "layer_types_k", "dequantize")
@@ -99,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bits", type=float, default=None, metavar="B",
                    help="the cache's bits/value: 4.5 (the default) writes the recommended 4.5-bit file ("
                         + " ".join(PRESET_45) + "); 3.5: " + " ".join(PRESET_35) + " with the exact window that fits "
-                        "at --ctx cells (55 at 4096 in q8_0 rows), up to 8k cells (beyond, the "
+                        "at --ctx cells (55 at 4096 in q8_0 rows), up to 16k cells (8k with f16 rows; beyond, the "
                         "budget); any other B: " + " ".join(PRESET_BUDGET) + " B, each layer's K and V "
                         "its own type, the file's exact window counted at --ctx cells")
     g.add_argument("--ctx", type=int, default=PRESET_CTX, metavar="N",
-                   help="with --bits other than 4.5: the context the window's f16 rows are counted at (default %(default)s; "
+                   help="with --bits other than 4.5: the context the window's rows are counted at (default %(default)s; "
                         "at longer contexts the window costs less, so the file is smaller than B there)")
     g = p.add_argument_group("the cache the file prepares for (what the presets set; give these instead of a preset)")
     g.add_argument("--prerope-k", action="store_true",
@@ -296,11 +296,11 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
 
 def _pair_window(bits: float, preset: tuple, args, parser: argparse.ArgumentParser) -> int | None:
     """The exact window a one-pair preset takes at --ctx cells (the longest whose rows fit beside the pair in bits),
-    or None for the budget: past PAIR_CTX cells (at 16384 the budget beat the pair on Qwen2.5-Coder-1.5B, 0.00782
-    against 0.00863; at 4096 and 8192 the pair won), where no window fits (a short --ctx), or with a --kv-window of
-    the user's."""
+    or None for the budget: past PAIR_CTX cells of the window's row type (at 16384 on Qwen2.5-Coder-1.5B the pair
+    won with q8_0 rows, 0.00750 against 0.00789, and lost with f16 rows, 0.00863 against 0.00782), where no window
+    fits (a short --ctx), or with a --kv-window of the user's."""
     from pykvq.cache_info import longest_window
-    if args.kv_window != parser.get_default("kv_window") or args.ctx > PAIR_CTX:
+    if args.kv_window != parser.get_default("kv_window") or args.ctx > PAIR_CTX[args.kv_window_type]:
         return None
     bpv = pipeline.layer_types.bits_per_value
     pair = (bpv(preset[2]) + bpv(preset[4])) / 2

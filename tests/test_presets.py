@@ -46,9 +46,10 @@ def test_bits_35_is_one_pair_with_the_window_that_fits():
     _, a = _resolve("--bits", "3.5", "--kv-window-type", "f16")
     assert (a.kv_window, a.kv_window_type) == (27, "f16")
     assert _resolve("--bits", "3.5", "--ctx", "8192", "--kv-window-type", "f16")[1].kv_window == 59
-    # past 8192 cells (where the budget won), where no window fits (a short --ctx), or with the user's window: the
-    # budget counts the window instead
-    for argv in (("--ctx", "16384"), ("--ctx", "256"), ("--kv-window", "16"), ("--kv-window", "auto"),
+    # q8_0 rows up to 16384 cells (4 + 235; 4 + 236 measured: the pair won there), f16 rows up to 8192 (the budget won at 16384)
+    assert _resolve("--bits", "3.5", "--ctx", "16384")[1].kv_window == 235
+    # past those, where no window fits (a short --ctx), or with the user's window: the budget counts the window instead
+    for argv in (("--ctx", "32768"), ("--ctx", "256"), ("--kv-window", "16"), ("--kv-window", "auto"),
                  ("--ctx", "16384", "--kv-window-type", "f16")):
         flags, a = _resolve("--bits", "3.5", *argv)
         assert flags.startswith("--prerope-k --kv-bits 3.5") and a.cache_type_k is None, argv
