@@ -23,6 +23,11 @@ PREROPE_K_LADDER = ("nuq2o", "nuq3", "q42_64", "nuq3o", "nuq4", "q53_64", "q8_0"
 # Qwen2.5-Coder-1.5B from 0.0303 to 0.0263 KLD and SmolLM2 from 0.0371 to 0.0341 (window 16: 0.0238 -> 0.0203,
 # 0.0316 -> 0.0313); at 3.5 bits (cache 3.23) one gained, one lost (0.00987 -> 0.00926, 0.0140 -> 0.0148)
 Q32_BELOW = 3.0
+# nuq2_64 (2.25 bits) joins K's ladder first where the cache's share is below nuq2o's 2.625, the cheapest key type
+# otherwise (2.5-bit budgets; at 3.0 bits, a share of 2.73, SmolLM2's file lost 7% with it): --kv-bits 2.5
+# --kv-bits-ctx 4096 --kv-window 16 went from 0.0910 to 0.0661 KLD on SmolLM2 and from 0.0454 to 0.0346 on
+# Qwen2.5-Coder-1.5B, and the default window fits beside the cheapest pair (2.25 + 2.25)
+K2_BELOW = 2.625
 
 
 # the values' default candidates: nuq3_64 (3.25 bits, one scale per 64 values) beside nuq3, since after the online
@@ -44,7 +49,8 @@ def value_ladder(cache_bits: float | None) -> tuple:
 def prerope_k_ladder(cache_bits: float | None) -> tuple:
     """The pre-RoPE default K candidates for a budget whose cache (the window's rows taken out) gets cache_bits."""
     if cache_bits is not None and cache_bits < Q32_BELOW:
-        return PREROPE_K_LADDER[:1] + ("q32_64",) + PREROPE_K_LADDER[1:]
+        ladder = PREROPE_K_LADDER[:1] + ("q32_64",) + PREROPE_K_LADDER[1:]
+        return ("nuq2_64",) + ladder if cache_bits < K2_BELOW else ladder
     return PREROPE_K_LADDER
 
 

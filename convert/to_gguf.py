@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K's candidate types for --kv-bits when they differ from V's. Default: --layer-types where "
                         "given; else with --prerope-k " + ",".join(pipeline.layer_types.PREROPE_K_LADDER) + " (q42_64 "
                         f"/ q53_64: keys split by importance), with q32_64 (3.0 bits) after nuq2o where the cache's "
-                        f"share of the budget is below {pipeline.layer_types.Q32_BELOW:g} bits/value; without it "
+                        f"share of the budget is below {pipeline.layer_types.Q32_BELOW:g} bits/value and nuq2_64 "
+                        f"(2.25) first below {pipeline.layer_types.K2_BELOW:g}; without it "
                         + ",".join(pipeline.layer_types.DEFAULT_LADDER))
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
@@ -678,18 +679,23 @@ def convert(args) -> dict:
             low = opts.cheapest_bits()
             if auto_window:
                 from convert import window_choice
+                # the windows that leave the cheapest types the default ladders may take at this budget
+                lt = pipeline.layer_types
+                ks = lt.prerope_k_ladder(opts.kv_bits) if opts.ladder_k_auto else opts.ladder_for("k")
+                vs = lt.value_ladder(opts.kv_bits) if ladder_v_auto else opts.ladder_for("v")
+                low = (min(map(lt.bits_per_value, ks)) + min(map(lt.bits_per_value, vs))) / 2
                 wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low, opts.kv_window_type)
                 if not wins:
                     raise ValueError(f"--kv-window auto: no window of {', '.join(map(str, window_choice.WINDOWS))} "
                                      f"leaves --kv-bits {opts.kv_bits} the cheapest of --layer-types ({low}) at "
                                      f"{opts.kv_bits_ctx} cells")
                 opts.kv_window = wins[0]
-            # the window's rows are known: q32_64 and nuq2_64 join the defaults below 3 bits
+            # the window's rows are known: q32_64 and nuq2_64 join the defaults below 3 bits, nuq2_64 K's below 2.625
             if opts.ladder_k_auto:
                 opts.ladder_k = pipeline.layer_types.prerope_k_ladder(opts.cache_bits())
             if ladder_v_auto:
                 opts.ladder = pipeline.layer_types.value_ladder(opts.cache_bits())
-                low = opts.cheapest_bits()
+            low = opts.cheapest_bits()
             if opts.cache_bits() < low:
                 win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
                        f"{opts.cache_bits():.3f} for the cache)" if opts.window_bits() else "")

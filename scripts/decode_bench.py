@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode speed at depth of several caches of one file, measured interleaved in one process.
 
-    python scripts/decode_bench.py FILE [--depths 8192,16384] [--caches f16,q4_0:post,q4_0:centred,q53_64/q4_0,q4_0:auto:stock,q4_0:auto::0+0]
+    python scripts/decode_bench.py FILE [--depths 8192,16384] [--caches f16,q4_0:post,q4_0:centred,q53_64/q4_0,q4_0:auto:stock,q4_0:auto::0+0,q4_0:auto:::f16]
                                         [--rounds 8] [--tokens 16] [--prefill 512] [--threads 2]
 
 A cache `file` runs the file's own (per-layer) types; `CACHE@PATH` runs CACHE on another file (same tokenizer).
@@ -9,7 +9,8 @@ llama-bench runs one cache after another; on a shared machine whole runs then mo
 of two runs says little. Here every cache (K[/V][:K_DOMAIN[:ENCODER[:S+W]]], V of K's type when not given; Model(k_domain=,
 encoder=, kv_sinks=S, kv_window=W): ENCODER stock / lsq sets how q4_0 / q5_0 rows are written, S+W the exact sinks and
 window, the file's default when not given; an empty field takes the default) gets
-its own context, prefilled once to each depth with the same WikiText-2 text; then each round decodes
+its own context (K[/V][:K_DOMAIN[:ENCODER[:S+W[:ROWS]]]]: ROWS the window rows' type, Model(kv_window_type=)), prefilled
+once to each depth with the same WikiText-2 text; then each round decodes
 --tokens tokens in every context in turn (and removes them again), so a slow spell of the machine falls
 on all of them alike. With --prefill P each round also times a batch of P tokens at the depth (prefill at
 depth). Printed: median tokens/s per cache and the median over rounds of each cache's ratios to the first
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("file")
     ap.add_argument("--depths", default="8192,16384")
     ap.add_argument("--caches", default="f16,q4_0:post,q4_0:centred,q4_0:auto",
-                    help="K[/V][:K_DOMAIN[:ENCODER[:S+W]]], comma-separated; ratios are to the first and the second")
+                    help="K[/V][:K_DOMAIN[:ENCODER[:S+W[:ROWS]]]], comma-separated; ratios are to the first and the second")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16, help="tokens decoded per context and round")
     ap.add_argument("--prefill", type=int, default=0, help="also time a batch of this many tokens per round")
@@ -56,25 +57,26 @@ def main() -> None:
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     specs = [c.partition("@") for c in args.caches.split(",")]     # CACHE[@OTHER_FILE]
-    caches = [[f or None for f in (c.split(":") + [None] * 3)[:4]] for c, _, _ in specs]
-    caches = [((t.split("/") + [t])[:2], dom, enc, win) for t, dom, enc, win in caches]   # [K, V], V = K unless given
+    caches = [[f or None for f in (c.split(":") + [None] * 4)[:5]] for c, _, _ in specs]
+    caches = [((t.split("/") + [t])[:2], dom, enc, win, rows) for t, dom, enc, win, rows in caches]   # V = K unless given
     files = [path or args.file for _, _, path in specs]
     n_ctx = max(depths) + max(args.tokens, args.prefill) + 16
 
     models = []
-    for ((k, v), dom, enc, win), path in zip(caches, files):
+    for ((k, v), dom, enc, win, rows), path in zip(caches, files):
         sinks, window = (int(x) for x in win.split("+")) if win else (None, None)
         k, v = (None if t == "file" else t for t in (k, v))
         models.append(Model(path, n_ctx=n_ctx, cache_type_k=k, cache_type_v=v, flash_attn=True,
                             n_threads=args.threads, k_domain=dom, encoder=enc, n_batch=512,
-                            kv_sinks=sinks, kv_window=window))
+                            kv_sinks=sinks, kv_window=window, kv_window_type=rows))
     toks = models[0].tokenize(wikitext_test())
     need = max(depths) + max(args.tokens, args.prefill)
     if len(toks) < need:
         raise SystemExit(f"the text has {len(toks)} tokens, need {need}")
     names = [(k if k == v else f"{k}/{v}") + (f" {dom}" if dom else "") + (f" {enc}" if enc else "")
-             + (f" win {win}" if win else "") + (f" {Path(p).stem}" if p != args.file else "")
-             for ((k, v), dom, enc, win), p in zip(caches, files)]
+             + (f" win {win}" if win else "") + (f" {rows} rows" if rows else "")
+             + (f" {Path(p).stem}" if p != args.file else "")
+             for ((k, v), dom, enc, win, rows), p in zip(caches, files)]
     print(f"{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds x {args.tokens} tokens per cache")
     filled = 0
     for d in depths:

@@ -82,6 +82,16 @@ def test_prerope_key_ladder_takes_q32_below_three_bits():
     assert layer_types.prerope_k_ladder(3.0) == base and layer_types.prerope_k_ladder(None) == base
 
 
+def test_prerope_key_ladder_takes_nuq2_64_below_nuq2o():
+    """nuq2_64 (2.25 bits) heads K's default candidates where the cache's share is below nuq2o's 2.625 bits/value
+    (--kv-bits 2.5 at 4096 cells with the default window in q8_0 rows: 2.5 - 8.5 x 69 / 4096 = 2.357), not at 3.0
+    (2.857 in q8_0 rows, 2.73 in f16)."""
+    base = layer_types.PREROPE_K_LADDER
+    assert layer_types.prerope_k_ladder(2.5 - 8.5 * 69 / 4096) == ("nuq2_64", "nuq2o", "q32_64") + base[1:]
+    assert layer_types.prerope_k_ladder(3.0 - 8.5 * 69 / 4096)[0] == "nuq2o"
+    assert layer_types.prerope_k_ladder(3.0 - 16 * 69 / 4096)[0] == "nuq2o"
+
+
 def test_value_ladder_takes_nuq2_64_below_three_bits():
     """V's default candidates hold nuq3_64 (3.25 bits) always and nuq2_64 (2.25), first, where the cache's share of
     the budget is below 3 bits/value, as q32_64 joins K's."""

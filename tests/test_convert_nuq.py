@@ -175,15 +175,15 @@ def test_budget_with_a_key_ladder_of_its_own_takes_the_halves_types(smollm2, wik
 
 
 def test_budget_that_picks_no_halves_type_leaves_the_rotation_head_wide(smollm2, wiki_file, tmp_path):
-    """A pre-RoPE budget at its cheapest (K nuq2o, V nuq2_64 everywhere) takes no q42_64 / q53_64 key: the runtime
+    """A pre-RoPE budget at its cheapest (K and V nuq2_64 everywhere) takes no q42_64 / q53_64 key: the runtime
     turns the keys head-wide, and the file's K codebooks were fitted again for that rotation (the halves rotation they
     were first fitted in is not what the cache holds; SmolLM2 at 4096 tokens, see docs/RESULTS.md)."""
     from conftest import run_tool
-    out = tmp_path / "smol-2.4375.gguf"
-    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", str((2.625 + 2.25) / 2), *CALIB)
+    out = tmp_path / "smol-2.25.gguf"
+    run_convert(smollm2, "-o", out, "--prerope-k", "--kv-bits", "2.25", *CALIB)
     m = read_gguf(out)
     assert set(_layer_types(m, "v")) == {"nuq2_64"}
-    assert set(_layer_types(m, "k")) == {"nuq2o"} and str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
+    assert set(_layer_types(m, "k")) == {"nuq2_64"} and str(m.meta(Keys.Baked.KSORT_KEY)) == "importance"
     r = run_tool("llama-perplexity", "-m", out, "-fa", "on", "-c", "128", "--chunks", "1", "-f", wiki_file, "-v")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "online Hadamard of the centred K on" in r.stderr and "within each half" not in r.stderr
