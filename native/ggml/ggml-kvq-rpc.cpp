@@ -33,9 +33,13 @@ int ggml_kvq_rpc_worker_caps(const char * endpoint) {
     return it == g_workers.end() ? -1 : it->second;
 }
 
-uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
+static const char * kvq_reg_name(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    const char * name = reg ? ggml_backend_reg_name(reg) : "";
+    return reg ? ggml_backend_reg_name(reg) : "";
+}
+
+uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
+    const char * name = kvq_reg_name(dev);
     if (strcmp(name, "CPU") == 0) {
         return GGML_KVQ_RPC_PREROPE | GGML_KVQ_RPC_CENTRED | GGML_KVQ_RPC_WINDOW;
     }
@@ -50,7 +54,6 @@ uint8_t ggml_kvq_dev_caps(ggml_backend_dev_t dev) {
 }
 
 bool ggml_kvq_dev_window_q8(ggml_backend_dev_t dev) {
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    const char * name = reg ? ggml_backend_reg_name(reg) : "";
+    const char * name = kvq_reg_name(dev);
     return strcmp(name, "CPU") == 0 || strcmp(name, "CUDA") == 0;
 }
