@@ -85,8 +85,9 @@ def key_outliers(stats) -> float:
 # SmolLM2-135M and Qwen2.5-Coder-1.5B (README's table), by the bits/value the file spends there, its window counted
 EXPECTED_KLD = ((4.4, "about stock q8_0's (0.9-1.4x q8_0 on the suite's models)"),
                 (3.45, "2-4x stock q8_0's"),
-                (2.95, "5-10x stock q8_0's"),
-                (0.0, "more than 10x stock q8_0's (not measured below 3 bits)"))
+                (2.95, "3-8x stock q8_0's"),
+                (2.45, "8-19x stock q8_0's"),
+                (0.0, "more than 19x stock q8_0's (not measured below 2.5 bits)"))
 
 
 def outlook(bits: float, sinks: int, window: int, row_type: str = "f16") -> str:

@@ -66,5 +66,7 @@ def test_outlook_counts_the_window_and_names_the_quality_class():
     assert "first 4 + last 64 cells" in text
     # --bits 3.5: the types take 3.5 - 0.27 so that the file spends 3.5 at 4k
     assert "3.50 bits/value at 4k" in outlook(3.5 - 16 * 69 / 4096, 4, 64) and "2-4x" in outlook(3.23, 4, 64)
-    assert "5-10x" in outlook(3.0, 0, 0) and "no exact window" in outlook(3.0, 0, 0)
-    assert "not measured below 3 bits" in outlook(2.625, 4, 64)
+    assert "3-8x" in outlook(3.0, 0, 0) and "no exact window" in outlook(3.0, 0, 0)
+    # --bits 2.5: 2.357 + 8.5 * 69 / 4096 = 2.50 at 4k (SmolLM2 18.7x, Qwen 8.3x)
+    assert "8-19x" in outlook(2.5 - 8.5 * 69 / 4096, 4, 64, "q8_0") and "8-19x" in outlook(2.625, 4, 64)
+    assert "not measured below 2.5 bits" in outlook(2.2, 0, 0)
