@@ -393,7 +393,7 @@ GGML_API bool ggml_kvq_fa_is_centred(const struct ggml_tensor * fa);
 // last query position that reads each cell's row (a window of W positions: the cell's position + W - 1; a sink:
 // INT32_MAX), plane 3 each query's position (entry j: query j of the stream), so every query of a prefill batch sees
 // the window a decode at its position would. A pre-RoPE node only (positions do not move a row); pykvq's CPU and CUDA kernels (native/ggml/cuda/kvq-window.cuh).
-// rows are f16, or q8_0 for the CPU's kernels (CUDA's take f16 only).
+// rows are f16 or q8_0 (every head's K and V on whole blocks).
 GGML_API void ggml_kvq_fa_set_window(struct ggml_tensor * fa, struct ggml_tensor * rows);
 // src[9] when fa reads an exact window, else NULL
 GGML_API const struct ggml_tensor * ggml_kvq_fa_get_window(const struct ggml_tensor * fa);

@@ -31,7 +31,7 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model(
 //   encoder                 auto | stock | lsq     how q4_0 / q5_0 cache rows are written (auto: lsq for a converted file)
 //   k_centre_residual       a number >= 0          the mean energy a centred cache may leave uncorrected (x the variance)
 //   kv_window, kv_sinks     a number >= 0          the exact window of a pre-RoPE cache: last cells, first positions
-//   kv_window_type          f16 | q8_0             its rows' type (q8_0 in layers the CPU attends; CUDA's keep f16)
+//   kv_window_type          f16 | q8_0             its rows' type (q8_0 where the CPU or CUDA attends; RPC keeps f16)
 // A context takes each setting from the llama_kvq_params it is made with, else the process default
 // (llama_kvq_set_default: the tools' flags), else auto. The library reads no environment variable for them: the
 // tools' --kv-* flags fall back to PYKVQ_* variables (llama_kvq_setting_env; as upstream's set_env), llama-bench reads

@@ -71,7 +71,7 @@ struct llama_kvq_cache {
     // a context's settings, once after the cache is made (llama_kvq_init_memory)
     void     set_attn_rot(llama_attn_rot_type rot_k, llama_attn_rot_type rot_v); // AUTO keeps the constructor's choice
     uint32_t set_k_domain(const llama_kvq_ctx_opts & opts);                      // returns the pre-RoPE or centred layers
-    // returns the layers that keep one; row_type F16 or Q8_0 (the CPU's layers; a device keeps F16 rows)
+    // returns the layers that keep one; row_type F16 or Q8_0 (CPU / CUDA layers; an RPC worker's keep F16)
     uint32_t set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch, ggml_type row_type = GGML_TYPE_F16);
     void     describe(std::vector<llama_kvq_layer_desc> & out) const;            // fills out[il] for the layers it holds
     std::pair<uint32_t, uint32_t> window_size() const;                          // {sinks, window} kept exact ({0, 0}: none)

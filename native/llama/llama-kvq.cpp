@@ -109,7 +109,7 @@ const kvq_setting k_settings[] = {
       },
       "--kv-window-type", "{f16,q8_0}",
       "how the exact window's and sinks' rows are held: f16, or q8_0 at about half the bytes, in layers the CPU "
-      "attends (default: the file's pykvq.cache.kv_window_type, else f16)" },
+      "or CUDA attends (default: the file's pykvq.cache.kv_window_type, else f16)" },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
 
