@@ -330,6 +330,14 @@ def _key_ladder(args) -> tuple | None:
     return lt.PREROPE_K_LADDER if args.prerope_k and args.kv_bits is not None else lt.DEFAULT_LADDER
 
 
+def _default_ladders(opts: pipeline.Options, ladder_v_auto: bool, cache_bits: float) -> None:
+    """The default K / V ladders (where the user named none) for a cache share of cache_bits bits/value."""
+    if opts.ladder_k_auto:
+        opts.ladder_k = pipeline.layer_types.prerope_k_ladder(cache_bits)
+    if ladder_v_auto:
+        opts.ladder = pipeline.layer_types.value_ladder(cache_bits)
+
+
 def _is_hf_dir(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
@@ -676,14 +684,11 @@ def convert(args) -> dict:
         if args.kv_bits_ctx < 0:
             raise ValueError(f"--kv-bits-ctx must be >= 0, got {args.kv_bits_ctx}")
         if opts.kv_bits is not None:
-            low = opts.cheapest_bits()
             if auto_window:
                 from convert import window_choice
                 # the windows that leave the cheapest types the default ladders may take at this budget
-                lt = pipeline.layer_types
-                ks = lt.prerope_k_ladder(opts.kv_bits) if opts.ladder_k_auto else opts.ladder_for("k")
-                vs = lt.value_ladder(opts.kv_bits) if ladder_v_auto else opts.ladder_for("v")
-                low = (min(map(lt.bits_per_value, ks)) + min(map(lt.bits_per_value, vs))) / 2
+                _default_ladders(opts, ladder_v_auto, opts.kv_bits)
+                low = opts.cheapest_bits()
                 wins = window_choice.candidates(opts.kv_bits, opts.kv_sinks, opts.kv_bits_ctx, low, opts.kv_window_type)
                 if not wins:
                     raise ValueError(f"--kv-window auto: no window of {', '.join(map(str, window_choice.WINDOWS))} "
@@ -691,10 +696,7 @@ def convert(args) -> dict:
                                      f"{opts.kv_bits_ctx} cells")
                 opts.kv_window = wins[0]
             # the window's rows are known: q32_64 and nuq2_64 join the defaults below 3 bits, nuq2_64 K's below 2.625
-            if opts.ladder_k_auto:
-                opts.ladder_k = pipeline.layer_types.prerope_k_ladder(opts.cache_bits())
-            if ladder_v_auto:
-                opts.ladder = pipeline.layer_types.value_ladder(opts.cache_bits())
+            _default_ladders(opts, ladder_v_auto, opts.cache_bits())
             low = opts.cheapest_bits()
             if opts.cache_bits() < low:
                 win = (f" (with the window's {opts.window_bits():.3f} bits at {opts.kv_bits_ctx} cells: "
