@@ -119,9 +119,27 @@ def roundtrip(x: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> np
     """x as a converted file's cache holds it after quantizing to type_name (q4_0 / q5_0 with least-squares block
     scales: what the runtime writes for a converted file, docs/FORMATS.md)."""
     from pykvq.ref import roundtrip as ref_roundtrip
+    from pykvq.ref import tcq
     if type_name in nuq.FORMATS:
         return nuq.roundtrip(x, type_name, cb)
+    if type_name in tcq.FORMATS:
+        return library_roundtrip(x, type_name)
     return ref_roundtrip(x, type_name, lsq=True)
+
+
+def library_roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
+    """x quantized and read back by the built library's reference codec of a pykvq type (ggml's from_float_ref and
+    to_float): for the trellis types, whose numpy Viterbi (pykvq/ref/tcq.py, the same bits: tests/test_tcq.py) would
+    take minutes over a conversion's samples."""
+    from pykvq import cache_types
+    from pykvq._lib import ffi, lib
+    tr = lib().ggml_get_type_traits(cache_types.resolve(type_name))
+    xs = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = ffi.new("uint8_t[]", xs.size // tr.blck_size * tr.type_size)
+    tr.from_float_ref(ffi.cast("float *", ffi.from_buffer(xs)), out, xs.size)
+    back = np.empty(xs.size, np.float32)
+    tr.to_float(out, ffi.cast("float *", ffi.from_buffer(back)), xs.size)
+    return back.reshape(np.shape(x))
 
 
 def weighted_error(x: np.ndarray, fisher: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> float:

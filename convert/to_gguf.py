@@ -838,10 +838,13 @@ def main(argv=None) -> int:
         from pykvq.cache_types import KVQ_TYPES
         cpu_only = sorted({t for t in s["layer_types_k"] + s["layer_types_v"] if t in KVQ_TYPES and not KVQ_TYPES[t].cuda})
         if cpu_only:
+            lt = pipeline.layer_types
+            k_ladder = lt.PREROPE_K_LADDER if set(s["layer_types_k"]) & set(pipeline.q53.HALVES_TYPES) else lt.DEFAULT_LADDER
+            fix = f"--layer-types-k {','.join(k_ladder)}"       # --layer-types alone would set K's ladder too
+            if set(cpu_only) & set(s["layer_types_v"]):
+                fix += f" --layer-types {','.join(lt.VALUE_LADDER)}"
             print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
-                  "convert with --layer-types-k " + ",".join(pipeline.layer_types.PREROPE_K_LADDER
-                                                             if set(s["layer_types_k"]) & set(pipeline.q53.HALVES_TYPES)
-                                                             else pipeline.layer_types.DEFAULT_LADDER))
+                  f"convert with {fix}")
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")

@@ -11,6 +11,7 @@ target_sources(ggml-base PRIVATE
     ${GGML_KVQ_DIR}/ggml/bfp.c
     ${GGML_KVQ_DIR}/ggml/nuq.c
     ${GGML_KVQ_DIR}/ggml/q53.c
+    ${GGML_KVQ_DIR}/ggml/tcq.c
     ${GGML_KVQ_DIR}/ggml/lsq.c
     ${GGML_KVQ_DIR}/ggml/prerope.c
     ${GGML_KVQ_DIR}/ggml/ggml-kvq-rpc.cpp
@@ -24,6 +25,7 @@ set(GGML_KVQ_CPU_SOURCES
     ${GGML_KVQ_DIR}/ggml/cpu/bfp-cpu.c
     ${GGML_KVQ_DIR}/ggml/cpu/nuq-cpu.c
     ${GGML_KVQ_DIR}/ggml/cpu/q53-cpu.c
+    ${GGML_KVQ_DIR}/ggml/cpu/tcq-cpu.c
     ${GGML_KVQ_DIR}/ggml/cpu/lsq-cpu.c
     ${GGML_KVQ_DIR}/ggml/cpu/kvq-dispatch.c
     ${GGML_KVQ_DIR}/ggml/cpu/fattn.cpp

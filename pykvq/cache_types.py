@@ -17,7 +17,8 @@ class KVQType:
     name: str
     id: int              # ggml_type
     qk: int              # values per block
-    family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" halves of two widths (5+3, 4+2, 3+2)
+    family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" halves of two widths (5+3, 4+2, 3+2),
+                         # "tcq" trellis-coded
     vec_dot_type: str    # what Q is converted to for K·Q
     cuda: bool           # CUDA kernels (native/ggml/cuda); else CPU only
     codes: int           # codebook entries (nuq), else 0
@@ -43,6 +44,8 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("q32_64", 53, 64, "q53", "q8_0", True, 0, False, 3.0),
     KVQType("nuq3_64", 54, 64, "nuq", "q8_0", True, 8, False, 3.25),
     KVQType("nuq2_64", 55, 64, "nuq", "q8_0", True, 4, False, 2.25),
+    KVQType("tcq3_64", 56, 64, "tcq", "q8_0", False, 0, False, 3.25),
+    KVQType("tcq2_64", 57, 64, "tcq", "q8_0", False, 0, False, 2.25),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

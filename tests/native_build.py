@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# cpu/kvq-dispatch.c hands each type to its family's kernels (cpu/bfp-cpu.c, cpu/nuq-cpu.c, cpu/q53-cpu.c): every check links them all
-SOURCES = [f"ggml/{s}" for s in ("cpu/kvq-dispatch.c", "cpu/bfp-cpu.c", "cpu/nuq-cpu.c", "cpu/q53-cpu.c", "cpu/lsq-cpu.c", "bfp.c", "nuq.c", "q53.c", "lsq.c",
-                                  "ggml-kvq.c", "kvq-validate.c")]   # under native/
+# cpu/kvq-dispatch.c hands each type to its family's kernels (cpu/bfp-cpu.c, cpu/nuq-cpu.c, cpu/q53-cpu.c, cpu/tcq-cpu.c): every
+# check links them all
+SOURCES = [f"ggml/{s}" for s in ("cpu/kvq-dispatch.c", "cpu/bfp-cpu.c", "cpu/nuq-cpu.c", "cpu/q53-cpu.c", "cpu/tcq-cpu.c", "cpu/lsq-cpu.c",
+                                  "bfp.c", "nuq.c", "q53.c", "tcq.c", "lsq.c", "ggml-kvq.c", "kvq-validate.c")]   # under native/
 # compiler flag -> the /proc/cpuinfo flag a native x86 run needs
 NEED = {"-mavx512vnni": "avx512_vnni", "-mavx512f": "avx512bw", "-mavx2": "avx2", "-march=haswell": "avx2"}
 # compiler flag -> the runner kind of a build with it (the first one found names the build); qemu-aarch64 runs "neon"

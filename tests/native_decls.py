@@ -75,6 +75,12 @@ bool ggml_kvq_nuq_codebook_ok(const int8_t * cb, int n);
 void ggml_kvq_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);
 void ggml_kvq_cpu_bind_codebooks(const int8_t * cb_a, const int8_t * cb_b);
 bool ggml_validate_row_data(int type, const void * data, size_t nbytes);
+void quantize_row_tcq3_64_ref(const float * x, void * y, int64_t k);
+void quantize_row_tcq2_64_ref(const float * x, void * y, int64_t k);
+void dequantize_row_tcq3_64(const void * x, float * y, int64_t k);
+void dequantize_row_tcq2_64(const void * x, float * y, int64_t k);
+const int16_t * ggml_kvq_tcq_tables(int type);
+int ggml_kvq_tcq_bits(int type);
 void quantize_row_q8_0_ref(const float * x, void * y, int64_t k);
 
 /* a little of ggml's graph API, to run single ops on the CPU backend in the tests */

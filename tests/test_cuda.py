@@ -44,7 +44,7 @@ def test_codec_host_build_matches_reference(tmp_path):
 def _reference_objects(tmp_path) -> list[str]:
     inc = [f"-I{NATIVE / 'include'}", f"-I{GGML / 'include'}"]
     objs = []
-    for src in ("bfp.c", "nuq.c", "lsq.c", "q53.c", "ggml-kvq.c", "kvq-validate.c"):
+    for src in ("bfp.c", "nuq.c", "lsq.c", "q53.c", "tcq.c", "ggml-kvq.c", "kvq-validate.c"):
         obj = tmp_path / (src + ".o")
         subprocess.run(["gcc", "-O2", "-std=c11", *inc, "-c", str(NATIVE / "ggml" / src), "-o", str(obj)], check=True)
         objs.append(str(obj))

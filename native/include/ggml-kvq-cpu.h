@@ -51,6 +51,14 @@ void quantize_row_q32_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
 void dequantize_row_q32_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
 void ggml_vec_dot_q32_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
+// tcq3_64 / tcq2_64 (cpu/tcq-cpu.c): the reference's rows; K·Q with Q in q8_0 through the read-back values
+void quantize_row_tcq3_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void dequantize_row_tcq3_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
+void ggml_vec_dot_tcq3_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+void quantize_row_tcq2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void dequantize_row_tcq2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
+void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+
 // least-squares block scales (cpu/lsq-cpu.c; the rule: native/ggml/lsq.c): the same bits, the candidate scales side by side
 void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);
 void quantize_row_q4_0_lsq_cpu(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);

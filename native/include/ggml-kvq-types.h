@@ -9,7 +9,8 @@
 //             dequantize_row_<name>, ggml_vec_dot_<name>_<vdt>
 //     NAME    GGML_TYPE_<NAME>, whose value in ggml.h's enum must be id (checked in native/ggml/ggml-kvq.c)
 //     qk      values per block
-//     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (halves of two widths: 5+3, 4+2, 3+2)
+//     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (halves of two widths: 5+3, 4+2, 3+2),
+//             TCQ (trellis-coded: a path through a shift-register trellis per block)
 //     vdt     the vec_dot_type Q is converted to for K·Q (VDT: its enum name)
 //     cuda    1: CUDA kernels (native/ggml/cuda), 0: CPU only
 //     codes   codebook entries (nuq), else 0;  outl: 1 when a block keeps its largest value exactly
@@ -28,7 +29,9 @@
     X(q42_64,  Q42_64,  52, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3500, __VA_ARGS__)     \
     X(q32_64,  Q32_64,  53, 64, Q53, q8_0,    Q8_0,    1,  0, 0, 3000, __VA_ARGS__)     \
     X(nuq3_64, NUQ3_64, 54, 64, NUQ, q8_0,    Q8_0,    1,  8, 0, 3250, __VA_ARGS__)     \
-    X(nuq2_64, NUQ2_64, 55, 64, NUQ, q8_0,    Q8_0,    1,  4, 0, 2250, __VA_ARGS__)
+    X(nuq2_64, NUQ2_64, 55, 64, NUQ, q8_0,    Q8_0,    1,  4, 0, 2250, __VA_ARGS__)     \
+    X(tcq3_64, TCQ3_64, 56, 64, TCQ, q8_0,    Q8_0,    0,  0, 0, 3250, __VA_ARGS__)     \
+    X(tcq2_64, TCQ2_64, 57, 64, TCQ, q8_0,    Q8_0,    0,  0, 0, 2250, __VA_ARGS__)
 
 // what the rows expand to in the upstream files the patches touch (one macro use each)
 #define GGML_KVQ_CASE(name, NAME, ...)       case GGML_TYPE_##NAME:
@@ -41,4 +44,4 @@
 #define GGML_KVQ_IF_1(...) __VA_ARGS__
 #define GGML_KVQ_IF(flag) GGML_KVQ_IF_##flag
 
-enum ggml_kvq_family { GGML_KVQ_FAMILY_NONE = 0, GGML_KVQ_FAMILY_BFP, GGML_KVQ_FAMILY_NUQ, GGML_KVQ_FAMILY_Q53 };
+enum ggml_kvq_family { GGML_KVQ_FAMILY_NONE = 0, GGML_KVQ_FAMILY_BFP, GGML_KVQ_FAMILY_NUQ, GGML_KVQ_FAMILY_Q53, GGML_KVQ_FAMILY_TCQ };

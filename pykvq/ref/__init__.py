@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cache_types import KVQ_TYPES
-from . import bfp, nuq, q53, scale_search, stock  # noqa: F401
+from . import bfp, nuq, q53, scale_search, stock, tcq  # noqa: F401
 
 # the vec_dot_type of each K cache type in the pinned tree (iq4_nl, q4_1, q5_1 pair with q8_0/q8_1)
 # (pykvq's own types: the type table, pykvq/cache_types.py)
@@ -38,6 +38,8 @@ def roundtrip(x: np.ndarray, type_name: str, *, lsq: bool = False) -> np.ndarray
         return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)   # truncation: close enough
     if t in nuq.FORMATS:            # the fallback codebook; pass a file's codebook to nuq.roundtrip
         return nuq.roundtrip(x, t)
+    if t in tcq.FORMATS:
+        return tcq.roundtrip(x, t)
     if t == "q53_64":
         return q53.roundtrip(x)
     if t == "q42_64":

@@ -1,5 +1,5 @@
 // The CPU entry points for every pykvq type, by family (ggml-kvq-types.h): each family's kernels and variant
-// table live in its own file (cpu/bfp-cpu.c, cpu/nuq-cpu.c, cpu/q53-cpu.c); the variants are the same in each, in
+// table live in its own file (cpu/bfp-cpu.c, cpu/nuq-cpu.c, cpu/q53-cpu.c, cpu/tcq-cpu.c); the variants are the same in each, in
 // the same order, so one index names a variant across families.
 #include "ggml-kvq-cpu.h"
 
@@ -9,6 +9,7 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
         case GGML_KVQ_FAMILY_NUQ: return ggml_kvq_nuq_cpu_impl_to_float(ggml_kvq_nuq_cpu_n_impls() - 1, type);
         case GGML_KVQ_FAMILY_Q53: return type == GGML_TYPE_Q53_64 ? dequantize_row_q53_64_cpu
                                        : type == GGML_TYPE_Q42_64 ? dequantize_row_q42_64_cpu : dequantize_row_q32_64_cpu;
+        case GGML_KVQ_FAMILY_TCQ: return type == GGML_TYPE_TCQ3_64 ? dequantize_row_tcq3_64_cpu : dequantize_row_tcq2_64_cpu;
         default:                  return NULL;
     }
 }

@@ -1,0 +1,155 @@
+// CPU kernels for tcq3_64 / tcq2_64 (native/ggml/tcq.c has the references): the reference's rows (the Viterbi
+// search is the cost of a write; a SIMD search is the next step), a read-back that takes the levels' two tables of 16
+// by byte shuffles (AVX2; bit for bit the reference's), and K·Q against q8_0 through the read-back values.
+#include "ggml-kvq-cpu.h"
+
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// ggml's block_q8_0 (ggml-common.h), restated so this file builds standalone in the tests
+typedef struct {
+    uint16_t d;
+    int8_t   qs[32];
+} tcq_q8_0;
+GGML_KVQ_STATIC_ASSERT(sizeof(tcq_q8_0) == 34, "block_q8_0 size");
+
+void quantize_row_tcq3_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_tcq3_64_ref(x, (block_tcq3_64 *) y, k);
+}
+
+void quantize_row_tcq2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_tcq2_64_ref(x, (block_tcq2_64 *) y, k);
+}
+
+#if defined(__AVX2__)
+// the stream's last byte, the stream, a zero: value j's state is the byte pair at (kj + k) / 8 shifted by (kj + k) % 8
+static inline void tcq_ext(const uint8_t * qs, int nbytes, uint8_t * ext) {
+    ext[0] = qs[nbytes - 1];
+    memcpy(ext + 1, qs, nbytes);
+    ext[nbytes + 1] = 0;
+}
+
+// tcq2_64's 64 states: for j = 4q + r, the pair (ext[q], ext[q + 1]) shifted by 2r + 2 (r = 3: ext[q + 1] itself)
+static inline void tcq2_states(const uint8_t * qs, uint8_t * st) {
+    uint8_t ext[QK_TCQ*2/8 + 2];
+    tcq_ext(qs, QK_TCQ*2/8, ext);
+    const __m128i ff = _mm_set1_epi16(0xFF);
+    for (int h = 0; h < 2; ++h) {          // q = 8h .. 8h + 7: values 32h .. 32h + 31
+        const __m128i w = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) (ext + 8*h)),
+                                            _mm_loadl_epi64((const __m128i *) (ext + 8*h + 1)));
+        const __m128i s0 = _mm_and_si128(_mm_srli_epi16(w, 2), ff), s1 = _mm_and_si128(_mm_srli_epi16(w, 4), ff);
+        const __m128i s2 = _mm_and_si128(_mm_srli_epi16(w, 6), ff), s3 = _mm_srli_epi16(w, 8);
+        const __m128i p01l = _mm_unpacklo_epi16(s0, s1), p23l = _mm_unpacklo_epi16(s2, s3);
+        const __m128i p01h = _mm_unpackhi_epi16(s0, s1), p23h = _mm_unpackhi_epi16(s2, s3);
+        _mm_storeu_si128((__m128i *) (st + 32*h),      _mm_packus_epi16(_mm_unpacklo_epi32(p01l, p23l), _mm_unpackhi_epi32(p01l, p23l)));
+        _mm_storeu_si128((__m128i *) (st + 32*h + 16), _mm_packus_epi16(_mm_unpacklo_epi32(p01h, p23h), _mm_unpackhi_epi32(p01h, p23h)));
+    }
+}
+
+// tcq3_64's 64 states: for j = 8q + r, bits 3r + 3 .. 3r + 10 of the little-endian 64-bit word at ext[3q]
+static inline void tcq3_states(const uint8_t * qs, uint8_t * st) {
+    uint8_t ext[32] = { 0 };
+    tcq_ext(qs, QK_TCQ*3/8, ext);
+    for (int q = 0; q < QK_TCQ/8; ++q) {
+        uint64_t w;
+        memcpy(&w, ext + 3*q, sizeof(w));
+        for (int r = 0; r < 8; ++r) {
+            st[8*q + r] = (uint8_t) (w >> (3*r + 3));
+        }
+    }
+}
+
+// the levels of 64 states times d: A[s >> 4] + B[s & 15] by byte shuffles of the tables' low and high bytes, in int16
+// (|A| + |B| < 2^15), then (float) level * (1/4096) * d as the reference rounds it
+static inline void tcq_levels(const uint8_t * st, const __m128i tab[4], float d, float * y) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256 inv = _mm256_set1_ps(1.0f/4096), dv = _mm256_set1_ps(d);
+    for (int i = 0; i < QK_TCQ; i += 16) {
+        const __m128i s = _mm_loadu_si128((const __m128i *) (st + i));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(s, 4), m4), lo = _mm_and_si128(s, m4);
+        const __m128i al = _mm_shuffle_epi8(tab[0], hi), ah = _mm_shuffle_epi8(tab[1], hi);
+        const __m128i bl = _mm_shuffle_epi8(tab[2], lo), bh = _mm_shuffle_epi8(tab[3], lo);
+        const __m128i l0 = _mm_add_epi16(_mm_unpacklo_epi8(al, ah), _mm_unpacklo_epi8(bl, bh));
+        const __m128i l1 = _mm_add_epi16(_mm_unpackhi_epi8(al, ah), _mm_unpackhi_epi8(bl, bh));
+        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l0)), inv);
+        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), inv);
+        _mm256_storeu_ps(y + i,     _mm256_mul_ps(dv, f0));
+        _mm256_storeu_ps(y + i + 8, _mm256_mul_ps(dv, f1));
+    }
+}
+
+// A's and B's low and high bytes, as shuffle tables
+static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
+    const int16_t * t = ggml_kvq_tcq_tables(type);
+    uint8_t b[4][16];
+    for (int i = 0; i < 16; ++i) {
+        b[0][i] = (uint8_t) t[i];      b[1][i] = (uint8_t) ((uint16_t) t[i] >> 8);
+        b[2][i] = (uint8_t) t[16 + i]; b[3][i] = (uint8_t) ((uint16_t) t[16 + i] >> 8);
+    }
+    for (int i = 0; i < 4; ++i) {
+        tab[i] = _mm_loadu_si128((const __m128i *) b[i]);
+    }
+}
+#endif
+
+void dequantize_row_tcq3_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    const block_tcq3_64 * b = (const block_tcq3_64 *) x;
+    __m128i tab[4];
+    tcq_shuffle_tables(GGML_TYPE_TCQ3_64, tab);
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        uint8_t st[QK_TCQ];
+        tcq3_states(b[i].qs, st);
+        tcq_levels(st, tab, ggml_kvq_f16_bytes(b[i].d), y + i*QK_TCQ);
+    }
+#else
+    dequantize_row_tcq3_64((const block_tcq3_64 *) x, y, k);
+#endif
+}
+
+void dequantize_row_tcq2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    const block_tcq2_64 * b = (const block_tcq2_64 *) x;
+    __m128i tab[4];
+    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, tab);
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        uint8_t st[QK_TCQ];
+        tcq2_states(b[i].qs, st);
+        tcq_levels(st, tab, ggml_kvq_f16_bytes(b[i].d), y + i*QK_TCQ);
+    }
+#else
+    dequantize_row_tcq2_64((const block_tcq2_64 *) x, y, k);
+#endif
+}
+
+// the read-back values of each block of 64 against q8_0's two blocks of 32
+static float tcq_dot_q8_0(int n, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
+    float sum = 0.0f;
+    for (int i = 0; i < n/QK_TCQ; ++i) {
+        float v[QK_TCQ];
+        to_float((const char *) vx + i*bsize, v, QK_TCQ);
+        for (int h = 0; h < 2; ++h) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; ++j) {
+                s += v[32*h + j]*(float) y[2*i + h].qs[j];
+            }
+            sum += s*ggml_kvq_fp16_to_fp32(y[2*i + h].d);
+        }
+    }
+    return sum;
+}
+
+void ggml_vec_dot_tcq3_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0(n, vx, sizeof(block_tcq3_64), dequantize_row_tcq3_64_cpu, (const tcq_q8_0 *) vy);
+}
+
+void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0(n, vx, sizeof(block_tcq2_64), dequantize_row_tcq2_64_cpu, (const tcq_q8_0 *) vy);
+}

@@ -1,0 +1,198 @@
+// tcq3_64 / tcq2_64: trellis-coded quantization (ggml-kvq.h has the format): the reference quantizer and
+// dequantizer (ggml-base). The rule is pykvq/ref/tcq.py's; the tests hold this file to it bit for bit, so every
+// product is rounded before it is added (no fused multiply-add) and sums run in double, in order.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "ggml-kvq.h"
+
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+#define TCQ_STATES 256
+
+// The tables (in 1/4096): trained by scripts/tcq_tables.py on Gaussian blocks, each scaled to unit RMS as the
+// encoder scales them, alternating the Viterbi paths with a least-squares fit of A and B. A value's level is
+// A[s >> 4] + B[s & 15]: two lookups of 16, which SIMD decoders take with byte shuffles.
+static const int16_t tcq3_tables[32] = {
+      354, -4187, -4449,   504, -1710,  3336,  1481, -7124, -2373,  -771,  2696,  5536,  -620,  1846,  6706, -2411,
+    -4845,  1112,  2426, -2751,  -769,   539,  3647, -1898,  1858,  -318,  4712, -3977, -1802,   832,  3421, -2188,
+};
+static const int16_t tcq2_tables[32] = {
+     2008, -4882,  2839, -2797, -1357,  1043, -6090,  6235,  5043,   962,   305,  -113, -3288, -2157,   220,  2979,
+      933,  2483, -2738, -5195,  4052, -1380, -1332,  1487,  -991,  4290,  1273, -3988,   345,  -368,  4341, -3213,
+};
+
+const int16_t * ggml_kvq_tcq_tables(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_TCQ3_64: return tcq3_tables;
+        case GGML_TYPE_TCQ2_64: return tcq2_tables;
+        default:                return NULL;
+    }
+}
+
+int ggml_kvq_tcq_bits(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_TCQ3_64: return 3;
+        case GGML_TYPE_TCQ2_64: return 2;
+        default:                return 0;
+    }
+}
+
+static inline float tcq_level(const int16_t * t, int s) {
+    return (float) (t[s >> 4] + t[16 + (s & 15)]) * (1.0f/4096);
+}
+
+// The least-squared-error path for z[0..64) read from index rot on (around the block), k bits per step:
+// state_j = (b_j << (8 - k)) | (state_{j-1} >> k). o >= 0: the path must start in a state whose low 8 - k bits
+// are o and end in one whose high 8 - k bits are o (tail-biting); o < 0: any start and end. Ties: the first.
+static void tcq_viterbi(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
+    const int K = 1 << k, ml = (1 << (8 - k)) - 1;
+    float cost[TCQ_STATES], minc[TCQ_STATES];
+    uint8_t arg[TCQ_STATES];
+    uint8_t bp[QK_TCQ][TCQ_STATES];
+    for (int s = 0; s < TCQ_STATES; ++s) {
+        const float e = z[rot % QK_TCQ] - lut[s];
+        cost[s] = (o < 0 || (s & ml) == o) ? e*e : INFINITY;
+    }
+    for (int i = 1; i < QK_TCQ; ++i) {
+        for (int m = 0; m <= ml; ++m) {     // a state's predecessors are the K states m*K .. m*K + K - 1
+            float b = cost[m*K];
+            int bj = 0;
+            for (int j = 1; j < K; ++j) {
+                if (cost[m*K + j] < b) {
+                    b = cost[m*K + j];
+                    bj = j;
+                }
+            }
+            minc[m] = b;
+            arg[m] = (uint8_t) bj;
+        }
+        const float zi = z[(i + rot) % QK_TCQ];
+        for (int s = 0; s < TCQ_STATES; ++s) {
+            const float e = zi - lut[s];
+            const float e2 = e*e;
+            cost[s] = minc[s & ml] + e2;
+            bp[i][s] = arg[s & ml];
+        }
+    }
+    int s = -1;
+    float b = INFINITY;
+    for (int q = 0; q < TCQ_STATES; ++q) {
+        if ((o < 0 || (q >> k) == o) && (s < 0 || cost[q] < b)) {
+            b = cost[q];
+            s = q;
+        }
+    }
+    st[QK_TCQ - 1] = (uint8_t) s;
+    for (int i = QK_TCQ - 1; i > 0; --i) {
+        s = ((s << k) & 0xFF) | bp[i][s];
+        st[i - 1] = (uint8_t) s;
+    }
+}
+
+// one block: scaled to unit RMS, a free path over the block read from its middle names the overlap o (the high bits
+// of value 63's state there), the tail-biting path through o, then the least-squares scale of that path's levels
+static void tcq_quantize_block(const float * x, int k, const int16_t * t, const float * lut, uint8_t d_out[2], uint8_t * qs) {
+    float v[QK_TCQ], z[QK_TCQ];
+    double r2 = 0.0;
+    for (int j = 0; j < QK_TCQ; ++j) {
+        v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
+        r2 += (double) v[j]*(double) v[j];
+    }
+    memset(qs, 0, QK_TCQ*k/8);
+    if (!(r2 > 0.0)) {
+        d_out[0] = d_out[1] = 0;
+        return;
+    }
+    const float inv = (float) fmin(1.0/sqrt(r2/QK_TCQ), (double) FLT_MAX);
+    for (int j = 0; j < QK_TCQ; ++j) {
+        z[j] = v[j]*inv;
+    }
+    uint8_t st[QK_TCQ];
+    tcq_viterbi(z, k, lut, -1, QK_TCQ/2, st);
+    tcq_viterbi(z, k, lut, st[QK_TCQ/2 - 1] >> k, 0, st);
+    double xy = 0.0, yy = 0.0;
+    for (int j = 0; j < QK_TCQ; ++j) {
+        const float y = tcq_level(t, st[j]);
+        xy += (double) v[j]*(double) y;
+        yy += (double) y*(double) y;
+    }
+    const double d = yy > 0.0 ? fmax(-65504.0, fmin(65504.0, xy/yy)) : 0.0;
+    const uint16_t h = ggml_kvq_fp32_to_fp16((float) d);
+    d_out[0] = (uint8_t) h;
+    d_out[1] = (uint8_t) (h >> 8);
+    for (int j = 0; j < QK_TCQ; ++j) {
+        const int b = st[j] >> (8 - k), p = k*j;
+        qs[p/8] |= (uint8_t) (b << (p % 8));
+        if (p % 8 + k > 8) {
+            qs[p/8 + 1] |= (uint8_t) (b >> (8 - p % 8));
+        }
+    }
+}
+
+static void tcq_dequantize_block(const uint8_t d[2], const uint8_t * qs, int k, const int16_t * t, float * y) {
+    const int nbytes = QK_TCQ*k/8;
+    uint8_t ext[QK_TCQ*3/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
+    ext[0] = qs[nbytes - 1];
+    memcpy(ext + 1, qs, nbytes);
+    ext[nbytes + 1] = 0;
+    const float dd = ggml_kvq_f16_bytes(d);
+    for (int j = 0; j < QK_TCQ; ++j) {
+        const int p = k*j + k;              // the window [kj + k - 8, kj + k) of the stream is ext's [p, p + 8)
+        const int s = ((ext[p/8] | (ext[p/8 + 1] << 8)) >> (p % 8)) & 0xFF;
+        y[j] = dd*tcq_level(t, s);
+    }
+}
+
+static void tcq_lut(const int16_t * t, float * lut) {
+    for (int s = 0; s < TCQ_STATES; ++s) {
+        lut[s] = tcq_level(t, s);
+    }
+}
+
+void quantize_row_tcq3_64_ref(const float * x, block_tcq3_64 * y, int64_t k) {
+    float lut[TCQ_STATES];
+    tcq_lut(tcq3_tables, lut);
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        tcq_quantize_block(x + i*QK_TCQ, 3, tcq3_tables, lut, y[i].d, y[i].qs);
+    }
+}
+
+void quantize_row_tcq2_64_ref(const float * x, block_tcq2_64 * y, int64_t k) {
+    float lut[TCQ_STATES];
+    tcq_lut(tcq2_tables, lut);
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        tcq_quantize_block(x + i*QK_TCQ, 2, tcq2_tables, lut, y[i].d, y[i].qs);
+    }
+}
+
+void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k) {
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        tcq_dequantize_block(x[i].d, x[i].qs, 3, tcq3_tables, y + i*QK_TCQ);
+    }
+}
+
+void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k) {
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        tcq_dequantize_block(x[i].d, x[i].qs, 2, tcq2_tables, y + i*QK_TCQ);
+    }
+}
+
+bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {
+    const size_t bs = type == GGML_TYPE_TCQ3_64 ? sizeof(block_tcq3_64) : sizeof(block_tcq2_64);
+    if (nbytes % bs != 0) {
+        return false;
+    }
+    const uint8_t * p = (const uint8_t *) data;
+    for (size_t i = 0; i < nbytes/bs; ++i) {
+        if (!isfinite(ggml_kvq_f16_bytes(p + i*bs))) {
+            return false;
+        }
+    }
+    return true;
+}

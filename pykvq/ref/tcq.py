@@ -1,0 +1,147 @@
+"""Trellis-coded quantization (tcq3_64, tcq2_64): the reference rule.
+
+A block of 64 values stores an f16 scale d and k bits per value (k = 3, 2) as a little-endian bit stream, value j's
+bits at [kj, kj + k). Value j reads the 8-bit window of the stream that ends with its own bits, [kj + k - 8, kj + k)
+taken around the block (tail-biting), as its state s (0..255), and is d * (A[s >> 4] + B[s & 15]) / 4096.
+
+  tcq3_64 (64): d[2] qs[24]   26 B  3.25 bits/value
+  tcq2_64 (64): d[2] qs[16]   18 B  2.25 bits/value
+
+A state is the last 8 bits written, so state_j = (b_j << (8 - k)) | (state_{j-1} >> k): the levels a value can take
+depend on the bits before it, and the encoder searches the whole block's path (Viterbi, 256 states x 64 steps) for the
+least squared error. Encoding (native/ggml/tcq.c is held to this bit for bit):
+
+1. v = x with NaN as 0 and +-inf as +-FLT_MAX; r2 = sum of v^2 (double, in order). r2 == 0: d = 0, every bit 0.
+2. z = v * inv in float32, inv = float32(min(1 / sqrt(r2 / 64), FLT_MAX)) (unit RMS).
+3. A free path (any start and end) over z read from index 32 on (around the block) names the overlap
+   o = (the state of value 63 on it) >> k; the tail-biting path then starts in a state whose low 8 - k bits are o and
+   ends in one whose high 8 - k bits are o. Costs are float32: cost_j(s) = min over the predecessors
+   ((s << k) & 255) | i, i = 0 .. 2^k - 1 (the first of equals), plus (z_j - level(s))^2, the square rounded before
+   the sum; the end state is the first of the least cost.
+4. d = float16(clip(sum v*y / sum y*y, +-65504)) over the path's levels y (double sums in order), and
+   b_j = state_j >> (8 - k).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+N = 64
+STATES = 256
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+# A[16] then B[16], in 1/4096 (native/ggml/tcq.c; scripts/tcq_tables.py trains them)
+TABLES = {
+    3: (354, -4187, -4449, 504, -1710, 3336, 1481, -7124, -2373, -771, 2696, 5536, -620, 1846, 6706, -2411,
+        -4845, 1112, 2426, -2751, -769, 539, 3647, -1898, 1858, -318, 4712, -3977, -1802, 832, 3421, -2188),
+    2: (2008, -4882, 2839, -2797, -1357, 1043, -6090, 6235, 5043, 962, 305, -113, -3288, -2157, 220, 2979,
+        933, 2483, -2738, -5195, 4052, -1380, -1332, 1487, -991, 4290, 1273, -3988, 345, -368, 4341, -3213),
+}
+FORMATS = {"tcq3_64": 3, "tcq2_64": 2}
+
+
+def bits_of(type_name: str) -> int:
+    return FORMATS[type_name]
+
+
+def block_bytes(k: int) -> int:
+    return 2 + N * k // 8
+
+
+def levels(k: int, tables=None) -> np.ndarray:
+    """level(s) for every state s, float32 (exact: integers over 4096)."""
+    t = np.asarray(TABLES[k] if tables is None else tables, np.int64)
+    s = np.arange(STATES)
+    return (t[s >> 4] + t[16 + (s & 15)]).astype(np.float32) * np.float32(1 / 4096)
+
+
+def viterbi(z: np.ndarray, k: int, lut: np.ndarray, o: np.ndarray | None, rot: int) -> np.ndarray:
+    """z [n, 64] float32 -> states [n, 64] of the least-cost paths (step 3), reading z from index rot on; o [n]: the
+    tail-biting overlap of each block, or None for a free path."""
+    n = z.shape[0]
+    K, ml = 1 << k, (1 << (8 - k)) - 1
+    s = np.arange(STATES)
+    zz = np.roll(z, -rot, axis=1)
+    e = zz[:, 0, None] - lut[None, :]
+    cost = (e * e).astype(np.float32)
+    if o is not None:
+        cost = np.where((s[None, :] & ml) == o[:, None], cost, np.float32(np.inf))
+    bp = np.empty((N, n, STATES), np.uint8)
+    low = s & ml
+    for i in range(1, N):
+        g = cost.reshape(n, ml + 1, K)
+        arg = g.argmin(axis=2)                           # the first of equals
+        minc = np.take_along_axis(g, arg[..., None], 2)[..., 0]
+        e = zz[:, i, None] - lut[None, :]
+        cost = minc[:, low] + (e * e).astype(np.float32)
+        bp[i] = arg[:, low]
+    if o is not None:
+        cost = np.where((s[None, :] >> k) == o[:, None], cost, np.float32(np.inf))
+    st = np.empty((n, N), np.int64)
+    cur = cost.argmin(axis=1)
+    rows = np.arange(n)
+    st[:, N - 1] = cur
+    for i in range(N - 1, 0, -1):
+        cur = ((cur << k) & 0xFF) | bp[i][rows, cur]
+        st[:, i - 1] = cur
+    return st
+
+
+def quantize_blocks(x: np.ndarray, k: int, tables=None) -> tuple[np.ndarray, np.ndarray]:
+    """x [n*64] -> (d [n] float16, states [n, 64])."""
+    v = np.asarray(x, np.float32).reshape(-1, N)
+    v = np.where(np.isnan(v), np.float32(0), np.clip(v, -FLT_MAX, FLT_MAX)).astype(np.float32)
+    vd = v.astype(np.float64)
+    r2 = np.zeros(len(v))
+    for j in range(N):                                   # in order, as the C reference sums
+        r2 += vd[:, j] * vd[:, j]
+    live = r2 > 0
+    lut = levels(k, tables)
+    d = np.zeros(len(v), np.float16)
+    st = np.zeros((len(v), N), np.int64)
+    if live.any():
+        vl = v[live]
+        inv = np.minimum(1.0 / np.sqrt(r2[live] / N), float(FLT_MAX)).astype(np.float32)
+        z = (vl * inv[:, None]).astype(np.float32)
+        free = viterbi(z, k, lut, None, N // 2)
+        path = viterbi(z, k, lut, free[:, N // 2 - 1] >> k, 0)
+        y = lut[path].astype(np.float64)
+        vd = vl.astype(np.float64)
+        xy = np.zeros(len(vl))
+        yy = np.zeros(len(vl))
+        for j in range(N):
+            xy += vd[:, j] * y[:, j]
+            yy += y[:, j] * y[:, j]
+        dd = np.where(yy > 0, np.clip(xy / np.where(yy > 0, yy, 1), -65504.0, 65504.0), 0.0)
+        d[live] = dd.astype(np.float32).astype(np.float16)
+        st[live] = path
+    return d, st
+
+
+def dequantize_blocks(d: np.ndarray, st: np.ndarray, k: int, tables=None) -> np.ndarray:
+    return (d.astype(np.float32)[:, None] * levels(k, tables)[st]).reshape(-1)
+
+
+def pack(d: np.ndarray, st: np.ndarray, k: int) -> bytes:
+    """The blocks' bytes: d (f16, little-endian), then the k-bit stream of b_j = state_j >> (8 - k)."""
+    b = (st >> (8 - k)).astype(np.uint8)
+    bits = ((b[:, :, None] >> np.arange(k)) & 1).reshape(len(b), -1)          # bit kj + i = bit i of b_j
+    qs = np.packbits(bits, axis=1, bitorder="little")
+    out = np.concatenate([d.astype("<f2").view(np.uint8).reshape(-1, 2), qs], axis=1)
+    return out.tobytes()
+
+
+def unpack(raw: bytes, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d, states) of packed blocks, each state read as its window of the stream around the block."""
+    a = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes(k))
+    d = a[:, :2].copy().view("<f2").reshape(-1)
+    bits = np.unpackbits(a[:, 2:], axis=1, bitorder="little").astype(np.int64)     # [n, 64k]
+    pos = (k * np.arange(N)[:, None] + k - 8 + np.arange(8)[None, :]) % (N * k)     # window bits, low first
+    st = (bits[:, pos] << np.arange(8)).sum(axis=2)
+    return d, st
+
+
+def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
+    """Quantize and dequantize the last axis of x (a multiple of 64)."""
+    k = bits_of(type_name)
+    d, st = quantize_blocks(np.asarray(x, np.float32).reshape(-1), k)
+    return dequantize_blocks(d, st, k).reshape(np.shape(x))
