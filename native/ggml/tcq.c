@@ -50,6 +50,7 @@ static inline float tcq_level(const int16_t * t, int s) {
 // The least-squared-error path for z[0..64) read from index rot on (around the block), k bits per step:
 // state_j = (b_j << (8 - k)) | (state_{j-1} >> k). o >= 0: the path must start in a state whose low 8 - k bits
 // are o and end in one whose high 8 - k bits are o (tail-biting); o < 0: any start and end. Ties: the first.
+// (ggml_kvq_tcq_viterbi_t: the CPU's SIMD search returns the same states.)
 static void tcq_viterbi(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
     const int K = 1 << k, ml = (1 << (8 - k)) - 1;
     float cost[TCQ_STATES], minc[TCQ_STATES];
@@ -97,7 +98,8 @@ static void tcq_viterbi(const float * z, int k, const float * lut, int o, int ro
 
 // one block: scaled to unit RMS, a free path over the block read from its middle names the overlap o (the high bits
 // of value 63's state there), the tail-biting path through o, then the least-squares scale of that path's levels
-static void tcq_quantize_block(const float * x, int k, const int16_t * t, const float * lut, uint8_t d_out[2], uint8_t * qs) {
+static void tcq_quantize_block(const float * x, int k, const int16_t * t, const float * lut, uint8_t d_out[2], uint8_t * qs,
+                               ggml_kvq_tcq_viterbi_t viterbi) {
     float v[QK_TCQ], z[QK_TCQ];
     double r2 = 0.0;
     for (int j = 0; j < QK_TCQ; ++j) {
@@ -114,8 +116,8 @@ static void tcq_quantize_block(const float * x, int k, const int16_t * t, const 
         z[j] = v[j]*inv;
     }
     uint8_t st[QK_TCQ];
-    tcq_viterbi(z, k, lut, -1, QK_TCQ/2, st);
-    tcq_viterbi(z, k, lut, st[QK_TCQ/2 - 1] >> k, 0, st);
+    viterbi(z, k, lut, -1, QK_TCQ/2, st);
+    viterbi(z, k, lut, st[QK_TCQ/2 - 1] >> k, 0, st);
     double xy = 0.0, yy = 0.0;
     for (int j = 0; j < QK_TCQ; ++j) {
         const float y = tcq_level(t, st[j]);
@@ -155,20 +157,25 @@ static void tcq_lut(const int16_t * t, float * lut) {
     }
 }
 
-void quantize_row_tcq3_64_ref(const float * x, block_tcq3_64 * y, int64_t k) {
+void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
+                                    ggml_kvq_tcq_viterbi_t viterbi) {
+    const int k = ggml_kvq_tcq_bits(type);
+    const int16_t * t = ggml_kvq_tcq_tables(type);
+    const size_t bs = 2 + QK_TCQ*k/8;
     float lut[TCQ_STATES];
-    tcq_lut(tcq3_tables, lut);
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        tcq_quantize_block(x + i*QK_TCQ, 3, tcq3_tables, lut, y[i].d, y[i].qs);
+    tcq_lut(t, lut);
+    for (int64_t i = 0; i < n/QK_TCQ; ++i) {
+        uint8_t * b = (uint8_t *) y + i*bs;
+        tcq_quantize_block(x + i*QK_TCQ, k, t, lut, b, b + 2, viterbi);
     }
 }
 
+void quantize_row_tcq3_64_ref(const float * x, block_tcq3_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ3_64, x, y, k, tcq_viterbi);
+}
+
 void quantize_row_tcq2_64_ref(const float * x, block_tcq2_64 * y, int64_t k) {
-    float lut[TCQ_STATES];
-    tcq_lut(tcq2_tables, lut);
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        tcq_quantize_block(x + i*QK_TCQ, 2, tcq2_tables, lut, y[i].d, y[i].qs);
-    }
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ2_64, x, y, k, tcq_viterbi);
 }
 
 void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k) {

@@ -485,6 +485,11 @@ GGML_API void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t
 // a TCQ type's tables: A[16] then B[16], in 1/4096 (NULL for other types); its bits per value k (0 for other types)
 GGML_API const int16_t * ggml_kvq_tcq_tables(enum ggml_type type);
 GGML_API int ggml_kvq_tcq_bits(enum ggml_type type);
+// the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[64] at unit RMS, read
+// from index rot on; o >= 0 the tail-biting overlap, o < 0 a free path; st: the 64 states (native/ggml/tcq.c)
+typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int k, const float * lut, int o, int rot, uint8_t * st);
+GGML_API void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
+                                            ggml_kvq_tcq_viterbi_t viterbi);
 // Row validation (the type registration seam): every block's scale finite (tcq3_64, tcq2_64).
 GGML_API bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes);
 // Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64,

@@ -1,8 +1,15 @@
 // CPU kernels for tcq3_64 / tcq2_64 (native/ggml/tcq.c has the references): the reference's rows (the Viterbi
 // search is the cost of a write; a SIMD search is the next step), a read-back that takes the levels' two tables of 16
 // by byte shuffles (AVX2; bit for bit the reference's), and K·Q against q8_0 through the read-back values.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include "ggml-kvq-cpu.h"
 
+#include <math.h>
 #include <string.h>
 
 #if defined(__AVX2__)
@@ -16,12 +23,126 @@ typedef struct {
 } tcq_q8_0;
 GGML_KVQ_STATIC_ASSERT(sizeof(tcq_q8_0) == 34, "block_q8_0 size");
 
+#if defined(__AVX2__)
+// ggml_kvq_tcq_viterbi_t (native/ggml/tcq.c's tcq_viterbi) with the 256 states in eight lanes: the same float
+// operations in the same order, so the same states. A state's predecessors are K = 2^k consecutive states; their
+// least cost is taken by transposing K vectors of them so that each lane holds one group and comparing in order
+// (strictly less: the first of equals). The new costs read those minima in order (state s takes group s & ml).
+static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
+    const int K = 1 << k, ml = (1 << (8 - k)) - 1, ng = ml + 1;
+    float cost[256] __attribute__((aligned(32)));
+    float minc[64] __attribute__((aligned(32)));
+    int32_t arg[64] __attribute__((aligned(32)));
+    uint8_t bp[QK_TCQ][64];
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    {
+        const __m256 z0 = _mm256_set1_ps(z[rot % QK_TCQ]);
+        for (int v = 0; v < 256; v += 8) {
+            const __m256 e = _mm256_sub_ps(z0, _mm256_loadu_ps(lut + v));
+            __m256 c = _mm256_mul_ps(e, e);
+            if (o >= 0) {
+                const __m256i sv = _mm256_add_epi32(_mm256_set1_epi32(v), iota);
+                const __m256i ok = _mm256_cmpeq_epi32(_mm256_and_si256(sv, _mm256_set1_epi32(ml)), _mm256_set1_epi32(o));
+                c = _mm256_blendv_ps(inf, c, _mm256_castsi256_ps(ok));
+            }
+            _mm256_store_ps(cost + v, c);
+        }
+    }
+    const __m256i perm4 = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 1; i < QK_TCQ; ++i) {
+        if (k == 2) {              // groups of 4: eight per 32 costs, a 4 x 4 transpose in each 128-bit lane
+            for (int g = 0; g < 8; ++g) {
+                const float * c = cost + 32*g;
+                const __m256 a0 = _mm256_load_ps(c), a1 = _mm256_load_ps(c + 8), a2 = _mm256_load_ps(c + 16), a3 = _mm256_load_ps(c + 24);
+                const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
+                const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
+                const __m256 cj[4] = { _mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                                       _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE) };
+                __m256 b = cj[0];
+                __m256i bj = _mm256_setzero_si256();
+                for (int j = 1; j < 4; ++j) {
+                    const __m256 lt = _mm256_cmp_ps(cj[j], b, _CMP_LT_OQ);
+                    b = _mm256_blendv_ps(b, cj[j], lt);
+                    bj = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bj), _mm256_castsi256_ps(_mm256_set1_epi32(j)), lt));
+                }
+                // lanes hold groups 0, 2, 4, 6 | 1, 3, 5, 7 of these eight
+                _mm256_store_ps(minc + 8*g, _mm256_permutevar8x32_ps(b, perm4));
+                _mm256_store_si256((__m256i *) (arg + 8*g), _mm256_permutevar8x32_epi32(bj, perm4));
+            }
+        } else {                   // k == 3, groups of 8: an 8 x 8 transpose per eight groups
+            for (int g = 0; g < 4; ++g) {
+                const float * c = cost + 64*g;
+                __m256 r[8], u[8], w[8];
+                for (int j = 0; j < 8; ++j) {
+                    r[j] = _mm256_load_ps(c + 8*j);
+                }
+                for (int j = 0; j < 8; j += 2) {
+                    u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                    u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+                }
+                for (int j = 0; j < 8; j += 4) {
+                    w[j]     = _mm256_shuffle_ps(u[j],     u[j + 2], 0x44);
+                    w[j + 1] = _mm256_shuffle_ps(u[j],     u[j + 2], 0xEE);
+                    w[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0x44);
+                    w[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
+                }
+                __m256 cj[8];
+                for (int j = 0; j < 4; ++j) {
+                    cj[j]     = _mm256_permute2f128_ps(w[j], w[j + 4], 0x20);
+                    cj[j + 4] = _mm256_permute2f128_ps(w[j], w[j + 4], 0x31);
+                }
+                __m256 b = cj[0];
+                __m256i bj = _mm256_setzero_si256();
+                for (int j = 1; j < 8; ++j) {
+                    const __m256 lt = _mm256_cmp_ps(cj[j], b, _CMP_LT_OQ);
+                    b = _mm256_blendv_ps(b, cj[j], lt);
+                    bj = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bj), _mm256_castsi256_ps(_mm256_set1_epi32(j)), lt));
+                }
+                _mm256_store_ps(minc + 8*g, b);
+                _mm256_store_si256((__m256i *) (arg + 8*g), bj);
+            }
+        }
+        for (int m = 0; m < ng; ++m) {
+            bp[i][m] = (uint8_t) arg[m];
+        }
+        const __m256 zi = _mm256_set1_ps(z[(i + rot) % QK_TCQ]);
+        for (int v = 0; v < 256; v += 8) {
+            const __m256 e = _mm256_sub_ps(zi, _mm256_loadu_ps(lut + v));
+            _mm256_store_ps(cost + v, _mm256_add_ps(_mm256_load_ps(minc + (v & ml)), _mm256_mul_ps(e, e)));
+        }
+    }
+    int s = -1;
+    float b = INFINITY;
+    for (int q = 0; q < 256; ++q) {
+        if ((o < 0 || (q >> k) == o) && (s < 0 || cost[q] < b)) {
+            b = cost[q];
+            s = q;
+        }
+    }
+    st[QK_TCQ - 1] = (uint8_t) s;
+    for (int i = QK_TCQ - 1; i > 0; --i) {
+        s = ((s << k) & 0xFF) | bp[i][s & ml];
+        st[i - 1] = (uint8_t) s;
+    }
+    (void) K;
+}
+#endif
+
 void quantize_row_tcq3_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ3_64, x, y, k, tcq_viterbi_avx2);
+#else
     quantize_row_tcq3_64_ref(x, (block_tcq3_64 *) y, k);
+#endif
 }
 
 void quantize_row_tcq2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ2_64, x, y, k, tcq_viterbi_avx2);
+#else
     quantize_row_tcq2_64_ref(x, (block_tcq2_64 *) y, k);
+#endif
 }
 
 #if defined(__AVX2__)
