@@ -9,6 +9,7 @@ import pytest
 from pykvq import cache_types
 from pykvq._lib import ffi, lib
 from pykvq.ref import nuq, roundtrip, tcq
+from test_q53 import c_quantize as c_codec   # ggml's reference codec of a type, through its traits
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -31,17 +32,6 @@ def edge_rows() -> np.ndarray:
     z[5, 7] = 1e-42                                   # a subnormal alone: the unit-RMS factor saturates
     z[6, :] = 65504.0 * 20                            # |d| saturates
     return z.reshape(-1)
-
-
-def c_codec(name: str, x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    L = lib()
-    x = np.ascontiguousarray(x, np.float32)
-    tr = L.ggml_get_type_traits(cache_types.resolve(name))
-    out = ffi.new("uint8_t[]", x.size // tr.blck_size * tr.type_size)
-    tr.from_float_ref(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
-    back = np.empty(x.size, np.float32)
-    tr.to_float(out, ffi.cast("float *", ffi.from_buffer(back)), x.size)
-    return bytes(ffi.buffer(out)), back
 
 
 @pytest.mark.parametrize("name", TYPES)

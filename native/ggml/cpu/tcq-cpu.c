@@ -1,6 +1,6 @@
-// CPU kernels for tcq3_64 / tcq2_64 (native/ggml/tcq.c has the references): the reference's rows (the Viterbi
-// search is the cost of a write; a SIMD search is the next step), a read-back that takes the levels' two tables of 16
-// by byte shuffles (AVX2; bit for bit the reference's), and K·Q against q8_0 through the read-back values.
+// CPU kernels for tcq3_64 / tcq2_64 (native/ggml/tcq.c has the references): the path search of a write with the
+// states in eight lanes and a read-back that takes the levels' two tables of 16 by byte shuffles (AVX2; both bit for
+// bit the reference's, which other targets run), and K·Q against q8_0 through the read-back values.
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
@@ -216,16 +216,29 @@ static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
 }
 #endif
 
+#if defined(__AVX2__)
+// rows of blocks of 2 + 8*bits bytes: each block's states, then its levels
+static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * y, int64_t k) {
+    const int bits = ggml_kvq_tcq_bits(type);
+    const size_t bs = 2 + QK_TCQ*bits/8;
+    __m128i tab[4];
+    tcq_shuffle_tables(type, tab);
+    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+        const uint8_t * b = x + i*bs;
+        uint8_t st[QK_TCQ];
+        if (bits == 2) {
+            tcq2_states(b + 2, st);
+        } else {
+            tcq3_states(b + 2, st);
+        }
+        tcq_levels(st, tab, ggml_kvq_f16_bytes(b), y + i*QK_TCQ);
+    }
+}
+#endif
+
 void dequantize_row_tcq3_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
 #if defined(__AVX2__)
-    const block_tcq3_64 * b = (const block_tcq3_64 *) x;
-    __m128i tab[4];
-    tcq_shuffle_tables(GGML_TYPE_TCQ3_64, tab);
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        uint8_t st[QK_TCQ];
-        tcq3_states(b[i].qs, st);
-        tcq_levels(st, tab, ggml_kvq_f16_bytes(b[i].d), y + i*QK_TCQ);
-    }
+    tcq_dequantize_rows(GGML_TYPE_TCQ3_64, (const uint8_t *) x, y, k);
 #else
     dequantize_row_tcq3_64((const block_tcq3_64 *) x, y, k);
 #endif
@@ -233,14 +246,7 @@ void dequantize_row_tcq3_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTR
 
 void dequantize_row_tcq2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
 #if defined(__AVX2__)
-    const block_tcq2_64 * b = (const block_tcq2_64 *) x;
-    __m128i tab[4];
-    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, tab);
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        uint8_t st[QK_TCQ];
-        tcq2_states(b[i].qs, st);
-        tcq_levels(st, tab, ggml_kvq_f16_bytes(b[i].d), y + i*QK_TCQ);
-    }
+    tcq_dequantize_rows(GGML_TYPE_TCQ2_64, (const uint8_t *) x, y, k);
 #else
     dequantize_row_tcq2_64((const block_tcq2_64 *) x, y, k);
 #endif
