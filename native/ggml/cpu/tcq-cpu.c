@@ -153,52 +153,55 @@ static inline void tcq_ext(const uint8_t * qs, int nbytes, uint8_t * ext) {
     ext[nbytes + 1] = 0;
 }
 
-// tcq2_64's 64 states: for j = 4q + r, the pair (ext[q], ext[q + 1]) shifted by 2r + 2 (r = 3: ext[q + 1] itself)
-static inline void tcq2_states(const uint8_t * qs, uint8_t * st) {
-    uint8_t ext[QK_TCQ*2/8 + 2];
-    tcq_ext(qs, QK_TCQ*2/8, ext);
+// the levels of 16 states times d: A[s >> 4] + B[s & 15] by byte shuffles of the tables' low and high bytes, in int16
+// (|A| + |B| < 2^15), times d/4096 (exact: a power of two; so the same product as the reference's d * (level/4096))
+static inline void tcq_levels16(__m128i s, const __m128i tab[4], __m256 d4096, float * y) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(s, 4), m4), lo = _mm_and_si128(s, m4);
+    const __m128i al = _mm_shuffle_epi8(tab[0], hi), ah = _mm_shuffle_epi8(tab[1], hi);
+    const __m128i bl = _mm_shuffle_epi8(tab[2], lo), bh = _mm_shuffle_epi8(tab[3], lo);
+    const __m128i l0 = _mm_add_epi16(_mm_unpacklo_epi8(al, ah), _mm_unpacklo_epi8(bl, bh));
+    const __m128i l1 = _mm_add_epi16(_mm_unpackhi_epi8(al, ah), _mm_unpackhi_epi8(bl, bh));
+    _mm256_storeu_ps(y,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l0)), d4096));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), d4096));
+}
+
+// tcq2_64's 64 values: for j = 4q + r, the state is the byte pair (e[q], e[q + 1]) of e = (the stream's last byte,
+// the stream) shifted by 2r + 2 (r = 3: e[q + 1] itself)
+static inline void tcq2_values(const uint8_t * qs, const __m128i tab[4], __m256 d4096, float * y) {
     const __m128i ff = _mm_set1_epi16(0xFF);
+    const __m128i q0 = _mm_loadl_epi64((const __m128i *) qs);
+    const __m128i e[2][2] = { { _mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(qs[15])), q0 },
+                              { _mm_loadl_epi64((const __m128i *) (qs + 7)), _mm_loadl_epi64((const __m128i *) (qs + 8)) } };
     for (int h = 0; h < 2; ++h) {          // q = 8h .. 8h + 7: values 32h .. 32h + 31
-        const __m128i w = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) (ext + 8*h)),
-                                            _mm_loadl_epi64((const __m128i *) (ext + 8*h + 1)));
+        const __m128i w = _mm_unpacklo_epi8(e[h][0], e[h][1]);
         const __m128i s0 = _mm_and_si128(_mm_srli_epi16(w, 2), ff), s1 = _mm_and_si128(_mm_srli_epi16(w, 4), ff);
         const __m128i s2 = _mm_and_si128(_mm_srli_epi16(w, 6), ff), s3 = _mm_srli_epi16(w, 8);
         const __m128i p01l = _mm_unpacklo_epi16(s0, s1), p23l = _mm_unpacklo_epi16(s2, s3);
         const __m128i p01h = _mm_unpackhi_epi16(s0, s1), p23h = _mm_unpackhi_epi16(s2, s3);
-        _mm_storeu_si128((__m128i *) (st + 32*h),      _mm_packus_epi16(_mm_unpacklo_epi32(p01l, p23l), _mm_unpackhi_epi32(p01l, p23l)));
-        _mm_storeu_si128((__m128i *) (st + 32*h + 16), _mm_packus_epi16(_mm_unpacklo_epi32(p01h, p23h), _mm_unpackhi_epi32(p01h, p23h)));
+        tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01l, p23l), _mm_unpackhi_epi32(p01l, p23l)), tab, d4096, y + 32*h);
+        tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01h, p23h), _mm_unpackhi_epi32(p01h, p23h)), tab, d4096, y + 32*h + 16);
     }
 }
 
-// tcq3_64's 64 states: for j = 8q + r, bits 3r + 3 .. 3r + 10 of the little-endian 64-bit word at ext[3q]
-static inline void tcq3_states(const uint8_t * qs, uint8_t * st) {
+// tcq3_64's 64 values: for j = 8q + r, the state is bits 3r + 3 .. 3r + 10 of the little-endian 32-bit word at
+// e[3q], e = (the stream's last byte, the stream): eight shifts of each word, packed to bytes in order
+static inline void tcq3_values(const uint8_t * qs, const __m128i tab[4], __m256 d4096, float * y) {
     uint8_t ext[32] = { 0 };
     tcq_ext(qs, QK_TCQ*3/8, ext);
-    for (int q = 0; q < QK_TCQ/8; ++q) {
-        uint64_t w;
-        memcpy(&w, ext + 3*q, sizeof(w));
-        for (int r = 0; r < 8; ++r) {
-            st[8*q + r] = (uint8_t) (w >> (3*r + 3));
+    const __m256i sh = _mm256_setr_epi32(3, 6, 9, 12, 15, 18, 21, 24), ff = _mm256_set1_epi32(0xFF);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int h = 0; h < 2; ++h) {          // q = 4h .. 4h + 3: values 32h .. 32h + 31
+        __m256i v[4];
+        for (int q = 0; q < 4; ++q) {
+            uint32_t w;
+            memcpy(&w, ext + 3*(4*h + q), sizeof(w));
+            v[q] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int) w), sh), ff);
         }
-    }
-}
-
-// the levels of 64 states times d: A[s >> 4] + B[s & 15] by byte shuffles of the tables' low and high bytes, in int16
-// (|A| + |B| < 2^15), then (float) level * (1/4096) * d as the reference rounds it
-static inline void tcq_levels(const uint8_t * st, const __m128i tab[4], float d, float * y) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256 inv = _mm256_set1_ps(1.0f/4096), dv = _mm256_set1_ps(d);
-    for (int i = 0; i < QK_TCQ; i += 16) {
-        const __m128i s = _mm_loadu_si128((const __m128i *) (st + i));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(s, 4), m4), lo = _mm_and_si128(s, m4);
-        const __m128i al = _mm_shuffle_epi8(tab[0], hi), ah = _mm_shuffle_epi8(tab[1], hi);
-        const __m128i bl = _mm_shuffle_epi8(tab[2], lo), bh = _mm_shuffle_epi8(tab[3], lo);
-        const __m128i l0 = _mm_add_epi16(_mm_unpacklo_epi8(al, ah), _mm_unpacklo_epi8(bl, bh));
-        const __m128i l1 = _mm_add_epi16(_mm_unpackhi_epi8(al, ah), _mm_unpackhi_epi8(bl, bh));
-        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l0)), inv);
-        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), inv);
-        _mm256_storeu_ps(y + i,     _mm256_mul_ps(dv, f0));
-        _mm256_storeu_ps(y + i + 8, _mm256_mul_ps(dv, f1));
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]),
+                                                                          _mm256_packus_epi32(v[2], v[3])), order);
+        tcq_levels16(_mm256_castsi256_si128(b), tab, d4096, y + 32*h);
+        tcq_levels16(_mm256_extracti128_si256(b, 1), tab, d4096, y + 32*h + 16);
     }
 }
 
@@ -225,13 +228,12 @@ static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * 
     tcq_shuffle_tables(type, tab);
     for (int64_t i = 0; i < k/QK_TCQ; ++i) {
         const uint8_t * b = x + i*bs;
-        uint8_t st[QK_TCQ];
+        const __m256 d4096 = _mm256_set1_ps(ggml_kvq_f16_bytes(b)*(1.0f/4096));
         if (bits == 2) {
-            tcq2_states(b + 2, st);
+            tcq2_values(b + 2, tab, d4096, y + i*QK_TCQ);
         } else {
-            tcq3_states(b + 2, st);
+            tcq3_values(b + 2, tab, d4096, y + i*QK_TCQ);
         }
-        tcq_levels(st, tab, ggml_kvq_f16_bytes(b), y + i*QK_TCQ);
     }
 }
 #endif
