@@ -39,10 +39,18 @@ K2_BELOW = 2.625
 VALUE_LADDER = ("nuq2o", "nuq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
 
 
-def value_ladder(cache_bits: float | None) -> tuple:
-    """The default V candidates for a budget whose cache (the window's rows taken out) gets cache_bits."""
+# with --cpu-types, below 3 bits: the trellis-coded values (CPU kernels only) in place of nuq's at the same bits
+# (--kv-bits 3.0 at 4096 tokens: SmolLM2 0.0279 -> 0.0226, Qwen2.5-Coder-1.5B 0.0126 -> 0.0116; 2.5 bits 0.0686 ->
+# 0.0618, 0.0341 -> 0.0307; docs/RESULTS-BY-DATE.md 2026-12-01)
+CPU_VALUE_TYPES = {"nuq2_64": "tcq2_64", "nuq3_64": "tcq3_64"}
+
+
+def value_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:
+    """The default V candidates for a budget whose cache (the window's rows taken out) gets cache_bits; cpu_types:
+    a file for the CPU may take types without CUDA kernels (measured below 3 bits only)."""
     if cache_bits is not None and cache_bits < Q32_BELOW:
-        return ("nuq2_64",) + VALUE_LADDER
+        ladder = ("nuq2_64",) + VALUE_LADDER
+        return tuple(CPU_VALUE_TYPES.get(t, t) for t in ladder) if cpu_types else ladder
     return VALUE_LADDER
 
 

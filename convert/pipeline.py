@@ -61,6 +61,7 @@ class Options:
     ladder_k: tuple | None = None        # K's candidates when they differ from V's (None: `ladder`; the converter's
                                          # command line gives layer_types.DEFAULT_LADDER, V's VALUE_LADDER)
     ladder_k_auto: bool = False          # ladder_k is the pre-RoPE default: dropped where halves types cannot apply
+    cpu_types: bool = False              # the default ladders may take CPU-only types (layer_types.CPU_VALUE_TYPES)
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
     prerope_power: float | None = None   # the fisher scale's power (None: prerope.fisher_power of the K types)

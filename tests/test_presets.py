@@ -70,3 +70,20 @@ def test_help_shows_presets_first():
     pre, cache, study = (text.index(h) for h in ("presets", "the cache the file prepares for", "study transforms"))
     assert pre < cache < study
     assert text.index("--ksort ") > study and text.index("--bits B") < cache
+
+
+def test_cpu_types_take_the_trellis_values_below_3_bits(smollm2, tmp_path):
+    """--cpu-types: below 3 bits/value in the cache the default V candidates take tcq2_64 / tcq3_64 in place of
+    nuq2_64 / nuq3_64 (the ladder measured on 2026-12-01: `--bits 3 --cpu-types` on SmolLM2 wrote the same bytes as the
+    explicit ladder); above, nothing changes; it is refused where it would change nothing."""
+    from convert import layer_types
+    assert layer_types.value_ladder(2.8, cpu_types=True) == ("tcq2_64", "nuq2o", "tcq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
+    assert layer_types.value_ladder(2.8) == ("nuq2_64",) + layer_types.VALUE_LADDER
+    assert layer_types.value_ladder(3.2, cpu_types=True) == layer_types.VALUE_LADDER
+    parser = to_gguf.build_parser()
+    for argv in ([], ["--bits", "3.5"], ["--prerope-k", "--kv-bits", "3", "--layer-types", "nuq2o,nuq4"]):
+        args = parser.parse_args([str(smollm2), "-o", str(tmp_path / "out.gguf"), "--cpu-types", *argv])
+        to_gguf.apply_preset(args, parser)
+        with pytest.raises(ConvertError, match="--cpu-types changes the default V candidates"):
+            to_gguf.convert(args)
+    assert not (tmp_path / "out.gguf").exists()
