@@ -75,6 +75,9 @@ def type_bits(t: str) -> float:
         return int(t[3]) + 0.5
     if t.startswith("lsq"):
         return int(t[3]) + 0.5
+    if t.startswith(("tcq", "nuq")):
+        from pykvq.cache_types import bits_per_value
+        return bits_per_value(t)
     return {"q8_0": 8.5, "q4_0": 4.5, "int3": 3.5, "int2": 2.5, "f16": 16.0}[t.split("@")[0]]
 
 
@@ -108,6 +111,9 @@ def per_token(x: np.ndarray, t: str, hd: int) -> np.ndarray:
     """x [..., hd]: the online Hadamard over the head, then the type along it (blocks of 32)."""
     if t.startswith("lsq"):
         return rot(lsq_blocks(rot(x, hd), int(t[3])), hd)
+    if t.startswith("tcq"):        # the trellis types through the library's codec (numpy's rule, bit for bit; faster)
+        from convert.codebook import library_roundtrip
+        return rot(library_roundtrip(rot(x, hd), t), hd)
     if t.startswith("int"):        # symmetric, one f16 scale per 32 (q*_0's rule at b bits)
         q = lambda z: roundtrip_signed(z, 2 ** (int(t[3:]) - 1))  # noqa: E731
     else:
@@ -341,6 +347,11 @@ def main(argv=None) -> int:
         # values alone (K q8_0) at 3.5 bits: uniform, or split by importance (channels or a whitened eigenbasis)
         *[Row(f"V {v} / K q8_0 + window 64, sinks 4", "q8_0", v, 64, S)
           for v in ("lsq3", "vsc3", "vmix42", "vklt42", "vklt42I", "vklt42W", "vmix42W", "vsc3W", "lsq2", "vklt32I")],
+        # trellis-coded against nuq at the same bits, keys alone and values alone (2026-12-01: the rows there came from a
+        # free-start prototype with a full 256-level table; these are the committed types)
+        *[Row(f"K {k} / V {v} + window 64, sinks 4", k, v, 64, S)
+          for k, v in (("q8_0", "nuq2_64"), ("q8_0", "tcq2_64"), ("q8_0", "nuq3_64"), ("q8_0", "tcq3_64"),
+                       ("nuq2_64", "q8_0"), ("tcq2_64", "q8_0"), ("tcq3_64", "q8_0"))],
         # the window split: keys' and values' own lengths, or held in q8_0 (the 3.5-bit pair's kinds of K / V)
         *[Row(f"mix42 / lsq3 + window K {kw} V {vw}{' in q8_0' if wt != 'f16' else ''}, sinks 4", "mix42", "lsq3",
               kw, S, vw, wt)
