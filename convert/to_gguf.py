@@ -850,13 +850,14 @@ def main(argv=None) -> int:
         if cpu_only:
             lt = pipeline.layer_types
             k_ladder = lt.PREROPE_K_LADDER if set(s["layer_types_k"]) & set(pipeline.q53.HALVES_TYPES) else lt.DEFAULT_LADDER
-            fix = f"--layer-types-k {','.join(k_ladder)}"       # --layer-types alone would set K's ladder too
             if s["cpu_types"] and not set(cpu_only) & set(s["layer_types_k"]):
                 fix = "without --cpu-types"
-            elif set(cpu_only) & set(s["layer_types_v"]):
-                fix += f" --layer-types {','.join(lt.VALUE_LADDER)}"
+            else:
+                fix = f"with --layer-types-k {','.join(k_ladder)}"   # --layer-types alone would set K's ladder too
+                if set(cpu_only) & set(s["layer_types_v"]):
+                    fix += f" --layer-types {','.join(lt.VALUE_LADDER)}"
             print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
-                  f"convert {fix if fix.startswith('without') else 'with ' + fix}")
+                  f"convert {fix}")
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")

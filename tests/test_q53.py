@@ -61,6 +61,21 @@ def exact_dot(kv: np.ndarray, dk: np.ndarray, qb) -> tuple[float, float]:
     return terms.sum(), (np.abs(kv * qs).sum(axis=1) * np.abs(dk * d8)).sum()
 
 
+def cpu_traits_match(name: str, x: np.ndarray, want: bytes, ref: np.ndarray):
+    """The CPU traits' from_float writes the reference's bytes `want`, and flash attention's K-tile dequantizer
+    (the SIMD read) gives the reference's values `ref` bit for bit; returns the CPU traits."""
+    L = lib()
+    t = cache_types.resolve(name)
+    cpu = L.ggml_get_type_traits_cpu(t)
+    out = ffi.new("uint8_t[]", len(want))
+    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
+    assert bytes(ffi.buffer(out)) == want
+    y = np.empty(x.size, np.float32)
+    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
+    np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32))
+    return cpu
+
+
 def test_reference_rule_hand_checked():
     x = np.zeros(64, np.float32)
     x[:32] = np.arange(32) - 15.0            # 5 bits: vmax 16 -> d = -1 (f = 1), q = trunc(16.5 - x) = 16 - x: exact
@@ -136,18 +151,11 @@ def test_cpu_traits_quantize_like_the_reference_and_dot_exactly():
     """from_float of the CPU traits is the reference byte for byte; vec_dot (Q in q8_0) matches the exact
     integer sums within 1e-5 of the sum of |terms| (float accumulation order)."""
     L = lib()
-    t = cache_types.resolve(T)
-    cpu = L.ggml_get_type_traits_cpu(t)
-    assert cpu.vec_dot_type == cache_types.resolve("q8_0")
     x = np.concatenate([cache_like(64 * 64, 4), edge_rows()])
-    out = ffi.new("uint8_t[]", x.size // 64 * 36)
-    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
-    assert bytes(ffi.buffer(out)) == q53.pack(*q53.quantize_blocks(x))
+    want = q53.pack(*q53.quantize_blocks(x))
     # flash attention's K-tile dequantizer (SIMD unpack): the reference's values, bit for bit
-    y = np.empty(x.size, np.float32)
-    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
-    want = q53.dequantize_blocks(*q53.unpack(bytes(ffi.buffer(out)))).reshape(-1)
-    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+    cpu = cpu_traits_match(T, x, want, q53.dequantize_blocks(*q53.unpack(want)).reshape(-1))
+    assert cpu.vec_dot_type == cache_types.resolve("q8_0")
     s = ffi.new("float *")
     for head in (64, 128, 256):
         for r in range(16):
@@ -326,13 +334,8 @@ def test_narrow_halves_c_reference_and_cpu_kernels_match_numpy_bit_for_bit(name,
     assert got == want
     ref = dequantize_blocks(*unpack(want)).reshape(-1)
     np.testing.assert_array_equal(back.view(np.uint32), ref.view(np.uint32))
-    cpu = L.ggml_get_type_traits_cpu(t)
-    out = ffi.new("uint8_t[]", x.size // 64 * size)
-    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
-    assert bytes(ffi.buffer(out)) == want
-    y = np.empty(x.size, np.float32)
-    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
-    np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32))
+    assert len(want) == x.size // 64 * size
+    cpu = cpu_traits_match(name, x, want, ref)
     s = ffi.new("float *")
     for r in range(8):
         k, qf = cache_like(128, 300 + r), cache_like(128, 400 + r)

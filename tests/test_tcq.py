@@ -10,6 +10,7 @@ from pykvq import cache_types
 from pykvq._lib import ffi, lib
 from pykvq.ref import nuq, roundtrip, tcq
 from test_q53 import c_quantize as c_codec   # ggml's reference codec of a type, through its traits
+from test_q53 import cpu_traits_match, exact_dot
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -76,13 +77,7 @@ def test_c_reference_and_cpu_traits_match_numpy_bit_for_bit(name):
     assert raw == tcq.pack(d, st, k)
     want = tcq.dequantize_blocks(d, st, k)
     np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
-    cpu = L.ggml_get_type_traits_cpu(t)
-    out = ffi.new("uint8_t[]", len(raw))
-    cpu.from_float(ffi.cast("float *", ffi.from_buffer(x)), out, x.size)
-    assert bytes(ffi.buffer(out)) == raw
-    y = np.empty(x.size, np.float32)
-    L.ggml_kvq_cpu_to_float_k(t)(out, ffi.cast("float *", ffi.from_buffer(y)), x.size)
-    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+    cpu = cpu_traits_match(name, x, raw, want)
     # K·Q against q8_0: the read-back values times Q's levels, to float accumulation order
     s = ffi.new("float *")
     for head in (64, 128):
@@ -90,11 +85,9 @@ def test_c_reference_and_cpu_traits_match_numpy_bit_for_bit(name):
         kb, kv = c_codec(name, kx)
         qb = ffi.new("uint8_t[]", head // 32 * 34)
         L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qx)), qb, head)
-        q = np.frombuffer(bytes(ffi.buffer(qb)), np.uint8).reshape(-1, 34)
-        qv = (q[:, 2:].copy().view(np.int8).astype(np.float64) * q[:, :2].copy().view(np.float16).astype(np.float64)).reshape(-1)
+        want_dot, mag = exact_dot(kv.astype(np.float64).reshape(-1, 32), np.ones(head // 32), qb)
         cpu.vec_dot(head, s, 0, kb, 0, qb, 0, 1)
-        want_dot = float(kv.astype(np.float64) @ qv)
-        assert abs(s[0] - want_dot) <= 1e-5 * float(np.abs(kv.astype(np.float64) * qv).sum())
+        assert abs(s[0] - want_dot) <= 1e-5 * mag
 
 
 @pytest.mark.parametrize("name, scalar, most", [("tcq3_64", "nuq3_64", 0.75), ("tcq2_64", "nuq2_64", 0.8)])

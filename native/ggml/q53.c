@@ -90,16 +90,7 @@ bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nb
     // every type of the family starts with its two f16 scales
     const size_t size = type == GGML_TYPE_Q42_64 ? sizeof(block_q42_64)
                       : type == GGML_TYPE_Q32_64 ? sizeof(block_q32_64) : sizeof(block_q53_64);
-    if (nbytes % size != 0) {
-        return false;
-    }
-    const uint8_t * b = (const uint8_t *) data;
-    for (size_t i = 0; i < nbytes / size; ++i) {
-        if (!isfinite(ggml_kvq_f16_bytes(b + i*size)) || !isfinite(ggml_kvq_f16_bytes(b + i*size + 2))) {
-            return false;
-        }
-    }
-    return true;
+    return ggml_kvq_validate_f16_scales(data, nbytes, size, 2);
 }
 
 // q42_64: the first half q4_0's rule (half = 8), the second the same rule with 4 levels (half = 2)

@@ -54,8 +54,7 @@ static inline float tcq_level(const int16_t * t, int s) {
 static void tcq_viterbi(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
     const int K = 1 << k, ml = (1 << (8 - k)) - 1;
     float cost[TCQ_STATES], minc[TCQ_STATES];
-    uint8_t arg[TCQ_STATES];
-    uint8_t bp[QK_TCQ][TCQ_STATES];
+    uint8_t bp[QK_TCQ][TCQ_STATES/4];   // per step, each predecessor group's best member (2^(8-k) <= 64 groups; state s reads group s & ml)
     for (int s = 0; s < TCQ_STATES; ++s) {
         const float e = z[rot % QK_TCQ] - lut[s];
         cost[s] = (o < 0 || (s & ml) == o) ? e*e : INFINITY;
@@ -71,14 +70,13 @@ static void tcq_viterbi(const float * z, int k, const float * lut, int o, int ro
                 }
             }
             minc[m] = b;
-            arg[m] = (uint8_t) bj;
+            bp[i][m] = (uint8_t) bj;
         }
         const float zi = z[(i + rot) % QK_TCQ];
         for (int s = 0; s < TCQ_STATES; ++s) {
             const float e = zi - lut[s];
             const float e2 = e*e;
             cost[s] = minc[s & ml] + e2;
-            bp[i][s] = arg[s & ml];
         }
     }
     int s = -1;
@@ -91,7 +89,7 @@ static void tcq_viterbi(const float * z, int k, const float * lut, int o, int ro
     }
     st[QK_TCQ - 1] = (uint8_t) s;
     for (int i = QK_TCQ - 1; i > 0; --i) {
-        s = ((s << k) & 0xFF) | bp[i][s];
+        s = ((s << k) & 0xFF) | bp[i][s & ml];
         st[i - 1] = (uint8_t) s;
     }
 }
@@ -191,15 +189,5 @@ void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k) {
 }
 
 bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {
-    const size_t bs = type == GGML_TYPE_TCQ3_64 ? sizeof(block_tcq3_64) : sizeof(block_tcq2_64);
-    if (nbytes % bs != 0) {
-        return false;
-    }
-    const uint8_t * p = (const uint8_t *) data;
-    for (size_t i = 0; i < nbytes/bs; ++i) {
-        if (!isfinite(ggml_kvq_f16_bytes(p + i*bs))) {
-            return false;
-        }
-    }
-    return true;
+    return ggml_kvq_validate_f16_scales(data, nbytes, 2 + QK_TCQ*ggml_kvq_tcq_bits(type)/8, 1);
 }

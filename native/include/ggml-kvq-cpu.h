@@ -51,7 +51,8 @@ void quantize_row_q32_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
 void dequantize_row_q32_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
 void ggml_vec_dot_q32_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
-// tcq3_64 / tcq2_64 (cpu/tcq-cpu.c): the reference's rows; K·Q with Q in q8_0 through the read-back values
+// tcq3_64 / tcq2_64 (cpu/tcq-cpu.c): the reference's bytes and values by an AVX2 path search and read-back; K·Q with
+// Q in q8_0 through the read-back values
 void quantize_row_tcq3_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void dequantize_row_tcq3_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
 void ggml_vec_dot_tcq3_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);

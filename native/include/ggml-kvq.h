@@ -598,6 +598,9 @@ static inline float ggml_kvq_f16_bytes(const uint8_t * p) {
     },
 #define GGML_KVQ_TYPE_TRAITS GGML_KVQ_TYPES(GGML_KVQ_TRAITS_ROW, 0)
 
+// rows of blocks of block_size bytes that each start with n_scales f16 scales: the size divides and every scale is
+// finite (the q53 and tcq families' row checks, native/ggml/kvq-validate.c)
+GGML_API bool ggml_kvq_validate_f16_scales(const void * data, size_t nbytes, size_t block_size, int n_scales);
 // whether a row of data holds valid blocks of type (ggml_validate_row_data for pykvq's types, by family)
 GGML_API bool ggml_kvq_validate_row(enum ggml_type type, const void * data, size_t nbytes);
 

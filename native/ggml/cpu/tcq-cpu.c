@@ -29,7 +29,7 @@ GGML_KVQ_STATIC_ASSERT(sizeof(tcq_q8_0) == 34, "block_q8_0 size");
 // least cost is taken by transposing K vectors of them so that each lane holds one group and comparing in order
 // (strictly less: the first of equals). The new costs read those minima in order (state s takes group s & ml).
 static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
-    const int K = 1 << k, ml = (1 << (8 - k)) - 1, ng = ml + 1;
+    const int ml = (1 << (8 - k)) - 1, ng = ml + 1;
     float cost[256] __attribute__((aligned(32)));
     float minc[64] __attribute__((aligned(32)));
     int32_t arg[64] __attribute__((aligned(32)));
@@ -125,7 +125,6 @@ static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, i
         s = ((s << k) & 0xFF) | bp[i][s & ml];
         st[i - 1] = (uint8_t) s;
     }
-    (void) K;
 }
 #endif
 
