@@ -119,10 +119,10 @@ def roundtrip(x: np.ndarray, type_name: str, cb: np.ndarray | None = None) -> np
     """x as a converted file's cache holds it after quantizing to type_name (q4_0 / q5_0 with least-squares block
     scales: what the runtime writes for a converted file, docs/FORMATS.md)."""
     from pykvq.ref import roundtrip as ref_roundtrip
-    from pykvq.ref import tcq
+    from pykvq.ref import q53, tcq
     if type_name in nuq.FORMATS:
         return nuq.roundtrip(x, type_name, cb)
-    if type_name in tcq.FORMATS:
+    if type_name in tcq.FORMATS or type_name in q53.TRELLIS_HALVES:
         return library_roundtrip(x, type_name)
     return ref_roundtrip(x, type_name, lsq=True)
 

@@ -43,6 +43,9 @@ VALUE_LADDER = ("nuq2o", "nuq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
 # (--kv-bits 3.0 at 4096 tokens: SmolLM2 0.0279 -> 0.0226, Qwen2.5-Coder-1.5B 0.0126 -> 0.0116; 2.5 bits 0.0686 ->
 # 0.0618, 0.0341 -> 0.0307; docs/RESULTS-BY-DATE.md 2026-12-01)
 CPU_VALUE_TYPES = {"nuq2_64": "tcq2_64", "nuq3_64": "tcq3_64"}
+# and the keys' split types with trellis-coded halves at the same bits (q4t2_64: q42_64's 2-bit half; t32_64: both of
+# q32_64's halves; fake-quant keys at 4096 tokens 0.0049 -> 0.0039 and 0.0168 -> 0.0100, docs/RESULTS-BY-DATE.md)
+CPU_KEY_TYPES = {"q42_64": "q4t2_64", "q32_64": "t32_64"}
 
 
 def value_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:
@@ -54,12 +57,14 @@ def value_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:
     return VALUE_LADDER
 
 
-def prerope_k_ladder(cache_bits: float | None) -> tuple:
-    """The pre-RoPE default K candidates for a budget whose cache (the window's rows taken out) gets cache_bits."""
+def prerope_k_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:
+    """The pre-RoPE default K candidates for a budget whose cache (the window's rows taken out) gets cache_bits;
+    cpu_types: the split types with trellis-coded halves (CPU kernels only) in place of the scalar ones."""
+    ladder = PREROPE_K_LADDER
     if cache_bits is not None and cache_bits < Q32_BELOW:
         ladder = PREROPE_K_LADDER[:1] + ("q32_64",) + PREROPE_K_LADDER[1:]
-        return ("nuq2_64",) + ladder if cache_bits < K2_BELOW else ladder
-    return PREROPE_K_LADDER
+        ladder = ("nuq2_64",) + ladder if cache_bits < K2_BELOW else ladder
+    return tuple(CPU_KEY_TYPES.get(t, t) for t in ladder) if cpu_types else ladder
 
 
 def bits_per_value(type_name: str) -> float:

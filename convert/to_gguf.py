@@ -157,11 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(2.25) first below {pipeline.layer_types.K2_BELOW:g}; without it "
                         + ",".join(pipeline.layer_types.DEFAULT_LADDER))
     g.add_argument("--cpu-types", action="store_true",
-                   help="for a file whose cache stays on the CPU: below 3 bits/value the default V candidates take the "
-                        "trellis-coded " + " / ".join(pipeline.layer_types.CPU_VALUE_TYPES.values()) + " (CPU kernels "
-                        "only) in place of " + " / ".join(pipeline.layer_types.CPU_VALUE_TYPES) + " at the same bits. "
-                        "--bits 3 at 4096 tokens: KLD vs f16 0.0279 -> 0.0226 (SmolLM2), 0.0126 -> 0.0116 "
-                        "(Qwen2.5-Coder-1.5B); CPU decode at 4096 tokens ~0.8x")
+                   help="for a file whose cache stays on the CPU: the default types of a budget and of the 3.5-bit "
+                        "preset take trellis-coded ones (CPU kernels only) at the same bits: values "
+                        + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_VALUE_TYPES.items())
+                        + "; keys " + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_KEY_TYPES.items())
+                        + ". At 4096 tokens, KLD vs f16: --bits 3.5 0.0123 -> 0.0101 (SmolLM2), 0.0079 -> 0.0067 "
+                        "(Qwen2.5-Coder-1.5B); --bits 3 0.0279 -> 0.0221 (SmolLM2); CPU decode ~0.8x")
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
                         "only those of reads the file's window and sinks leave quantized (the backward pass takes "
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="starting point of --rotate-v learned (the held-out comparison is always against Hadamard)")
     g.add_argument("--max-cond", type=float, default=100.0,
                    help="bound on the condition number of each learned V transform (default 100)")
+    p.set_defaults(cpu_types_pair=False)   # set by the 3.5-bit preset when --cpu-types chose its pair
     return p
 
 
@@ -293,8 +295,12 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
         flags = list(PRESET_45)
         args.prerope_k, args.cache_type_k, args.cache_type_v = True, PRESET_45[2], PRESET_45[4]
     elif bits == 3.5 and (win := _pair_window(bits, PRESET_35, args, parser)) is not None:
-        flags = [*PRESET_35, "--kv-window", str(win)]
-        args.prerope_k, args.cache_type_k, args.cache_type_v, args.kv_window = True, PRESET_35[2], PRESET_35[4], win
+        k, v = PRESET_35[2], PRESET_35[4]
+        if args.cpu_types:         # the same bits with trellis-coded halves / values (CPU kernels only)
+            k, v = pipeline.layer_types.CPU_KEY_TYPES[k], pipeline.layer_types.CPU_VALUE_TYPES[v]
+        flags = [*PRESET_35[:2], k, PRESET_35[3], v, "--kv-window", str(win)]
+        args.prerope_k, args.cache_type_k, args.cache_type_v, args.kv_window = True, k, v, win
+        args.cpu_types_pair = args.cpu_types
     else:
         flags = [*PRESET_BUDGET, f"{bits:g}", "--kv-bits-ctx", str(args.ctx)]
         args.prerope_k, args.kv_bits, args.kv_bits_ctx = True, bits, args.ctx
@@ -339,7 +345,7 @@ def _key_ladder(args) -> tuple | None:
 def _default_ladders(opts: pipeline.Options, ladder_v_auto: bool, cache_bits: float) -> None:
     """The default K / V ladders (where the user named none) for a cache share of cache_bits bits/value."""
     if opts.ladder_k_auto:
-        opts.ladder_k = pipeline.layer_types.prerope_k_ladder(cache_bits)
+        opts.ladder_k = pipeline.layer_types.prerope_k_ladder(cache_bits, opts.cpu_types)
     if ladder_v_auto:
         opts.ladder = pipeline.layer_types.value_ladder(cache_bits, opts.cpu_types)
 
@@ -453,7 +459,9 @@ def _default_sensitivity(m: GGUFModel, opts, hf_at_hand: bool, n_seq: int = 4, s
     little memory) a budget is priced by the runtime (probe) and codebooks take the forward weights."""
     if hf_at_hand:
         return "backprop"
-    if not opts.needs_fisher():
+    # --cpu-types' 3.5-bit pair has no codebooks but takes the gradients its nuq twin's codebooks take: the keys' scale
+    # and importance layout from them read better (SmolLM2 q4t2_64 / tcq3_64 at 4096 tokens: 0.0101 against 0.0110)
+    if not (opts.needs_fisher() or opts.cpu_types):
         return "forward"
     why_g = _gradients_unavailable(m, n_seq, seq_len)
     if why_g is None:
@@ -680,9 +688,9 @@ def convert(args) -> dict:
     opts.ladder_k_auto = args.layer_types_k is None and opts.ladder_k == pipeline.layer_types.PREROPE_K_LADDER
     ladder_v_auto = args.layer_types is None
     opts.cpu_types = args.cpu_types
-    if opts.cpu_types and not (opts.kv_bits is not None and ladder_v_auto):
-        raise ConvertError("--cpu-types changes the default V candidates of a budget: it needs --kv-bits B (or "
-                           "--bits below 3.5) and no --layer-types")
+    if opts.cpu_types and not (opts.kv_bits is not None and ladder_v_auto) and not args.cpu_types_pair:
+        raise ConvertError("--cpu-types changes the default types of a budget or of the 3.5-bit preset: it needs "
+                           "--kv-bits B or --bits B other than 4.5, and no --layer-types")
     if (opts.learn_k or opts.rotate_v == "learned") and args.calib_seqs < 2:
         raise ConvertError("learned transforms need at least 2 calibration sequences (one is held out): "
                            "--calib-seqs 2 or more")
@@ -845,19 +853,21 @@ def main(argv=None) -> int:
         for w in ("k", "v"):
             c = Counter(s[f"layer_types_{w}"])
             print(f"{w.upper()} cache per layer: " + ", ".join(f"{t} x{n}" for t, n in c.most_common()))
-        from pykvq.cache_types import KVQ_TYPES
-        cpu_only = sorted({t for t in s["layer_types_k"] + s["layer_types_v"] if t in KVQ_TYPES and not KVQ_TYPES[t].cuda})
-        if cpu_only:
-            lt = pipeline.layer_types
-            k_ladder = lt.PREROPE_K_LADDER if set(s["layer_types_k"]) & set(pipeline.q53.HALVES_TYPES) else lt.DEFAULT_LADDER
-            if s["cpu_types"] and not set(cpu_only) & set(s["layer_types_k"]):
-                fix = "without --cpu-types"
-            else:
-                fix = f"with --layer-types-k {','.join(k_ladder)}"   # --layer-types alone would set K's ladder too
-                if set(cpu_only) & set(s["layer_types_v"]):
-                    fix += f" --layer-types {','.join(lt.VALUE_LADDER)}"
-            print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
-                  f"convert {fix}")
+    from pykvq.cache_types import KVQ_TYPES
+    types_k = s["layer_types_k"] or [s["cache_type_k"]]
+    types_v = s["layer_types_v"] or [s["cache_type_v"]]
+    cpu_only = sorted({t for t in types_k + types_v if t in KVQ_TYPES and not KVQ_TYPES[t].cuda})
+    if cpu_only:
+        lt = pipeline.layer_types
+        if s["cpu_types"]:
+            fix = "without --cpu-types"
+        else:
+            k_ladder = lt.PREROPE_K_LADDER if set(types_k) & set(pipeline.q53.HALVES_TYPES) else lt.DEFAULT_LADDER
+            fix = f"with --layer-types-k {','.join(k_ladder)}"   # --layer-types alone would set K's ladder too
+            if set(cpu_only) & set(types_v):
+                fix += f" --layer-types {','.join(lt.VALUE_LADDER)}"
+        print(f"{' / '.join(cpu_only)} have CPU kernels only: on a GPU keep this cache on the CPU (-nkvo), or "
+              f"convert {fix}")
     if s["codebooks"] != "none":
         print(f"codebooks: {s['codebooks']}{' + Q-Norm' if s['q_norm'] else ''}"
               + (f"; {s['bits_per_value']:.3f} bits/value" if s["bits_per_value"] else "")

@@ -17,7 +17,7 @@ class KVQType:
     name: str
     id: int              # ggml_type
     qk: int              # values per block
-    family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" halves of two widths (5+3, 4+2, 3+2),
+    family: str          # "bfp" block floating point, "nuq" non-uniform codebook, "q53" halves of two widths (5+3, 4+2, 3+2; trellis halves in q4t2_64, t32_64),
                          # "tcq" trellis-coded
     vec_dot_type: str    # what Q is converted to for K·Q
     cuda: bool           # CUDA kernels (native/ggml/cuda); else CPU only
@@ -46,6 +46,8 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("nuq2_64", 55, 64, "nuq", "q8_0", True, 4, False, 2.25),
     KVQType("tcq3_64", 56, 64, "tcq", "q8_0", False, 0, False, 3.25),
     KVQType("tcq2_64", 57, 64, "tcq", "q8_0", False, 0, False, 2.25),
+    KVQType("q4t2_64", 58, 64, "q53", "q8_0", False, 0, False, 3.5),
+    KVQType("t32_64", 59, 64, "q53", "q8_0", False, 0, False, 3.0),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

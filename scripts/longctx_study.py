@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -69,8 +70,8 @@ def type_bits(t: str) -> float:
         b, g = t[3:].split("x")
         return int(b) + 32 / int(g)                   # f16 scale and minimum per group
     if t.startswith(("mix", "vmix", "vklt")):
-        hi, lo = t.rstrip("FWI")[-2:]
-        return (int(hi) + int(lo)) / 2 + 0.5          # an f16 scale per half of 32
+        hi, lo = re.findall(r"t?\d", t.rstrip("FWI"))[-2:]
+        return (int(hi[-1]) + int(lo[-1])) / 2 + 0.5  # an f16 scale per half of 32
     if t.startswith("vsc"):
         return int(t[3]) + 0.5
     if t.startswith("lsq"):
@@ -94,16 +95,37 @@ def lsq_blocks(x: np.ndarray, bits: int) -> np.ndarray:
     return ((q.astype(np.float32) - half) * d.astype(np.float32)[:, None]).reshape(x.shape)
 
 
-def importance_split(x: np.ndarray, order: np.ndarray, hi: int, lo: int) -> np.ndarray:
+def trellis_blocks(x: np.ndarray, k: int) -> np.ndarray:
+    """x [..., n]: each row of n a tail-biting trellis block (tcq*_64's rule and tables at n values), read back."""
+    from pykvq.ref import tcq
+    n = x.shape[-1]
+    v = x.reshape(-1, n).astype(np.float32)
+    rms = np.sqrt((v.astype(np.float64) ** 2).mean(axis=1))
+    z = (v / np.where(rms > 0, rms, 1)[:, None]).astype(np.float32)
+    lut = tcq.levels(k)
+    free = tcq.viterbi(z, k, lut, None, n // 2)
+    y = lut[tcq.viterbi(z, k, lut, free[:, n // 2 - 1] >> k, 0)].astype(np.float64)
+    yy = (y * y).sum(axis=1)
+    d = ((v * y).sum(axis=1) / np.where(yy > 0, yy, 1)).astype(np.float16).astype(np.float32)
+    return (d[:, None] * y).astype(np.float32).reshape(x.shape)
+
+
+def half_code(y: np.ndarray, spec: str) -> np.ndarray:
+    """One half's code: "<b>" is q*_0's rule at b bits with scales by least squares, "t<b>" a b-bit trellis."""
+    return trellis_blocks(y, int(spec[1])) if spec[0] == "t" else lsq_blocks(y, int(spec))
+
+
+def importance_split(x: np.ndarray, order: np.ndarray, hi, lo) -> np.ndarray:
     """x [T, n_kv, hd]: per head, the channels order[h][:hd/2] (the important rotary pairs) in hi bits and the rest in
-    lo bits, each 32 turned by its own 32-wide Hadamard, scales by least squares (q53_64's rule at other widths)."""
+    lo bits, each 32 turned by its own 32-wide Hadamard, scales by least squares (q53_64's rule at other widths);
+    hi / lo as half_code names them (a trellis half: "t2")."""
     out = np.empty_like(x)
     n = x.shape[-1] // 2
     for h in range(x.shape[1]):
         o = order[h]
         y = x[:, h, o]
-        out[:, h, o] = np.concatenate([rot(lsq_blocks(rot(y[:, :n], 32), hi), 32),
-                                       rot(lsq_blocks(rot(y[:, n:], 32), lo), 32)], axis=1)
+        out[:, h, o] = np.concatenate([rot(half_code(rot(y[:, :n], 32), str(hi)), 32),
+                                       rot(half_code(rot(y[:, n:], 32), str(lo)), 32)], axis=1)
     return out
 
 
@@ -211,7 +233,7 @@ class Harness:
                     if r.k.startswith("grp"):
                         y = token_groups(y, *map(int, r.k[3:].split("x")))
                     elif r.k.startswith("mix"):
-                        y = importance_split(y, h.korder[i], int(r.k[3]), int(r.k[4]))
+                        y = importance_split(y, h.korder[i], *re.findall(r"t?\d", r.k[3:]))
                     else:
                         y = per_token(y, r.k, g.head_dim)
                     xq = torch.from_numpy(np.ascontiguousarray((y * scale + mean)[..., st.inv].transpose(1, 0, 2),
@@ -341,6 +363,8 @@ def main(argv=None) -> int:
         # keys alone (V q8_0), the runtime's default window: halves split by importance (q53_64's layout), other widths
         *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
           for k in ("q4_0", "mix53", "lsq3", "mix42", "mix43", "mix52", "mix32")],
+        # keys split by importance with a trellis-coded half (32 values, tcq*_64's rule and tables), same bits
+        *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S) for k in ("mix4t2", "mixt3t2", "mix4t3")],
         # keys alone at 3 bits and below: token groups (per channel) against per-token blocks at the same bits
         *[Row(f"K {k} / q8_0 + window 64, sinks 4", k, "q8_0", 64, S)
           for k in ("int2", "grp2x64", "grp2x32", "grp3x128", "grp2x128")],

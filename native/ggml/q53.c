@@ -88,8 +88,10 @@ void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k) {
 
 bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes) {
     // every type of the family starts with its two f16 scales
-    const size_t size = type == GGML_TYPE_Q42_64 ? sizeof(block_q42_64)
-                      : type == GGML_TYPE_Q32_64 ? sizeof(block_q32_64) : sizeof(block_q53_64);
+    const size_t size = type == GGML_TYPE_Q42_64  ? sizeof(block_q42_64)
+                      : type == GGML_TYPE_Q4T2_64 ? sizeof(block_q4t2_64)
+                      : type == GGML_TYPE_T32_64  ? sizeof(block_t32_64)
+                      : type == GGML_TYPE_Q32_64  ? sizeof(block_q32_64) : sizeof(block_q53_64);
     return ggml_kvq_validate_f16_scales(data, nbytes, size, 2);
 }
 
@@ -155,5 +157,59 @@ void dequantize_row_q32_64(const block_q32_64 * x, float * y, int64_t k) {
             o[j]      = (float) (q53_get3(b->qs3, b->qh3, j) - 4)*d3;
             o[j + 32] = (float) (q53_get2(b->qs2, j) - 2)*d2;
         }
+    }
+}
+
+// q4t2_64: the first half q42_64's (half = 8), the second a tail-biting trellis block of 32 values (native/ggml/tcq.c)
+void quantize_row_q4t2_64_ref(const float * x, block_q4t2_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_q4t2_64_with(x, y, k, ggml_kvq_lsq_block, NULL);
+}
+
+void ggml_kvq_quantize_row_q4t2_64_with(const float * x, block_q4t2_64 * y, int64_t k, ggml_kvq_lsq_block_t block,
+                                        ggml_kvq_tcq_viterbi_t viterbi) {
+    const int64_t nb = k / QK_Q4T2;
+    for (int64_t i = 0; i < nb; ++i) {
+        const float * xb = x + i*QK_Q4T2;
+        block_q4t2_64 * b = y + i;
+        uint8_t q4[QK_Q4T2/2];
+        block(xb, 8, b->d4, q4);
+        for (int j = 0; j < 16; ++j) {
+            b->qs4[j] = (uint8_t) (q4[j] | (q4[j + 16] << 4));
+        }
+        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_Q4T2/2, QK_Q4T2/2, b->d2, b->qs2, viterbi);
+    }
+}
+
+void dequantize_row_q4t2_64(const block_q4t2_64 * x, float * y, int64_t k) {
+    const int64_t nb = k / QK_Q4T2;
+    for (int64_t i = 0; i < nb; ++i) {
+        const block_q4t2_64 * b = x + i;
+        const float d4 = ggml_kvq_f16_bytes(b->d4);
+        float * o = y + i*QK_Q4T2;
+        for (int j = 0; j < 32; ++j) {
+            const int q4 = j < 16 ? b->qs4[j] & 15 : b->qs4[j - 16] >> 4;
+            o[j] = (float) (q4 - 8)*d4;
+        }
+        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, b->d2, b->qs2, QK_Q4T2/2, o + 32);
+    }
+}
+
+// t32_64: two tail-biting trellis blocks of 32 values, tcq3_64's rule and tables, then tcq2_64's
+void quantize_row_t32_64_ref(const float * x, block_t32_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_t32_64_with(x, y, k, NULL);
+}
+
+void ggml_kvq_quantize_row_t32_64_with(const float * x, block_t32_64 * y, int64_t k, ggml_kvq_tcq_viterbi_t viterbi) {
+    for (int64_t i = 0; i < k / QK_T32; ++i) {
+        const float * xb = x + i*QK_T32;
+        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ3_64, xb, QK_T32/2, y[i].d3, y[i].qs3, viterbi);
+        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_T32/2, QK_T32/2, y[i].d2, y[i].qs2, viterbi);
+    }
+}
+
+void dequantize_row_t32_64(const block_t32_64 * x, float * y, int64_t k) {
+    for (int64_t i = 0; i < k / QK_T32; ++i) {
+        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ3_64, x[i].d3, x[i].qs3, QK_T32/2, y + i*QK_T32);
+        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, x[i].d2, x[i].qs2, QK_T32/2, y + i*QK_T32 + 32);
     }
 }

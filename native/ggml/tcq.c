@@ -47,19 +47,19 @@ static inline float tcq_level(const int16_t * t, int s) {
     return (float) (t[s >> 4] + t[16 + (s & 15)]) * (1.0f/4096);
 }
 
-// The least-squared-error path for z[0..64) read from index rot on (around the block), k bits per step:
+// The least-squared-error path for z[0..n) (n <= 64) read from index rot on (around the block), k bits per step:
 // state_j = (b_j << (8 - k)) | (state_{j-1} >> k). o >= 0: the path must start in a state whose low 8 - k bits
 // are o and end in one whose high 8 - k bits are o (tail-biting); o < 0: any start and end. Ties: the first.
 // (ggml_kvq_tcq_viterbi_t: the CPU's SIMD search returns the same states.)
-static void tcq_viterbi(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
+static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st) {
     const int K = 1 << k, ml = (1 << (8 - k)) - 1;
     float cost[TCQ_STATES], minc[TCQ_STATES];
     uint8_t bp[QK_TCQ][TCQ_STATES/4];   // per step, each predecessor group's best member (2^(8-k) <= 64 groups; state s reads group s & ml)
     for (int s = 0; s < TCQ_STATES; ++s) {
-        const float e = z[rot % QK_TCQ] - lut[s];
+        const float e = z[rot % n] - lut[s];
         cost[s] = (o < 0 || (s & ml) == o) ? e*e : INFINITY;
     }
-    for (int i = 1; i < QK_TCQ; ++i) {
+    for (int i = 1; i < n; ++i) {
         for (int m = 0; m <= ml; ++m) {     // a state's predecessors are the K states m*K .. m*K + K - 1
             float b = cost[m*K];
             int bj = 0;
@@ -72,7 +72,7 @@ static void tcq_viterbi(const float * z, int k, const float * lut, int o, int ro
             minc[m] = b;
             bp[i][m] = (uint8_t) bj;
         }
-        const float zi = z[(i + rot) % QK_TCQ];
+        const float zi = z[(i + rot) % n];
         for (int s = 0; s < TCQ_STATES; ++s) {
             const float e = zi - lut[s];
             const float e2 = e*e;
@@ -87,37 +87,38 @@ static void tcq_viterbi(const float * z, int k, const float * lut, int o, int ro
             s = q;
         }
     }
-    st[QK_TCQ - 1] = (uint8_t) s;
-    for (int i = QK_TCQ - 1; i > 0; --i) {
+    st[n - 1] = (uint8_t) s;
+    for (int i = n - 1; i > 0; --i) {
         s = ((s << k) & 0xFF) | bp[i][s & ml];
         st[i - 1] = (uint8_t) s;
     }
 }
 
-// one block: scaled to unit RMS, a free path over the block read from its middle names the overlap o (the high bits
-// of value 63's state there), the tail-biting path through o, then the least-squares scale of that path's levels
-static void tcq_quantize_block(const float * x, int k, const int16_t * t, const float * lut, uint8_t d_out[2], uint8_t * qs,
-                               ggml_kvq_tcq_viterbi_t viterbi) {
+// one block of n values: scaled to unit RMS, a free path over the block read from its middle names the overlap o (the
+// high bits of the last value's state there), the tail-biting path through o, then the least-squares scale of that
+// path's levels
+static void tcq_quantize_block(const float * x, int n, int k, const int16_t * t, const float * lut, uint8_t d_out[2],
+                               uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
     float v[QK_TCQ], z[QK_TCQ];
     double r2 = 0.0;
-    for (int j = 0; j < QK_TCQ; ++j) {
+    for (int j = 0; j < n; ++j) {
         v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
         r2 += (double) v[j]*(double) v[j];
     }
-    memset(qs, 0, QK_TCQ*k/8);
+    memset(qs, 0, n*k/8);
     if (!(r2 > 0.0)) {
         d_out[0] = d_out[1] = 0;
         return;
     }
-    const float inv = (float) fmin(1.0/sqrt(r2/QK_TCQ), (double) FLT_MAX);
-    for (int j = 0; j < QK_TCQ; ++j) {
+    const float inv = (float) fmin(1.0/sqrt(r2/n), (double) FLT_MAX);
+    for (int j = 0; j < n; ++j) {
         z[j] = v[j]*inv;
     }
     uint8_t st[QK_TCQ];
-    viterbi(z, k, lut, -1, QK_TCQ/2, st);
-    viterbi(z, k, lut, st[QK_TCQ/2 - 1] >> k, 0, st);
+    viterbi(z, n, k, lut, -1, n/2, st);
+    viterbi(z, n, k, lut, st[n/2 - 1] >> k, 0, st);
     double xy = 0.0, yy = 0.0;
-    for (int j = 0; j < QK_TCQ; ++j) {
+    for (int j = 0; j < n; ++j) {
         const float y = tcq_level(t, st[j]);
         xy += (double) v[j]*(double) y;
         yy += (double) y*(double) y;
@@ -126,7 +127,7 @@ static void tcq_quantize_block(const float * x, int k, const int16_t * t, const 
     const uint16_t h = ggml_kvq_fp32_to_fp16((float) d);
     d_out[0] = (uint8_t) h;
     d_out[1] = (uint8_t) (h >> 8);
-    for (int j = 0; j < QK_TCQ; ++j) {
+    for (int j = 0; j < n; ++j) {
         const int b = st[j] >> (8 - k), p = k*j;
         qs[p/8] |= (uint8_t) (b << (p % 8));
         if (p % 8 + k > 8) {
@@ -135,14 +136,14 @@ static void tcq_quantize_block(const float * x, int k, const int16_t * t, const 
     }
 }
 
-static void tcq_dequantize_block(const uint8_t d[2], const uint8_t * qs, int k, const int16_t * t, float * y) {
-    const int nbytes = QK_TCQ*k/8;
+static void tcq_dequantize_block(const uint8_t d[2], const uint8_t * qs, int n, int k, const int16_t * t, float * y) {
+    const int nbytes = n*k/8;
     uint8_t ext[QK_TCQ*3/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
     ext[0] = qs[nbytes - 1];
     memcpy(ext + 1, qs, nbytes);
     ext[nbytes + 1] = 0;
     const float dd = ggml_kvq_f16_bytes(d);
-    for (int j = 0; j < QK_TCQ; ++j) {
+    for (int j = 0; j < n; ++j) {
         const int p = k*j + k;              // the window [kj + k - 8, kj + k) of the stream is ext's [p, p + 8)
         const int s = ((ext[p/8] | (ext[p/8 + 1] << 8)) >> (p % 8)) & 0xFF;
         y[j] = dd*tcq_level(t, s);
@@ -164,7 +165,7 @@ void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void *
     tcq_lut(t, lut);
     for (int64_t i = 0; i < n/QK_TCQ; ++i) {
         uint8_t * b = (uint8_t *) y + i*bs;
-        tcq_quantize_block(x + i*QK_TCQ, k, t, lut, b, b + 2, viterbi);
+        tcq_quantize_block(x + i*QK_TCQ, QK_TCQ, k, t, lut, b, b + 2, viterbi);
     }
 }
 
@@ -178,14 +179,28 @@ void quantize_row_tcq2_64_ref(const float * x, block_tcq2_64 * y, int64_t k) {
 
 void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k) {
     for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        tcq_dequantize_block(x[i].d, x[i].qs, 3, tcq3_tables, y + i*QK_TCQ);
+        tcq_dequantize_block(x[i].d, x[i].qs, QK_TCQ, 3, tcq3_tables, y + i*QK_TCQ);
     }
 }
 
 void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k) {
     for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        tcq_dequantize_block(x[i].d, x[i].qs, 2, tcq2_tables, y + i*QK_TCQ);
+        tcq_dequantize_block(x[i].d, x[i].qs, QK_TCQ, 2, tcq2_tables, y + i*QK_TCQ);
     }
+}
+
+// a trellis-coded run of n values inside another type's block (the halves of q4t2_64 and t32_64): the rule and tables
+// of the TCQ type tt
+void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t d[2], uint8_t * qs,
+                               ggml_kvq_tcq_viterbi_t viterbi) {
+    const int16_t * t = ggml_kvq_tcq_tables(tt);
+    float lut[TCQ_STATES];
+    tcq_lut(t, lut);
+    tcq_quantize_block(x, n, ggml_kvq_tcq_bits(tt), t, lut, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
+}
+
+void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const uint8_t * qs, int n, float * y) {
+    tcq_dequantize_block(d, qs, n, ggml_kvq_tcq_bits(tt), ggml_kvq_tcq_tables(tt), y);
 }
 
 bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {

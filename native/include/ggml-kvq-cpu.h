@@ -59,6 +59,14 @@ void ggml_vec_dot_tcq3_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const 
 void quantize_row_tcq2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void dequantize_row_tcq2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
 void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+// q4t2_64 (cpu/tcq-cpu.c, beside the path search it shares): q42_64's first half, a 32-value tcq2 block second
+void quantize_row_q4t2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void dequantize_row_q4t2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
+void ggml_vec_dot_q4t2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+// t32_64 (cpu/tcq-cpu.c): a 32-value tcq3 block, then a tcq2 one
+void quantize_row_t32_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void dequantize_row_t32_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
+void ggml_vec_dot_t32_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 // least-squares block scales (cpu/lsq-cpu.c; the rule: native/ggml/lsq.c): the same bits, the candidate scales side by side
 void ggml_kvq_cpu_lsq_block(const float * x, int half, uint8_t d_out[2], uint8_t * q);

@@ -9,7 +9,8 @@
 //             dequantize_row_<name>, ggml_vec_dot_<name>_<vdt>
 //     NAME    GGML_TYPE_<NAME>, whose value in ggml.h's enum must be id (checked in native/ggml/ggml-kvq.c)
 //     qk      values per block
-//     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (halves of two widths: 5+3, 4+2, 3+2),
+//     family  BFP (block floating point), NUQ (non-uniform codebook), Q53 (halves of two widths: 5+3, 4+2, 3+2; q4t2_64's second half and
+//             both of t32_64's trellis-coded),
 //             TCQ (trellis-coded: a path through a shift-register trellis per block)
 //     vdt     the vec_dot_type Q is converted to for K·Q (VDT: its enum name)
 //     cuda    1: CUDA kernels (native/ggml/cuda), 0: CPU only
@@ -31,7 +32,9 @@
     X(nuq3_64, NUQ3_64, 54, 64, NUQ, q8_0,    Q8_0,    1,  8, 0, 3250, __VA_ARGS__)     \
     X(nuq2_64, NUQ2_64, 55, 64, NUQ, q8_0,    Q8_0,    1,  4, 0, 2250, __VA_ARGS__)     \
     X(tcq3_64, TCQ3_64, 56, 64, TCQ, q8_0,    Q8_0,    0,  0, 0, 3250, __VA_ARGS__)     \
-    X(tcq2_64, TCQ2_64, 57, 64, TCQ, q8_0,    Q8_0,    0,  0, 0, 2250, __VA_ARGS__)
+    X(tcq2_64, TCQ2_64, 57, 64, TCQ, q8_0,    Q8_0,    0,  0, 0, 2250, __VA_ARGS__)     \
+    X(q4t2_64, Q4T2_64, 58, 64, Q53, q8_0,    Q8_0,    0,  0, 0, 3500, __VA_ARGS__)     \
+    X(t32_64,  T32_64,  59, 64, Q53, q8_0,    Q8_0,    0,  0, 0, 3000, __VA_ARGS__)
 
 // what the rows expand to in the upstream files the patches touch (one macro use each)
 #define GGML_KVQ_CASE(name, NAME, ...)       case GGML_TYPE_##NAME:

@@ -228,6 +228,35 @@ typedef struct {
 
 GGML_KVQ_STATIC_ASSERT(sizeof(block_q32_64) == 24, "block_q32_64 size");
 
+// q4t2_64: q42_64 with its 2-bit half trellis-coded, 3.5 bits/value: the first 32 values as q42_64's (q4_0's levels,
+// a least-squares scale), the last 32 as one tail-biting block of tcq2_64's rule and tables over 32 values (value j's
+// state is the 8-bit window of the half's 64-bit stream ending at its bits). Keys split by importance: SmolLM2's at
+// 4096 tokens 0.0039 KLD against q42_64's 0.0049 in the fake-quant study (docs/RESULTS-BY-DATE.md, 2026-12-01).
+#define QK_Q4T2 64
+
+typedef struct {
+    uint8_t d4[2];            // scale of values 0..31: x = d4 * (q4 - 8)
+    uint8_t d2[2];            // scale of values 32..63: x = d2 * level(state)
+    uint8_t qs4[16];          // byte j: q4(j) (low nibble), q4(j+16) (high)
+    uint8_t qs2[8];           // the 2-bit stream of values 32..63, value 32 + j's bits at 2j
+} block_q4t2_64;              // 28 bytes per 64 values: 3.5 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_q4t2_64) == 28, "block_q4t2_64 size");
+
+// t32_64: q32_64's split with both halves trellis-coded, 3.0 bits/value: the first 32 values one tail-biting block of
+// tcq3_64's rule and tables over 32 values, the last 32 one of tcq2_64's (as q4t2_64's second half). SmolLM2's keys
+// at 4096 tokens: 0.0100 KLD against q32_64's 0.0168 in the fake-quant study (docs/RESULTS-BY-DATE.md, 2026-12-01).
+#define QK_T32 64
+
+typedef struct {
+    uint8_t d3[2];            // scale of values 0..31: x = d3 * level3(state)
+    uint8_t d2[2];            // scale of values 32..63: x = d2 * level2(state)
+    uint8_t qs3[12];          // the 3-bit stream of values 0..31, value j's bits at 3j
+    uint8_t qs2[8];           // the 2-bit stream of values 32..63, value 32 + j's bits at 2j
+} block_t32_64;               // 24 bytes per 64 values: 3.0 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_t32_64) == 24, "block_t32_64 size");
+
 // Fallback codebooks (pykvq/ref/nuq.py FALLBACK): Lloyd-Max centroids of Gaussian
 // blocks of 32 normalised by their absmax to [-127, 127], rounded.
 #define GGML_KVQ_NUQ_FALLBACK_4 { -123, -98, -78, -61, -46, -32, -19, -6, 6, 19, 32, 46, 61, 78, 98, 123 }
@@ -478,6 +507,10 @@ GGML_API void quantize_row_q42_64_ref(const float * x, block_q42_64 * y, int64_t
 GGML_API void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k);
 GGML_API void quantize_row_q32_64_ref(const float * x, block_q32_64 * y, int64_t k);
 GGML_API void dequantize_row_q32_64(const block_q32_64 * x, float * y, int64_t k);
+GGML_API void quantize_row_q4t2_64_ref(const float * x, block_q4t2_64 * y, int64_t k);
+GGML_API void dequantize_row_q4t2_64(const block_q4t2_64 * x, float * y, int64_t k);
+GGML_API void quantize_row_t32_64_ref(const float * x, block_t32_64 * y, int64_t k);
+GGML_API void dequantize_row_t32_64(const block_t32_64 * x, float * y, int64_t k);
 GGML_API void quantize_row_tcq3_64_ref(const float * x, block_tcq3_64 * y, int64_t k);
 GGML_API void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k);
 GGML_API void quantize_row_tcq2_64_ref(const float * x, block_tcq2_64 * y, int64_t k);
@@ -485,11 +518,16 @@ GGML_API void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t
 // a TCQ type's tables: A[16] then B[16], in 1/4096 (NULL for other types); its bits per value k (0 for other types)
 GGML_API const int16_t * ggml_kvq_tcq_tables(enum ggml_type type);
 GGML_API int ggml_kvq_tcq_bits(enum ggml_type type);
-// the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[64] at unit RMS, read
-// from index rot on; o >= 0 the tail-biting overlap, o < 0 a free path; st: the 64 states (native/ggml/tcq.c)
-typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int k, const float * lut, int o, int rot, uint8_t * st);
+// the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[n] (n <= 64) at unit
+// RMS, read from index rot on; o >= 0 the tail-biting overlap, o < 0 a free path; st: the n states (native/ggml/tcq.c)
+typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st);
 GGML_API void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
                                             ggml_kvq_tcq_viterbi_t viterbi);
+// n values (n <= 64, n*k a multiple of 8) as one tail-biting block of the TCQ type tt's rule and tables (k its bits):
+// the f16 scale d and the k-bit stream qs[n*k/8] (the halves of q4t2_64 and t32_64); viterbi NULL: the reference search
+GGML_API void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t d[2], uint8_t * qs,
+                                        ggml_kvq_tcq_viterbi_t viterbi);
+GGML_API void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const uint8_t * qs, int n, float * y);
 // Row validation (the type registration seam): every block's scale finite (tcq3_64, tcq2_64).
 GGML_API bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes);
 // Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64,
@@ -517,6 +555,11 @@ GGML_API void ggml_kvq_quantize_row_q5_0_with(const float * x, void * y, int64_t
 GGML_API void ggml_kvq_quantize_row_q53_64_with(const float * x, block_q53_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q42_64_with(const float * x, block_q42_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
 GGML_API void ggml_kvq_quantize_row_q32_64_with(const float * x, block_q32_64 * y, int64_t k, ggml_kvq_lsq_block_t block);
+// q4t2_64: the first half's scale search and the second half's path search (NULL: the reference's); t32_64: both
+// halves' path search
+GGML_API void ggml_kvq_quantize_row_q4t2_64_with(const float * x, block_q4t2_64 * y, int64_t k, ggml_kvq_lsq_block_t block,
+                                                ggml_kvq_tcq_viterbi_t viterbi);
+GGML_API void ggml_kvq_quantize_row_t32_64_with(const float * x, block_t32_64 * y, int64_t k, ggml_kvq_tcq_viterbi_t viterbi);
 
 // The encoder a SET_ROWS into a cache tensor uses: int32 op_params[GGML_KVQ_ENC_TAG] = GGML_KVQ_ENC_MAGIC
 // for least squares (ggml's SET_ROWS reads no op_params). The CPU and pykvq's CUDA kernels read it; a backend

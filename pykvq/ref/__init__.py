@@ -46,6 +46,10 @@ def roundtrip(x: np.ndarray, type_name: str, *, lsq: bool = False) -> np.ndarray
         return q53.q42_roundtrip(x)
     if t == "q32_64":
         return q53.q32_roundtrip(x)
+    if t == "q4t2_64":
+        return q53.q4t2_roundtrip(x)
+    if t == "t32_64":
+        return q53.t32_roundtrip(x)
     if t in bfp.FORMATS:
         e, m = bfp.quantize_blocks(x.reshape(-1), t)
         return bfp.dequantize_blocks(e, m).reshape(x.shape)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import scale_search
+from . import scale_search, tcq
 from .nuq import pack_low2, unpack_low2
 
 QK = 64
@@ -118,7 +118,7 @@ def unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 # Fake quantization of SmolLM2's pre-RoPE keys at 4096 tokens with the window (scripts/longctx_study.py, "mix42"):
 # 0.0045 KLD against 0.0109 for uniform 3-bit keys with the same scale rule (docs/RESULTS.md).
 Q42_BITS = (4, 2)
-HALVES_TYPES = ("q53_64", "q42_64", "q32_64")       # key types whose blocks want the importance layout
+HALVES_TYPES = ("q53_64", "q42_64", "q32_64", "q4t2_64", "t32_64")   # key types whose blocks want the importance layout
 Q42_TYPE_SIZE = 28
 Q42_BITS_PER_VALUE = 8 * Q42_TYPE_SIZE / QK
 
@@ -207,6 +207,111 @@ def q32_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     q3 = unpack_low2(a[:, 4:12]) | (np.unpackbits(a[:, 12:16], axis=1, bitorder="little") << 2)
     q2 = unpack_low2(a[:, 16:24])
     return d3, q3.astype(np.uint8), d2, q2.astype(np.uint8)
+
+
+# q4t2_64: q42_64 with its 2-bit half trellis-coded, 3.5 bits/value. The first half is q42_64's (q4_0's levels, a
+# least-squares scale); the second is tcq2_64's rule over 32 values (pykvq/ref/tcq.py: unit RMS, the tail-biting
+# Viterbi path through tcq2's tables, the least-squares f16 scale; value j's state is the 8-bit window of the 64-bit
+# stream ending at its bits, around the half). Storage (28 bytes, q42_64's sizes):
+#   d4[2] d2[2]  qs4[16]  qs2[8]
+#   qs4 byte j: q4(j) (low nibble), q4(j+16) (high)     (as q4_0)
+#   qs2: the 2-bit stream of values 32..63, value j's bits at 2j (as tcq2_64's)
+# Fake quantization of SmolLM2's pre-RoPE keys at 4096 tokens (scripts/longctx_study.py, V q8_0, window 64 + sinks 4):
+# 0.0039 KLD against q42_64's 0.0049 (docs/RESULTS-BY-DATE.md, 2026-12-01).
+Q4T2_TYPE_SIZE = 28
+TRELLIS_HALVES = ("q4t2_64", "t32_64")              # the halves types with a trellis-coded half (numpy's search is slow)
+TRELLIS_HALF_BITS = 2
+
+
+def q4t2_quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d4, q4, d2, states) of the last axis of x (a multiple of 64): [nb] f16, [nb, 32] uint8, [nb] f16, [nb, 32]."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % QK:
+        raise ValueError(f"q4t2_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
+    b = x.reshape(-1, QK)
+    d4, q4 = scale_search.quantize(b[:, :HALF], 8)
+    d2, st = tcq.quantize_blocks(b[:, HALF:], TRELLIS_HALF_BITS, n=HALF)
+    return d4, q4, d2, st
+
+
+def q4t2_dequantize_blocks(d4, q4, d2, st) -> np.ndarray:
+    """[nb, 64] float32."""
+    hi = (q4.astype(np.float32) - 8) * d4.astype(np.float32)[:, None]
+    lo = tcq.dequantize_blocks(d2, st, TRELLIS_HALF_BITS).reshape(-1, HALF)
+    return np.concatenate([hi, lo], axis=1)
+
+
+def q4t2_roundtrip(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return q4t2_dequantize_blocks(*q4t2_quantize_blocks(x)).reshape(x.shape)
+
+
+def q4t2_pack(d4, q4, d2, st) -> bytes:
+    nb = q4.shape[0]
+    qs4 = (q4[:, :16] & 15) | ((q4[:, 16:] & 15) << 4)
+    parts = [d4.view(np.uint8).reshape(nb, 2), d2.astype("<f2").view(np.uint8).reshape(nb, 2), qs4,
+             tcq.stream(st, TRELLIS_HALF_BITS)]
+    out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
+    assert out.shape[1] == Q4T2_TYPE_SIZE
+    return out.tobytes()
+
+
+def q4t2_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    a = np.frombuffer(data, dtype=np.uint8)
+    if a.size % Q4T2_TYPE_SIZE:
+        raise ValueError(f"q4t2_64: {a.size} bytes is not a whole number of {Q4T2_TYPE_SIZE}-byte blocks")
+    a = a.reshape(-1, Q4T2_TYPE_SIZE)
+    d4 = a[:, 0:2].copy().view(np.float16)[:, 0]
+    d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
+    qs4 = a[:, 4:20]
+    q4 = np.concatenate([qs4 & 15, qs4 >> 4], axis=1)
+    return d4, q4.astype(np.uint8), d2, tcq.stream_states(a[:, 20:28], TRELLIS_HALF_BITS, HALF)
+
+
+# t32_64: q32_64's split with both halves trellis-coded, 3.0 bits/value: values 0..31 one 32-value block of tcq3_64's
+# rule and tables, values 32..63 one of tcq2_64's (as q4t2_64's second half). Storage (24 bytes, q32_64's size):
+#   d3[2] d2[2]  qs3[12]  qs2[8]      (the 3-bit stream of values 0..31, then the 2-bit stream of 32..63)
+# Fake quantization of SmolLM2's keys at 4096 tokens: 0.0100 KLD against q32_64's 0.0168.
+T32_TYPE_SIZE = 24
+
+
+def t32_quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d3, states3, d2, states2) of the last axis of x (a multiple of 64): [nb] f16 and [nb, 32] states."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % QK:
+        raise ValueError(f"t32_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
+    b = x.reshape(-1, QK)
+    return (*tcq.quantize_blocks(b[:, :HALF], 3, n=HALF), *tcq.quantize_blocks(b[:, HALF:], 2, n=HALF))
+
+
+def t32_dequantize_blocks(d3, s3, d2, s2) -> np.ndarray:
+    """[nb, 64] float32."""
+    return np.concatenate([tcq.dequantize_blocks(d3, s3, 3).reshape(-1, HALF),
+                           tcq.dequantize_blocks(d2, s2, 2).reshape(-1, HALF)], axis=1)
+
+
+def t32_roundtrip(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return t32_dequantize_blocks(*t32_quantize_blocks(x)).reshape(x.shape)
+
+
+def t32_pack(d3, s3, d2, s2) -> bytes:
+    nb = s3.shape[0]
+    parts = [d3.astype("<f2").view(np.uint8).reshape(nb, 2), d2.astype("<f2").view(np.uint8).reshape(nb, 2),
+             tcq.stream(s3, 3), tcq.stream(s2, 2)]
+    out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
+    assert out.shape[1] == T32_TYPE_SIZE
+    return out.tobytes()
+
+
+def t32_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    a = np.frombuffer(data, dtype=np.uint8)
+    if a.size % T32_TYPE_SIZE:
+        raise ValueError(f"t32_64: {a.size} bytes is not a whole number of {T32_TYPE_SIZE}-byte blocks")
+    a = a.reshape(-1, T32_TYPE_SIZE)
+    d3 = a[:, 0:2].copy().view(np.float16)[:, 0]
+    d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
+    return d3, tcq.stream_states(a[:, 4:16], 3, HALF), d2, tcq.stream_states(a[:, 16:24], 2, HALF)
 
 
 def importance_layout(importance: np.ndarray) -> np.ndarray:

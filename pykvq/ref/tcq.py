@@ -43,8 +43,8 @@ def bits_of(type_name: str) -> int:
     return FORMATS[type_name]
 
 
-def block_bytes(k: int) -> int:
-    return 2 + N * k // 8
+def block_bytes(k: int, n: int = N) -> int:
+    return 2 + n * k // 8
 
 
 def levels(k: int, tables=None) -> np.ndarray:
@@ -56,8 +56,8 @@ def levels(k: int, tables=None) -> np.ndarray:
 
 def viterbi(z: np.ndarray, k: int, lut: np.ndarray, o: np.ndarray | None, rot: int) -> np.ndarray:
     """z [n, 64] float32 -> states [n, 64] of the least-cost paths (step 3), reading z from index rot on; o [n]: the
-    tail-biting overlap of each block, or None for a free path."""
-    n = z.shape[0]
+    tail-biting overlap of each block, or None for a free path. (Other block lengths than 64 run the same rule.)"""
+    n, N = z.shape
     K, ml = 1 << k, (1 << (8 - k)) - 1
     s = np.arange(STATES)
     zz = np.roll(z, -rot, axis=1)
@@ -86,29 +86,29 @@ def viterbi(z: np.ndarray, k: int, lut: np.ndarray, o: np.ndarray | None, rot: i
     return st
 
 
-def quantize_blocks(x: np.ndarray, k: int, tables=None) -> tuple[np.ndarray, np.ndarray]:
-    """x [n*64] -> (d [n] float16, states [n, 64])."""
-    v = np.asarray(x, np.float32).reshape(-1, N)
+def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    """x [m*n] -> (d [m] float16, states [m, n]): blocks of n values (64; q4t2_64's trellis half: 32)."""
+    v = np.asarray(x, np.float32).reshape(-1, n)
     v = np.where(np.isnan(v), np.float32(0), np.clip(v, -FLT_MAX, FLT_MAX)).astype(np.float32)
     vd = v.astype(np.float64)
     r2 = np.zeros(len(v))
-    for j in range(N):                                   # in order, as the C reference sums
+    for j in range(n):                                   # in order, as the C reference sums
         r2 += vd[:, j] * vd[:, j]
     live = r2 > 0
     lut = levels(k, tables)
     d = np.zeros(len(v), np.float16)
-    st = np.zeros((len(v), N), np.int64)
+    st = np.zeros((len(v), n), np.int64)
     if live.any():
         vl = v[live]
-        inv = np.minimum(1.0 / np.sqrt(r2[live] / N), float(FLT_MAX)).astype(np.float32)
+        inv = np.minimum(1.0 / np.sqrt(r2[live] / n), float(FLT_MAX)).astype(np.float32)
         z = (vl * inv[:, None]).astype(np.float32)
-        free = viterbi(z, k, lut, None, N // 2)
-        path = viterbi(z, k, lut, free[:, N // 2 - 1] >> k, 0)
+        free = viterbi(z, k, lut, None, n // 2)
+        path = viterbi(z, k, lut, free[:, n // 2 - 1] >> k, 0)
         y = lut[path].astype(np.float64)
         vd = vl.astype(np.float64)
         xy = np.zeros(len(vl))
         yy = np.zeros(len(vl))
-        for j in range(N):
+        for j in range(n):
             xy += vd[:, j] * y[:, j]
             yy += y[:, j] * y[:, j]
         dd = np.where(yy > 0, np.clip(xy / np.where(yy > 0, yy, 1), -65504.0, 65504.0), 0.0)
@@ -123,21 +123,29 @@ def dequantize_blocks(d: np.ndarray, st: np.ndarray, k: int, tables=None) -> np.
 
 def pack(d: np.ndarray, st: np.ndarray, k: int) -> bytes:
     """The blocks' bytes: d (f16, little-endian), then the k-bit stream of b_j = state_j >> (8 - k)."""
-    b = (st >> (8 - k)).astype(np.uint8)
-    bits = ((b[:, :, None] >> np.arange(k)) & 1).reshape(len(b), -1)          # bit kj + i = bit i of b_j
-    qs = np.packbits(bits, axis=1, bitorder="little")
-    out = np.concatenate([d.astype("<f2").view(np.uint8).reshape(-1, 2), qs], axis=1)
+    out = np.concatenate([d.astype("<f2").view(np.uint8).reshape(-1, 2), stream(st, k)], axis=1)
     return out.tobytes()
 
 
-def unpack(raw: bytes, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d, states) of packed blocks, each state read as its window of the stream around the block."""
-    a = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes(k))
+def stream(st: np.ndarray, k: int) -> np.ndarray:
+    """states [m, n] -> [m, n*k/8] uint8: the k-bit stream of b_j = state_j >> (8 - k), little-endian."""
+    b = (st >> (8 - k)).astype(np.uint8)
+    bits = ((b[:, :, None] >> np.arange(k)) & 1).reshape(len(b), -1)          # bit kj + i = bit i of b_j
+    return np.packbits(bits, axis=1, bitorder="little")
+
+
+def unpack(raw: bytes, k: int, n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    """(d, states) of packed blocks of n values, each state read as its window of the stream around the block."""
+    a = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes(k, n))
     d = a[:, :2].copy().view("<f2").reshape(-1)
-    bits = np.unpackbits(a[:, 2:], axis=1, bitorder="little").astype(np.int64)     # [n, 64k]
-    pos = (k * np.arange(N)[:, None] + k - 8 + np.arange(8)[None, :]) % (N * k)     # window bits, low first
-    st = (bits[:, pos] << np.arange(8)).sum(axis=2)
-    return d, st
+    return d, stream_states(a[:, 2:], k, n)
+
+
+def stream_states(qs: np.ndarray, k: int, n: int = N) -> np.ndarray:
+    """qs [m, n*k/8] uint8 streams -> states [m, n]: each value's 8-bit window of its stream, around the block."""
+    bits = np.unpackbits(qs, axis=1, bitorder="little").astype(np.int64)          # [m, nk]
+    pos = (k * np.arange(n)[:, None] + k - 8 + np.arange(8)[None, :]) % (n * k)     # window bits, low first
+    return (bits[:, pos] << np.arange(8)).sum(axis=2)
 
 
 def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:

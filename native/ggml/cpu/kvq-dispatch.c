@@ -7,8 +7,10 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
     switch (ggml_kvq_type_family(type)) {
         case GGML_KVQ_FAMILY_BFP: return ggml_kvq_bfp_cpu_impl_to_float(ggml_kvq_bfp_cpu_n_impls() - 1, type);
         case GGML_KVQ_FAMILY_NUQ: return ggml_kvq_nuq_cpu_impl_to_float(ggml_kvq_nuq_cpu_n_impls() - 1, type);
-        case GGML_KVQ_FAMILY_Q53: return type == GGML_TYPE_Q53_64 ? dequantize_row_q53_64_cpu
-                                       : type == GGML_TYPE_Q42_64 ? dequantize_row_q42_64_cpu : dequantize_row_q32_64_cpu;
+        case GGML_KVQ_FAMILY_Q53: return type == GGML_TYPE_Q53_64  ? dequantize_row_q53_64_cpu
+                                       : type == GGML_TYPE_Q42_64  ? dequantize_row_q42_64_cpu
+                                       : type == GGML_TYPE_Q4T2_64 ? dequantize_row_q4t2_64_cpu
+                                       : type == GGML_TYPE_T32_64  ? dequantize_row_t32_64_cpu : dequantize_row_q32_64_cpu;
         case GGML_KVQ_FAMILY_TCQ: return type == GGML_TYPE_TCQ3_64 ? dequantize_row_tcq3_64_cpu : dequantize_row_tcq2_64_cpu;
         default:                  return NULL;
     }

@@ -28,7 +28,7 @@ GGML_KVQ_STATIC_ASSERT(sizeof(tcq_q8_0) == 34, "block_q8_0 size");
 // operations in the same order, so the same states. A state's predecessors are K = 2^k consecutive states; their
 // least cost is taken by transposing K vectors of them so that each lane holds one group and comparing in order
 // (strictly less: the first of equals). The new costs read those minima in order (state s takes group s & ml).
-static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, int rot, uint8_t * st) {
+static void tcq_viterbi_avx2(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st) {
     const int ml = (1 << (8 - k)) - 1, ng = ml + 1;
     float cost[256] __attribute__((aligned(32)));
     float minc[64] __attribute__((aligned(32)));
@@ -37,7 +37,7 @@ static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, i
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 inf = _mm256_set1_ps(INFINITY);
     {
-        const __m256 z0 = _mm256_set1_ps(z[rot % QK_TCQ]);
+        const __m256 z0 = _mm256_set1_ps(z[rot % n]);
         for (int v = 0; v < 256; v += 8) {
             const __m256 e = _mm256_sub_ps(z0, _mm256_loadu_ps(lut + v));
             __m256 c = _mm256_mul_ps(e, e);
@@ -50,7 +50,7 @@ static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, i
         }
     }
     const __m256i perm4 = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int i = 1; i < QK_TCQ; ++i) {
+    for (int i = 1; i < n; ++i) {
         if (k == 2) {              // groups of 4: eight per 32 costs, a 4 x 4 transpose in each 128-bit lane
             for (int g = 0; g < 8; ++g) {
                 const float * c = cost + 32*g;
@@ -106,7 +106,7 @@ static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, i
         for (int m = 0; m < ng; ++m) {
             bp[i][m] = (uint8_t) arg[m];
         }
-        const __m256 zi = _mm256_set1_ps(z[(i + rot) % QK_TCQ]);
+        const __m256 zi = _mm256_set1_ps(z[(i + rot) % n]);
         for (int v = 0; v < 256; v += 8) {
             const __m256 e = _mm256_sub_ps(zi, _mm256_loadu_ps(lut + v));
             _mm256_store_ps(cost + v, _mm256_add_ps(_mm256_load_ps(minc + (v & ml)), _mm256_mul_ps(e, e)));
@@ -120,8 +120,8 @@ static void tcq_viterbi_avx2(const float * z, int k, const float * lut, int o, i
             s = q;
         }
     }
-    st[QK_TCQ - 1] = (uint8_t) s;
-    for (int i = QK_TCQ - 1; i > 0; --i) {
+    st[n - 1] = (uint8_t) s;
+    for (int i = n - 1; i > 0; --i) {
         s = ((s << k) & 0xFF) | bp[i][s & ml];
         st[i - 1] = (uint8_t) s;
     }
@@ -165,32 +165,34 @@ static inline void tcq_levels16(__m128i s, const __m128i tab[4], __m256 d4096, f
     _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), d4096));
 }
 
-// tcq2_64's 64 values: for j = 4q + r, the state is the byte pair (e[q], e[q + 1]) of e = (the stream's last byte,
-// the stream) shifted by 2r + 2 (r = 3: e[q + 1] itself)
-static inline void tcq2_values(const uint8_t * qs, const __m128i tab[4], __m256 d4096, float * y) {
+// 32 values of a 2-bit stream: for j = 4q + r (q = 0 .. 7), the state is the byte pair (e0[q], e1[q]) shifted by
+// 2r + 2, e0 / e1 the stream's bytes q - 1 / q (around the stream for q = 0)
+static inline void tcq2_values32(__m128i e0, __m128i e1, const __m128i tab[4], __m256 d4096, float * y) {
     const __m128i ff = _mm_set1_epi16(0xFF);
-    const __m128i q0 = _mm_loadl_epi64((const __m128i *) qs);
-    const __m128i e[2][2] = { { _mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(qs[15])), q0 },
-                              { _mm_loadl_epi64((const __m128i *) (qs + 7)), _mm_loadl_epi64((const __m128i *) (qs + 8)) } };
-    for (int h = 0; h < 2; ++h) {          // q = 8h .. 8h + 7: values 32h .. 32h + 31
-        const __m128i w = _mm_unpacklo_epi8(e[h][0], e[h][1]);
-        const __m128i s0 = _mm_and_si128(_mm_srli_epi16(w, 2), ff), s1 = _mm_and_si128(_mm_srli_epi16(w, 4), ff);
-        const __m128i s2 = _mm_and_si128(_mm_srli_epi16(w, 6), ff), s3 = _mm_srli_epi16(w, 8);
-        const __m128i p01l = _mm_unpacklo_epi16(s0, s1), p23l = _mm_unpacklo_epi16(s2, s3);
-        const __m128i p01h = _mm_unpackhi_epi16(s0, s1), p23h = _mm_unpackhi_epi16(s2, s3);
-        tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01l, p23l), _mm_unpackhi_epi32(p01l, p23l)), tab, d4096, y + 32*h);
-        tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01h, p23h), _mm_unpackhi_epi32(p01h, p23h)), tab, d4096, y + 32*h + 16);
-    }
+    const __m128i w = _mm_unpacklo_epi8(e0, e1);
+    const __m128i s0 = _mm_and_si128(_mm_srli_epi16(w, 2), ff), s1 = _mm_and_si128(_mm_srli_epi16(w, 4), ff);
+    const __m128i s2 = _mm_and_si128(_mm_srli_epi16(w, 6), ff), s3 = _mm_srli_epi16(w, 8);
+    const __m128i p01l = _mm_unpacklo_epi16(s0, s1), p23l = _mm_unpacklo_epi16(s2, s3);
+    const __m128i p01h = _mm_unpackhi_epi16(s0, s1), p23h = _mm_unpackhi_epi16(s2, s3);
+    tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01l, p23l), _mm_unpackhi_epi32(p01l, p23l)), tab, d4096, y);
+    tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01h, p23h), _mm_unpackhi_epi32(p01h, p23h)), tab, d4096, y + 16);
 }
 
-// tcq3_64's 64 values: for j = 8q + r, the state is bits 3r + 3 .. 3r + 10 of the little-endian 32-bit word at
-// e[3q], e = (the stream's last byte, the stream): eight shifts of each word, packed to bytes in order
-static inline void tcq3_values(const uint8_t * qs, const __m128i tab[4], __m256 d4096, float * y) {
+// tcq2_64's 64 values: the 16-byte stream's two halves, each value's window reaching back across the block
+static inline void tcq2_values(const uint8_t * qs, const __m128i tab[4], __m256 d4096, float * y) {
+    const __m128i q0 = _mm_loadl_epi64((const __m128i *) qs);
+    tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(qs[15])), q0, tab, d4096, y);
+    tcq2_values32(_mm_loadl_epi64((const __m128i *) (qs + 7)), _mm_loadl_epi64((const __m128i *) (qs + 8)), tab, d4096, y + 32);
+}
+
+// n (32 or 64) values of a 3-bit stream: for j = 8q + r, the state is bits 3r + 3 .. 3r + 10 of the little-endian
+// 32-bit word at e[3q], e = (the stream's last byte, the stream): eight shifts of each word, packed to bytes in order
+static inline void tcq3_values(const uint8_t * qs, int n, const __m128i tab[4], __m256 d4096, float * y) {
     uint8_t ext[32] = { 0 };
-    tcq_ext(qs, QK_TCQ*3/8, ext);
+    tcq_ext(qs, n*3/8, ext);
     const __m256i sh = _mm256_setr_epi32(3, 6, 9, 12, 15, 18, 21, 24), ff = _mm256_set1_epi32(0xFF);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int h = 0; h < 2; ++h) {          // q = 4h .. 4h + 3: values 32h .. 32h + 31
+    for (int h = 0; h < n/32; ++h) {       // q = 4h .. 4h + 3: values 32h .. 32h + 31
         __m256i v[4];
         for (int q = 0; q < 4; ++q) {
             uint32_t w;
@@ -231,7 +233,7 @@ static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * 
         if (bits == 2) {
             tcq2_values(b + 2, tab, d4096, y + i*QK_TCQ);
         } else {
-            tcq3_values(b + 2, tab, d4096, y + i*QK_TCQ);
+            tcq3_values(b + 2, QK_TCQ, tab, d4096, y + i*QK_TCQ);
         }
     }
 }
@@ -280,4 +282,80 @@ void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const 
                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
     *s = tcq_dot_q8_0(n, vx, sizeof(block_tcq2_64), dequantize_row_tcq2_64_cpu, (const tcq_q8_0 *) vy);
+}
+
+// q4t2_64 (family Q53, its second half a 32-value tcq2 block; native/ggml/q53.c has the reference): the write with the
+// SIMD scale search and path search, the read with the 2-bit stream's windows by shifts, K·Q through the read-back
+void quantize_row_q4t2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_q4t2_64_with(x, (block_q4t2_64 *) y, k, ggml_kvq_cpu_lsq_block, tcq_viterbi_avx2);
+#else
+    ggml_kvq_quantize_row_q4t2_64_with(x, (block_q4t2_64 *) y, k, ggml_kvq_cpu_lsq_block, NULL);
+#endif
+}
+
+void dequantize_row_q4t2_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    const block_q4t2_64 * x = (const block_q4t2_64 *) vx;
+    __m128i tab[4];
+    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, tab);
+    for (int64_t i = 0; i < k/QK_Q4T2; ++i) {
+        const block_q4t2_64 * b = x + i;
+        float * o = y + i*QK_Q4T2;
+        const __m128i nib = _mm_loadu_si128((const __m128i *) b->qs4);
+        const __m128i m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(nib, m4), e8), hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(nib, 4), m4), e8);
+        const __m256 d4 = _mm256_set1_ps(ggml_kvq_f16_bytes(b->d4));
+        const __m128i v[2] = { lo, hi };
+        for (int h = 0; h < 2; ++h) {      // values 16h .. 16h + 15
+            _mm256_storeu_ps(o + 16*h,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h])), d4));
+            _mm256_storeu_ps(o + 16*h + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8))), d4));
+        }
+        const __m128i q0 = _mm_loadl_epi64((const __m128i *) b->qs2);
+        tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(b->qs2[7])), q0, tab,
+                      _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
+    }
+#else
+    dequantize_row_q4t2_64((const block_q4t2_64 *) vx, y, k);
+#endif
+}
+
+void ggml_vec_dot_q4t2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0(n, vx, sizeof(block_q4t2_64), dequantize_row_q4t2_64_cpu, (const tcq_q8_0 *) vy);
+}
+
+// t32_64 (family Q53, both halves 32-value trellis blocks; native/ggml/q53.c has the reference): as q4t2_64
+void quantize_row_t32_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_t32_64_with(x, (block_t32_64 *) y, k, tcq_viterbi_avx2);
+#else
+    ggml_kvq_quantize_row_t32_64_with(x, (block_t32_64 *) y, k, NULL);
+#endif
+}
+
+void dequantize_row_t32_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    const block_t32_64 * x = (const block_t32_64 *) vx;
+    __m128i tab3[4], tab2[4];
+    tcq_shuffle_tables(GGML_TYPE_TCQ3_64, tab3);
+    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, tab2);
+    for (int64_t i = 0; i < k/QK_T32; ++i) {
+        const block_t32_64 * b = x + i;
+        float * o = y + i*QK_T32;
+        tcq3_values(b->qs3, QK_T32/2, tab3, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d3)*(1.0f/4096)), o);
+        const __m128i q0 = _mm_loadl_epi64((const __m128i *) b->qs2);
+        tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(b->qs2[7])), q0, tab2,
+                      _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
+    }
+#else
+    dequantize_row_t32_64((const block_t32_64 *) vx, y, k);
+#endif
+}
+
+void ggml_vec_dot_t32_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                              const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0(n, vx, sizeof(block_t32_64), dequantize_row_t32_64_cpu, (const tcq_q8_0 *) vy);
 }
