@@ -10,7 +10,6 @@
 #include "ggml-kvq-cpu.h"
 
 #include <math.h>
-#include <string.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -145,13 +144,6 @@ void quantize_row_tcq2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y,
 }
 
 #if defined(__AVX2__)
-// the stream's last byte, the stream, a zero: value j's state is the byte pair at (kj + k) / 8 shifted by (kj + k) % 8
-static inline void tcq_ext(const uint8_t * qs, int nbytes, uint8_t * ext) {
-    ext[0] = qs[nbytes - 1];
-    memcpy(ext + 1, qs, nbytes);
-    ext[nbytes + 1] = 0;
-}
-
 // the levels of 16 states times d: A[s >> 4] + B[s & 15] by byte shuffles of the tables' low and high bytes, in int16
 // (|A| + |B| < 2^15), times d/4096 (exact: a power of two; so the same product as the reference's d * (level/4096))
 static inline void tcq_levels16(__m128i s, const __m128i tab[4], __m256 d4096, float * y) {
@@ -185,24 +177,20 @@ static inline void tcq2_values(const uint8_t * qs, const __m128i tab[4], __m256 
     tcq2_values32(_mm_loadl_epi64((const __m128i *) (qs + 7)), _mm_loadl_epi64((const __m128i *) (qs + 8)), tab, d4096, y + 32);
 }
 
-// n (32 or 64) values of a 3-bit stream: for j = 8q + r, the state is bits 3r + 3 .. 3r + 10 of the little-endian
-// 32-bit word at e[3q], e = (the stream's last byte, the stream): eight shifts of each word, packed to bytes in order
+// n (32 or 64) values of a 3-bit stream, sixteen at a time: value j's state is bits (3j + 3) % 8 .. + 7 of the byte pair
+// at (3j + 3) / 8 of e = (the stream's last byte, the stream). Sixteen values span 6 bytes, so one byte shuffle of a
+// group's 8 bytes gathers every value's pair into a 16-bit lane, and a multiply by 2^(8 - shift) leaves its window in
+// the lane's high byte.
 static inline void tcq3_values(const uint8_t * qs, int n, const __m128i tab[4], __m256 d4096, float * y) {
-    uint8_t ext[32] = { 0 };
-    tcq_ext(qs, n*3/8, ext);
-    const __m256i sh = _mm256_setr_epi32(3, 6, 9, 12, 15, 18, 21, 24), ff = _mm256_set1_epi32(0xFF);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int h = 0; h < n/32; ++h) {       // q = 4h .. 4h + 3: values 32h .. 32h + 31
-        __m256i v[4];
-        for (int q = 0; q < 4; ++q) {
-            uint32_t w;
-            memcpy(&w, ext + 3*(4*h + q), sizeof(w));
-            v[q] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int) w), sh), ff);
-        }
-        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]),
-                                                                          _mm256_packus_epi32(v[2], v[3])), order);
-        tcq_levels16(_mm256_castsi256_si128(b), tab, d4096, y + 32*h);
-        tcq_levels16(_mm256_extracti128_si256(b, 1), tab, d4096, y + 32*h + 16);
+    const __m256i idx = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3, 3, 4,
+                                         3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6, 6, 7);
+    const __m256i mul = _mm256_setr_epi16(32, 4, 128, 16, 2, 64, 8, 256, 32, 4, 128, 16, 2, 64, 8, 256);
+    for (int g = 0; g < n/16; ++g) {       // values 16g .. 16g + 15: bytes 6g .. 6g + 6 of e (the 8th is multiplied out)
+        const __m128i e = g == 0 ? _mm_or_si128(_mm_slli_epi64(_mm_loadl_epi64((const __m128i *) qs), 8), _mm_cvtsi32_si128(qs[n*3/8 - 1]))
+                                 : _mm_srli_epi64(_mm_loadl_epi64((const __m128i *) (qs + 6*g - 2)), 8);
+        const __m256i src = _mm256_broadcastsi128_si256(e);
+        const __m256i w = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(src, idx), mul), 8);
+        tcq_levels16(_mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)), tab, d4096, y + 16*g);
     }
 }
 
