@@ -77,14 +77,18 @@ def test_c_reference_and_cpu_traits_match_numpy_bit_for_bit(name):
     assert raw == tcq.pack(d, st, k)
     want = tcq.dequantize_blocks(d, st, k)
     np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
-    cpu = cpu_traits_match(name, x, raw, want)
-    # K·Q against q8_0: the read-back values times Q's levels, to float accumulation order
+    read_back_dot_matches(name, cpu_traits_match(name, x, raw, want))
+
+
+def read_back_dot_matches(name: str, cpu) -> None:
+    """K·Q against q8_0 (the CPU traits' vec_dot) is the read-back values times Q's levels, to float accumulation
+    order, for a head of 64 and of 128."""
     s = ffi.new("float *")
     for head in (64, 128):
         kx, qx = gaussian(head, 10 + head), gaussian(head, 20 + head)
         kb, kv = c_codec(name, kx)
         qb = ffi.new("uint8_t[]", head // 32 * 34)
-        L.quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qx)), qb, head)
+        lib().quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qx)), qb, head)
         want_dot, mag = exact_dot(kv.astype(np.float64).reshape(-1, 32), np.ones(head // 32), qb)
         cpu.vec_dot(head, s, 0, kb, 0, qb, 0, 1)
         assert abs(s[0] - want_dot) <= 1e-5 * mag

@@ -10,8 +10,8 @@ from pykvq import cache_types
 from pykvq._lib import ffi, lib
 from pykvq.ref import q53, roundtrip, tcq
 from test_q53 import c_quantize as c_codec
-from test_q53 import cpu_traits_match, exact_dot
-from test_tcq import edge_rows, gaussian
+from test_q53 import cpu_traits_match
+from test_tcq import edge_rows, gaussian, read_back_dot_matches
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -54,16 +54,7 @@ def test_c_reference_and_cpu_traits_match_numpy_bit_for_bit(name):
     assert raw == pack(*parts)
     want = dequantize(*parts).reshape(-1)
     np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
-    cpu = cpu_traits_match(name, x, raw, want)
-    s = ffi.new("float *")
-    for head in (64, 128):
-        kx, qx = gaussian(head, 10 + head), gaussian(head, 20 + head)
-        kb, kv = c_codec(name, kx)
-        qb = ffi.new("uint8_t[]", head // 32 * 34)
-        lib().quantize_row_q8_0_ref(ffi.cast("float *", ffi.from_buffer(qx)), qb, head)
-        want_dot, mag = exact_dot(kv.astype(np.float64).reshape(-1, 32), np.ones(head // 32), qb)
-        cpu.vec_dot(head, s, 0, kb, 0, qb, 0, 1)
-        assert abs(s[0] - want_dot) <= 1e-5 * mag
+    read_back_dot_matches(name, cpu_traits_match(name, x, raw, want))
 
 
 @pytest.mark.parametrize("name, scalar, half, most", [("q4t2_64", "q42_64", slice(32, 64), 0.8),
