@@ -15,7 +15,8 @@ Key rows are quantized pre-RoPE as the runtime's --prerope-k cache holds them: (
 converter's Fisher scale, then per token blocks of 32 (upstream's online Hadamard over the head, then the type),
 or per channel along groups of G tokens (KIVI's asymmetric min / max, f16 scale and minimum per group, no
 Hadamard), or per token with each head's channels split by importance (`mix<hi><lo>`: the rotary pairs of
-largest F_c var_c in hi bits, the rest in lo bits, q53_64's layout and rule at other widths; `lsq<b>`: b bits,
+largest F_c var_c in hi bits, the rest in lo bits, q53_64's layout and rule at other widths, a `t` before a width
+coding that half as one 32-value trellis block (tcq*_64's rule: `mix4t2` is q4t2_64's kind); `lsq<b>`: b bits,
 the head's Hadamard, scales by least squares). Values: per token, Hadamard over the head, then the type (the
 runtime's); or split by importance (`vmix<hi><lo>`: channels ordered by w_c E[v_c^2]; `vklt<hi><lo>`: halves of
 the w-whitened eigenbasis of E[v v^T]; `vsc<b>`: channels scaled by sqrt(w_c) before the Hadamard), where a trailing
