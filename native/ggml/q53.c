@@ -37,6 +37,17 @@ static void q53_pack3(const uint8_t * q, uint8_t * qs, uint8_t * qh) {
     }
 }
 
+// the 4-bit half (q42_64, q4t2_64): q4_0's nibble order, byte j = q4(j) | q4(j + 16) << 4
+static void q53_pack4(const uint8_t * q, uint8_t * qs) {
+    for (int j = 0; j < 16; ++j) {
+        qs[j] = (uint8_t) (q[j] | (q[j + 16] << 4));
+    }
+}
+
+static inline int q53_get4(const uint8_t * qs, int j) {
+    return j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+}
+
 static inline int q53_get2(const uint8_t * qs, int j) {
     return (qs[j % 8] >> (2*(j / 8))) & 3;
 }
@@ -108,9 +119,7 @@ void ggml_kvq_quantize_row_q42_64_with(const float * x, block_q42_64 * y, int64_
         uint8_t q4[QK_Q42/2], q2[QK_Q42/2];
         block(xb, 8, b->d4, q4);
         block(xb + QK_Q42/2, 2, b->d2, q2);
-        for (int j = 0; j < 16; ++j) {
-            b->qs4[j] = (uint8_t) (q4[j] | (q4[j + 16] << 4));
-        }
+        q53_pack4(q4, b->qs4);
         q53_pack2(q2, b->qs2);
     }
 }
@@ -122,8 +131,7 @@ void dequantize_row_q42_64(const block_q42_64 * x, float * y, int64_t k) {
         const float d4 = ggml_kvq_f16_bytes(b->d4), d2 = ggml_kvq_f16_bytes(b->d2);
         float * o = y + i*QK_Q42;
         for (int j = 0; j < 32; ++j) {
-            const int q4 = j < 16 ? b->qs4[j] & 15 : b->qs4[j - 16] >> 4;
-            o[j]      = (float) (q4 - 8)*d4;
+            o[j]      = (float) (q53_get4(b->qs4, j) - 8)*d4;
             o[j + 32] = (float) (q53_get2(b->qs2, j) - 2)*d2;
         }
     }
@@ -173,9 +181,7 @@ void ggml_kvq_quantize_row_q4t2_64_with(const float * x, block_q4t2_64 * y, int6
         block_q4t2_64 * b = y + i;
         uint8_t q4[QK_Q4T2/2];
         block(xb, 8, b->d4, q4);
-        for (int j = 0; j < 16; ++j) {
-            b->qs4[j] = (uint8_t) (q4[j] | (q4[j + 16] << 4));
-        }
+        q53_pack4(q4, b->qs4);
         ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_Q4T2/2, QK_Q4T2/2, b->d2, b->qs2, viterbi);
     }
 }
@@ -187,8 +193,7 @@ void dequantize_row_q4t2_64(const block_q4t2_64 * x, float * y, int64_t k) {
         const float d4 = ggml_kvq_f16_bytes(b->d4);
         float * o = y + i*QK_Q4T2;
         for (int j = 0; j < 32; ++j) {
-            const int q4 = j < 16 ? b->qs4[j] & 15 : b->qs4[j - 16] >> 4;
-            o[j] = (float) (q4 - 8)*d4;
+            o[j] = (float) (q53_get4(b->qs4, j) - 8)*d4;
         }
         ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, b->d2, b->qs2, QK_Q4T2/2, o + 32);
     }

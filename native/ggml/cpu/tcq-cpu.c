@@ -170,11 +170,13 @@ static inline void tcq2_values32(__m128i e0, __m128i e1, const __m128i tab[4], _
     tcq_levels16(_mm_packus_epi16(_mm_unpacklo_epi32(p01h, p23h), _mm_unpackhi_epi32(p01h, p23h)), tab, d4096, y + 16);
 }
 
-// tcq2_64's 64 values: the 16-byte stream's two halves, each value's window reaching back across the block
-static inline void tcq2_values(const uint8_t * qs, const __m128i tab[4], __m256 d4096, float * y) {
+// n (32 or 64) values of a 2-bit stream, 32 at a time: the first reach back around the stream to its last byte
+static inline void tcq2_values(const uint8_t * qs, int n, const __m128i tab[4], __m256 d4096, float * y) {
     const __m128i q0 = _mm_loadl_epi64((const __m128i *) qs);
-    tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(qs[15])), q0, tab, d4096, y);
-    tcq2_values32(_mm_loadl_epi64((const __m128i *) (qs + 7)), _mm_loadl_epi64((const __m128i *) (qs + 8)), tab, d4096, y + 32);
+    tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(qs[n/4 - 1])), q0, tab, d4096, y);
+    if (n == 64) {
+        tcq2_values32(_mm_loadl_epi64((const __m128i *) (qs + 7)), _mm_loadl_epi64((const __m128i *) (qs + 8)), tab, d4096, y + 32);
+    }
 }
 
 // n (32 or 64) values of a 3-bit stream, sixteen at a time: value j's state is bits (3j + 3) % 8 .. + 7 of the byte pair
@@ -219,7 +221,7 @@ static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * 
         const uint8_t * b = x + i*bs;
         const __m256 d4096 = _mm256_set1_ps(ggml_kvq_f16_bytes(b)*(1.0f/4096));
         if (bits == 2) {
-            tcq2_values(b + 2, tab, d4096, y + i*QK_TCQ);
+            tcq2_values(b + 2, QK_TCQ, tab, d4096, y + i*QK_TCQ);
         } else {
             tcq3_values(b + 2, QK_TCQ, tab, d4096, y + i*QK_TCQ);
         }
@@ -299,9 +301,7 @@ void dequantize_row_q4t2_64_cpu(const void * GGML_RESTRICT vx, float * GGML_REST
             _mm256_storeu_ps(o + 16*h,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h])), d4));
             _mm256_storeu_ps(o + 16*h + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8))), d4));
         }
-        const __m128i q0 = _mm_loadl_epi64((const __m128i *) b->qs2);
-        tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(b->qs2[7])), q0, tab,
-                      _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
+        tcq2_values(b->qs2, QK_Q4T2/2, tab, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
     }
 #else
     dequantize_row_q4t2_64((const block_q4t2_64 *) vx, y, k);
@@ -333,9 +333,7 @@ void dequantize_row_t32_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
         const block_t32_64 * b = x + i;
         float * o = y + i*QK_T32;
         tcq3_values(b->qs3, QK_T32/2, tab3, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d3)*(1.0f/4096)), o);
-        const __m128i q0 = _mm_loadl_epi64((const __m128i *) b->qs2);
-        tcq2_values32(_mm_or_si128(_mm_slli_epi64(q0, 8), _mm_cvtsi32_si128(b->qs2[7])), q0, tab2,
-                      _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
+        tcq2_values(b->qs2, QK_T32/2, tab2, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
     }
 #else
     dequantize_row_t32_64((const block_t32_64 *) vx, y, k);
