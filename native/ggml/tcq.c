@@ -8,6 +8,7 @@
 #endif
 
 #include "ggml-kvq.h"
+#include "tcq-tables.h"
 
 #include <float.h>
 #include <math.h>
@@ -15,17 +16,9 @@
 
 #define TCQ_STATES 256
 
-// The tables (in 1/4096): trained by scripts/tcq_tables.py on Gaussian blocks, each scaled to unit RMS as the
-// encoder scales them, alternating the Viterbi paths with a least-squares fit of A and B. A value's level is
-// A[s >> 4] + B[s & 15]: two lookups of 16, which SIMD decoders take with byte shuffles.
-static const int16_t tcq3_tables[32] = {
-      354, -4187, -4449,   504, -1710,  3336,  1481, -7124, -2373,  -771,  2696,  5536,  -620,  1846,  6706, -2411,
-    -4845,  1112,  2426, -2751,  -769,   539,  3647, -1898,  1858,  -318,  4712, -3977, -1802,   832,  3421, -2188,
-};
-static const int16_t tcq2_tables[32] = {
-     2008, -4882,  2839, -2797, -1357,  1043, -6090,  6235,  5043,   962,   305,  -113, -3288, -2157,   220,  2979,
-      933,  2483, -2738, -5195,  4052, -1380, -1332,  1487,  -991,  4290,  1273, -3988,   345,  -368,  4341, -3213,
-};
+// The tables (tcq-tables.h)
+static const int16_t tcq3_tables[32] = { TCQ3_A(TCQ_LEVEL) TCQ3_B(TCQ_LEVEL) };
+static const int16_t tcq2_tables[32] = { TCQ2_A(TCQ_LEVEL) TCQ2_B(TCQ_LEVEL) };
 
 const int16_t * ggml_kvq_tcq_tables(enum ggml_type type) {
     switch (type) {

@@ -8,6 +8,7 @@
 #endif
 
 #include "ggml-kvq-cpu.h"
+#include "../tcq-tables.h"
 
 #include <math.h>
 
@@ -196,14 +197,11 @@ static inline void tcq3_values(const uint8_t * qs, int n, const __m128i tab[4], 
     }
 }
 
-// A's and B's low and high bytes, as shuffle tables
+// A's and B's low and high bytes, as shuffle tables (constants: the FA loop reads a row at a time)
 static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
-    const int16_t * t = ggml_kvq_tcq_tables(type);
-    uint8_t b[4][16];
-    for (int i = 0; i < 16; ++i) {
-        b[0][i] = (uint8_t) t[i];      b[1][i] = (uint8_t) ((uint16_t) t[i] >> 8);
-        b[2][i] = (uint8_t) t[16 + i]; b[3][i] = (uint8_t) ((uint16_t) t[16 + i] >> 8);
-    }
+    static const uint8_t b3[4][16] = { { TCQ3_A(TCQ_LO) }, { TCQ3_A(TCQ_HI) }, { TCQ3_B(TCQ_LO) }, { TCQ3_B(TCQ_HI) } };
+    static const uint8_t b2[4][16] = { { TCQ2_A(TCQ_LO) }, { TCQ2_A(TCQ_HI) }, { TCQ2_B(TCQ_LO) }, { TCQ2_B(TCQ_HI) } };
+    const uint8_t (*b)[16] = type == GGML_TYPE_TCQ3_64 ? b3 : b2;
     for (int i = 0; i < 4; ++i) {
         tab[i] = _mm_loadu_si128((const __m128i *) b[i]);
     }

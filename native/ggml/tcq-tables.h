@@ -1,0 +1,21 @@
+// tcq3_64 / tcq2_64 level tables (in 1/4096), in one place for the reference (tcq.c) and the CPU kernels
+// (cpu/tcq-cpu.c): trained by scripts/tcq_tables.py on Gaussian blocks, each scaled to unit RMS as the encoder
+// scales them, alternating the Viterbi paths with a least-squares fit of A and B. A value's level is
+// A[s >> 4] + B[s & 15]: two lookups of 16, which SIMD decoders take with byte shuffles of the levels' low and
+// high bytes. The lists are X-macros so that those byte tables are constants too (a row's read builds nothing).
+#pragma once
+
+#include <stdint.h>
+
+#define TCQ3_A(X) X(  354) X(-4187) X(-4449) X(  504) X(-1710) X( 3336) X( 1481) X(-7124) \
+                  X(-2373) X( -771) X( 2696) X( 5536) X( -620) X( 1846) X( 6706) X(-2411)
+#define TCQ3_B(X) X(-4845) X( 1112) X( 2426) X(-2751) X( -769) X(  539) X( 3647) X(-1898) \
+                  X( 1858) X( -318) X( 4712) X(-3977) X(-1802) X(  832) X( 3421) X(-2188)
+#define TCQ2_A(X) X( 2008) X(-4882) X( 2839) X(-2797) X(-1357) X( 1043) X(-6090) X( 6235) \
+                  X( 5043) X(  962) X(  305) X( -113) X(-3288) X(-2157) X(  220) X( 2979)
+#define TCQ2_B(X) X(  933) X( 2483) X(-2738) X(-5195) X( 4052) X(-1380) X(-1332) X( 1487) \
+                  X( -991) X( 4290) X( 1273) X(-3988) X(  345) X( -368) X( 4341) X(-3213)
+
+#define TCQ_LEVEL(v) (int16_t) (v),
+#define TCQ_LO(v)    (uint8_t) ((uint16_t) (int16_t) (v) & 0xFF),
+#define TCQ_HI(v)    (uint8_t) ((uint16_t) (int16_t) (v) >> 8),
