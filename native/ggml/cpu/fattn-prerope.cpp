@@ -2,6 +2,9 @@
 // computed (the Hadamard undone, scale and mean restored) and rotated to its cell's position.
 #include "fattn.h"
 
+#include <memory>
+#include <mutex>
+
 namespace kvq_fa {
 
 fa_prerope fa_prerope_of(const ggml_tensor * dst) {
@@ -205,13 +208,11 @@ void fa_prerope_tile(const fa_prerope & pr, int64_t ik2, int64_t DK, const int32
     }
 }
 
-const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int64_t DK) {
-    thread_local fa_rope_tab tab;
+namespace {
+
+// tab for these frequencies: cos/sin of t*w per channel for the FA_TILE_KV offsets of a tile
+void fa_rope_tab_fill(fa_rope_tab & tab, const fa_prerope & pr, const float * w, int64_t DK) {
     const int hd = pr.n_dims/2;
-    if (tab.n_dims == pr.n_dims && tab.neox == pr.neox && tab.mscale == pr.mscale && tab.DK == DK &&
-        std::equal(w, w + hd, tab.w.begin())) {
-        return tab;
-    }
     tab.w.assign(w, w + hd);
     tab.mscale = pr.mscale;
     tab.n_dims = pr.n_dims;
@@ -237,26 +238,110 @@ const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int6
         tab.c64[i] = ct;
         tab.s64[i] = st;
     }
-    return tab;
+}
+
+bool fa_rope_tab_is(const fa_rope_tab & tab, const fa_prerope & pr, const float * w, int64_t DK) {
+    return tab.n_dims == pr.n_dims && tab.neox == pr.neox && tab.mscale == pr.mscale && tab.DK == DK &&
+           std::equal(w, w + pr.n_dims/2, tab.w.begin());
+}
+
+}  // namespace
+
+// One table per head's frequencies, shared by every thread and kept (a table is immutable once built): with per-head
+// frequencies (K-sort) consecutive work items are different heads, and a per-thread table of one entry was rebuilt
+// for nearly every item (2% of a SmolLM2 decode at 4096 cells in perf, its cos/sin beside it). At most
+// FA_ROPE_TABS_BYTES in all (a 7B model's 256 heads of 128 take 16 MiB); past that, a thread's own table as before.
+const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int64_t DK) {
+    constexpr size_t FA_ROPE_TABS_BYTES = 64u << 20;
+    thread_local const fa_rope_tab * last = nullptr;
+    // by where the frequencies lie (a model's tensor: the same address every token), checked against their values
+    thread_local std::unordered_map<const float *, const fa_rope_tab *> seen;
+    if (last != nullptr && fa_rope_tab_is(*last, pr, w, DK)) {
+        return *last;
+    }
+    if (auto it = seen.find(w); it != seen.end() && fa_rope_tab_is(*it->second, pr, w, DK)) {
+        last = it->second;
+        return *last;
+    }
+    uint64_t h = 1469598103934665603ull;     // FNV-1a of what the table is built from
+    auto mix = [&h](const void * p, size_t n) {
+        for (size_t i = 0; i < n; ++i) {
+            h = (h ^ ((const uint8_t *) p)[i])*1099511628211ull;
+        }
+    };
+    mix(w, (pr.n_dims/2)*sizeof(float));
+    mix(&pr.mscale, sizeof(pr.mscale));
+    mix(&pr.n_dims, sizeof(pr.n_dims));
+    mix(&pr.neox, sizeof(pr.neox));
+    mix(&DK, sizeof(DK));
+    static std::mutex mu;
+    static std::unordered_multimap<uint64_t, std::unique_ptr<fa_rope_tab>> tabs;
+    static size_t bytes = 0;
+    auto keep = [&](const fa_rope_tab * t) -> const fa_rope_tab & {
+        if (seen.size() < 4096) {
+            seen[w] = t;
+        }
+        return *(last = t);
+    };
+    auto find = [&]() -> const fa_rope_tab * {
+        auto r = tabs.equal_range(h);
+        for (auto it = r.first; it != r.second; ++it) {
+            if (fa_rope_tab_is(*it->second, pr, w, DK)) {
+                return it->second.get();
+            }
+        }
+        return nullptr;
+    };
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        if (const fa_rope_tab * t = find()) {
+            return keep(t);
+        }
+    }
+    auto tab = std::make_unique<fa_rope_tab>();
+    fa_rope_tab_fill(*tab, pr, w, DK);           // outside the lock: another thread may build the same one meanwhile
+    const size_t size = (tab->c.size() + tab->s.size())*sizeof(float);
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        if (const fa_rope_tab * t = find()) {
+            return keep(t);
+        }
+        if (bytes + size <= FA_ROPE_TABS_BYTES) {
+            bytes += size;
+            const fa_rope_tab * t = tab.get();
+            tabs.emplace(h, std::move(tab));
+            return keep(t);
+        }
+    }
+    thread_local fa_rope_tab own;
+    own = std::move(*tab);
+    last = &own;
+    return own;
 }
 
 // cos/sin(p w) of the pairs 0..n-1 exactly. Each work item's first tile needs them, and the same tile starts and
 // frequencies come back in every head, layer and token, so each thread keeps the last ones it computed (direct
-// mapped by tile and frequencies; the values are those cos/sin give, so results do not depend on the memo).
+// mapped by tile and all the frequencies: with per-head frequencies a decode cycles through every head's, 90 on
+// SmolLM2 times the chunks' starts, which 64 slots keyed by one frequency thrashed; the values are those cos/sin
+// give, so results do not depend on the memo).
 void fa_rope_exact(int32_t p, int n, const float * w, double * c, double * s) {
     struct slot {
         int32_t p = INT32_MIN;
         std::vector<float> w;
         std::vector<double> c, s;
     };
-    constexpr uint32_t N_SLOTS = 64;
+    constexpr uint32_t N_SLOTS = 1024;          // ~0.7 KiB each for 32 pairs
     thread_local std::vector<slot> memo;        // on the heap: a dlopened library has little static TLS
     if (memo.empty()) {
         memo.resize(N_SLOTS);
     }
-    uint32_t wbits = 0;
-    memcpy(&wbits, w + (n > 1), sizeof(wbits));     // w[0] is 1 in most models: w[1] tells heads apart
-    slot & e = memo[((uint32_t) p/FA_TILE_KV ^ (wbits*0x9E3779B1u >> 26)) % N_SLOTS];
+    uint32_t h = 2166136261u ^ (uint32_t) p;    // FNV-1a of the position and the frequencies' bits
+    for (int j = 0; j < n; ++j) {
+        uint32_t b;
+        memcpy(&b, w + j, sizeof(b));
+        h = (h ^ b)*16777619u;
+    }
+    slot & e = memo[(h ^ (h >> 16)) % N_SLOTS];
     if (e.p == p && e.w.size() == (size_t) n && std::equal(w, w + n, e.w.begin())) {
         std::copy(e.c.begin(), e.c.end(), c);
         std::copy(e.s.begin(), e.s.end(), s);
