@@ -36,6 +36,51 @@ constexpr int FA_MIN_CHUNK = 256;  // shortest KV chunk worth a partial result
 constexpr int FA_PAD       = 16;   // floats between per-thread scratch areas (one cache line)
 constexpr int FA_F16_DECODE_ROWS = 16; // f16/f32 caches: batches of fewer query tokens take this path (decode)
 
+// C += A·B (row-major, M x K times K x N) as simd_gemm, whose rows past its blocks of GEMM_RM run one at a time with
+// two vectors of columns per pass: a GQA group of 3 (SmolLM2's) then runs two FMA chains and reads the V tile three
+// times (simd_gemm was 7.5% of a decode in perf). Here those rows share each pass over B, with as many column vectors
+// as simd_gemm's register budget leaves them (at most 4). Each element takes the same FMAs in the same order: the
+// same bits.
+#if defined(GGML_SIMD) && !defined(__ARM_FEATURE_SVE) && !defined(__riscv_v_intrinsic)
+template <int RM>
+void fa_gemm_rows(float * C, const float * A, const float * B, int K, int N) {
+    constexpr int KN = GGML_F32_EPR;
+    constexpr int RN = std::min(4, std::max(1, GEMM_RM*GEMM_RN/RM));
+    int64_t jj = 0;
+    for (; jj + RN*KN <= N; jj += RN*KN) {
+        simd_gemm_ukernel<RM, RN>(C + jj, A, B + jj, K, N);
+    }
+    for (; jj + KN <= N; jj += KN) {
+        simd_gemm_ukernel<RM, 1>(C + jj, A, B + jj, K, N);
+    }
+    if (jj < N) {
+        simd_gemm_ukernel_tail<RM>(C + jj, A, B + jj, K, N, (int) (N - jj));
+    }
+}
+
+void fa_gemm(float * C, const float * A, const float * B, int M, int K, int N) {
+    const int m0 = M - M % GEMM_RM;
+    if (m0 > 0) {
+        simd_gemm(C, A, B, m0, K, N);
+    }
+    C += (int64_t) m0*N;
+    A += (int64_t) m0*K;
+    switch (M - m0) {
+        case 0:  break;
+        case 1:  fa_gemm_rows<1>(C, A, B, K, N); break;
+        case 2:  fa_gemm_rows<2>(C, A, B, K, N); break;
+        case 3:  fa_gemm_rows<3>(C, A, B, K, N); break;
+        case 4:  fa_gemm_rows<4>(C, A, B, K, N); break;
+        case 5:  fa_gemm_rows<5>(C, A, B, K, N); break;
+        default: simd_gemm(C, A, B, M - m0, K, N); break;
+    }
+}
+#else
+void fa_gemm(float * C, const float * A, const float * B, int M, int K, int N) {
+    simd_gemm(C, A, B, M, K, N);
+}
+#endif
+
 struct fa_plan {
     int64_t DK, DV, G, TQ, R, n_qt, n_units, n_chunks, chunk;
     size_t  scratch;    // floats of scratch per thread
@@ -470,7 +515,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
                 }
             }
             memset(s.S, 0, R*n*sizeof(float));
-            simd_gemm(s.S, s.Q, s.Kt, (int) R, (int) DK, (int) n);
+            fa_gemm(s.S, s.Q, s.Kt, (int) R, (int) DK, (int) n);
         } else {
             fa_dots(Qd, R, DK, s.Kf, n, s.S);
         }
@@ -537,7 +582,7 @@ void fa_run_item(const fa_plan & p, const ggml_tensor * dst, const fa_unit & w, 
             v_to_float((const char *) v->data + (ic + t)*v->nb[1] + w.ik2*v->nb[2] + iv3*v->nb[3], s.Vf + t*DV, DV);
         }
         fa_window_rows(pr, wrow, n, pr.win_v0 + w.ik2*DV, DV, s.Vf);
-        simd_gemm(s.O, s.S, s.Vf, (int) R, (int) n, (int) DV);
+        fa_gemm(s.O, s.S, s.Vf, (int) R, (int) n, (int) DV);
         // mixed window cells: the queries whose window holds the cell read its exact V (O += p·(v_exact - v))
         for (int m = 0; m < n_mixed; ++m) {
             const int32_t t = wmixed[m];
