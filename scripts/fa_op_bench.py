@@ -3,7 +3,7 @@
 post-RoPE, a pre-RoPE and a centred post-RoPE K cache of the same type, and f16, at one depth. An op-level companion to
 llama-bench (scripts/fattn_results.py) for kernel work: no model, so runs in seconds.
 
-    python scripts/fa_op_bench.py [--n-kv 8192] [--shape smollm2|qwen] [--types q4_0,nuq4] [--reps 50] [--centre-pairs 12]
+    python scripts/fa_op_bench.py [--n-kv 8192] [--shape smollm2|qwen] [--types q4_0,nuq4] [--reps 50] [--centre-pairs 12] [--rot 64]
     python scripts/fa_op_bench.py --file CONVERTED.gguf [--layers 0,10,20]
 
 --file takes the shape, the rotary frequencies and, per layer, the mean pairs the runtime keeps
@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1, help="1 (default): timed by thread CPU time")
     ap.add_argument("--centre-pairs", type=int, default=12, help="pairs per head with a mean, centred cache")
+    ap.add_argument("--rot", type=int, default=64,
+                    help="the +H columns' Hadamard block (the runtime takes the largest power of two dividing the head: 128 on Qwen)")
     ap.add_argument("--file", default=None, help="a --prerope-k file: its shape, frequencies and kept mean pairs")
     ap.add_argument("--layers", default=None, help="with --file: comma-separated layers (default: all, summed)")
     args = ap.parse_args()
@@ -118,8 +120,8 @@ def main() -> None:
     for t in args.types.split(","):
         post = time_fa(t, t, pre=False, rot=0, **kw) * len(layers)
         pre = over_layers(t, t, pre=True, rot=0)
-        preh = over_layers(t, t, pre=True, rot=64)
-        cen = over_layers(t, t, pre=True, rot=64, centred=args.centre_pairs)
+        preh = over_layers(t, t, pre=True, rot=args.rot)
+        cen = over_layers(t, t, pre=True, rot=args.rot, centred=args.centre_pairs)
         print(f"{t:>8} {post*1e6:10.1f} {pre*1e6:10.1f} {preh*1e6:10.1f} {cen*1e6:10.1f}  {post/preh:9.2f}x "
               f"{post/cen:14.2f}x {f16/cen:14.2f}x")
     print(f"(f16: {f16*1e6:.1f} us)")
