@@ -157,6 +157,15 @@ def test_prefill_tiled_matches_reference(kt, vt):
     assert rel_err(outs[None], ref) < 2e-5
 
 
+@pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2), (10, 2), (14, 2)])
+def test_group_sizes_match_reference(H, Hkv):
+    """GQA groups of 1, 2, 5 and 7 query heads, decode and a short batch: P·V (and Q·Kᵀ in the batch) take a small
+    group's rows in one pass (fa_gemm) and what is left past simd_gemm's blocks the same way."""
+    for N in (1, 3, 20):
+        outs, ref = run_fa("q4_0", "nuq4", N=N, n_kv=300, H=H, Hkv=Hkv, causal=N > 1)
+        assert rel_err(outs[None], ref) < 2e-5, N
+
+
 @pytest.mark.parametrize("n_threads", [1, 3])
 def test_alibi_softcap_sinks_and_sequences(n_threads):
     """ALiBi slopes, logit softcap, attention sinks and two sequences (ne3 = 2) together,

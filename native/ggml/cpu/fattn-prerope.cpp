@@ -249,42 +249,20 @@ bool fa_rope_tab_is(const fa_rope_tab & tab, const fa_prerope & pr, const float 
 
 // One table per head's frequencies, shared by every thread and kept (a table is immutable once built): with per-head
 // frequencies (K-sort) consecutive work items are different heads, and a per-thread table of one entry was rebuilt
-// for nearly every item (2% of a SmolLM2 decode at 4096 cells in perf, its cos/sin beside it). At most
+// for nearly every item (2% of a SmolLM2 decode at 4096 cells in perf, its cos/sin beside it). Found by where the
+// frequencies lie (a model's tensor: the same address every token) and checked against their values. At most
 // FA_ROPE_TABS_BYTES in all (a 7B model's 256 heads of 128 take 16 MiB); past that, a thread's own table as before.
 const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int64_t DK) {
     constexpr size_t FA_ROPE_TABS_BYTES = 64u << 20;
     thread_local const fa_rope_tab * last = nullptr;
-    // by where the frequencies lie (a model's tensor: the same address every token), checked against their values
-    thread_local std::unordered_map<const float *, const fa_rope_tab *> seen;
     if (last != nullptr && fa_rope_tab_is(*last, pr, w, DK)) {
         return *last;
     }
-    if (auto it = seen.find(w); it != seen.end() && fa_rope_tab_is(*it->second, pr, w, DK)) {
-        last = it->second;
-        return *last;
-    }
-    uint64_t h = 1469598103934665603ull;     // FNV-1a of what the table is built from
-    auto mix = [&h](const void * p, size_t n) {
-        for (size_t i = 0; i < n; ++i) {
-            h = (h ^ ((const uint8_t *) p)[i])*1099511628211ull;
-        }
-    };
-    mix(w, (pr.n_dims/2)*sizeof(float));
-    mix(&pr.mscale, sizeof(pr.mscale));
-    mix(&pr.n_dims, sizeof(pr.n_dims));
-    mix(&pr.neox, sizeof(pr.neox));
-    mix(&DK, sizeof(DK));
     static std::mutex mu;
-    static std::unordered_multimap<uint64_t, std::unique_ptr<fa_rope_tab>> tabs;
+    static std::unordered_multimap<const float *, std::unique_ptr<fa_rope_tab>> tabs;
     static size_t bytes = 0;
-    auto keep = [&](const fa_rope_tab * t) -> const fa_rope_tab & {
-        if (seen.size() < 4096) {
-            seen[w] = t;
-        }
-        return *(last = t);
-    };
     auto find = [&]() -> const fa_rope_tab * {
-        auto r = tabs.equal_range(h);
+        auto r = tabs.equal_range(w);
         for (auto it = r.first; it != r.second; ++it) {
             if (fa_rope_tab_is(*it->second, pr, w, DK)) {
                 return it->second.get();
@@ -294,8 +272,8 @@ const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int6
     };
     {
         std::lock_guard<std::mutex> lock(mu);
-        if (const fa_rope_tab * t = find()) {
-            return keep(t);
+        if ((last = find()) != nullptr) {
+            return *last;
         }
     }
     auto tab = std::make_unique<fa_rope_tab>();
@@ -303,14 +281,14 @@ const fa_rope_tab & fa_rope_tab_for(const fa_prerope & pr, const float * w, int6
     const size_t size = (tab->c.size() + tab->s.size())*sizeof(float);
     {
         std::lock_guard<std::mutex> lock(mu);
-        if (const fa_rope_tab * t = find()) {
-            return keep(t);
+        if ((last = find()) != nullptr) {
+            return *last;
         }
         if (bytes + size <= FA_ROPE_TABS_BYTES) {
             bytes += size;
-            const fa_rope_tab * t = tab.get();
-            tabs.emplace(h, std::move(tab));
-            return keep(t);
+            last = tab.get();
+            tabs.emplace(w, std::move(tab));
+            return *last;
         }
     }
     thread_local fa_rope_tab own;

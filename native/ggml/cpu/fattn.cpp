@@ -59,6 +59,7 @@ void fa_gemm_rows(float * C, const float * A, const float * B, int K, int N) {
 }
 
 void fa_gemm(float * C, const float * A, const float * B, int M, int K, int N) {
+    static_assert(GEMM_RM <= 6, "fa_gemm takes up to 5 rows past simd_gemm's blocks");
     const int m0 = M - M % GEMM_RM;
     if (m0 > 0) {
         simd_gemm(C, A, B, m0, K, N);
@@ -72,7 +73,6 @@ void fa_gemm(float * C, const float * A, const float * B, int M, int K, int N) {
         case 3:  fa_gemm_rows<3>(C, A, B, K, N); break;
         case 4:  fa_gemm_rows<4>(C, A, B, K, N); break;
         case 5:  fa_gemm_rows<5>(C, A, B, K, N); break;
-        default: simd_gemm(C, A, B, M - m0, K, N); break;
     }
 }
 #else
