@@ -21,7 +21,9 @@ the head's Hadamard, scales by least squares). Values: per token, Hadamard over 
 runtime's); or split by importance (`vmix<hi><lo>`: channels ordered by w_c E[v_c^2]; `vklt<hi><lo>`: halves of
 the w-whitened eigenbasis of E[v v^T]; `vsc<b>`: channels scaled by sqrt(w_c) before the Hadamard), where a trailing
 F / W / I picks w: the backward pass's diagonal Fisher (default), W_o's column norms, or 1. The post-RoPE q8_0
-row is stock llama.cpp's q8_0 cache (with its Hadamard) for the ratio the issue's targets are stated in.
+row is stock llama.cpp's q8_0 cache (with its Hadamard) for the ratio the issue's targets are stated in. A row's
+`salient` fraction of each KV head's tokens past the sinks is also read exactly: by the attention they receive from
+every query (an oracle, the future included) or by their own rounding error.
 
 Bits per value count the window and sinks as f16 at the context length used. Cost: ~1 min per row and window
 on 2 cores for SmolLM2 at 4096 tokens.
@@ -58,6 +60,9 @@ class Row:
     sinks: int = 0         # S first tokens exact
     vwindow: int | None = None   # the values' own window (None: W); keys and values can keep different windows
     wtype: str = "f16"     # how the window and sinks are held: f16 (exact) or q8_0 (per token, the head's Hadamard)
+    salient: float = 0.0   # this fraction of each KV head's other tokens also read exactly (heavy hitters)
+    sal_by: str = "oracle"  # which: "oracle" (most attention received from every query, the future's included:
+                            # a bound) or "err" (largest own rounding error, known when the row is written)
 
     def vwin(self) -> int:
         return self.window if self.vwindow is None else self.vwindow
@@ -86,7 +91,8 @@ def type_bits(t: str) -> float:
 def row_bits(r: Row, ctx: int) -> float:
     wb = type_bits(r.wtype)
     ek, ev = min(ctx, r.window + r.sinks), min(ctx, r.vwin() + r.sinks)
-    return ((ctx - ek) * type_bits(r.k) + ek * wb + (ctx - ev) * type_bits(r.v) + ev * wb) / (2 * ctx)
+    bk, bv = (type_bits(x) * (1 - r.salient) + type_bits("f16") * r.salient for x in (r.k, r.v))
+    return ((ctx - ek) * bk + ek * wb + (ctx - ev) * bv + ev * wb) / (2 * ctx)
 
 
 def lsq_blocks(x: np.ndarray, bits: int) -> np.ndarray:
@@ -215,6 +221,7 @@ class Harness:
         self.row: Row | None = None
         self.kq: dict[int, np.ndarray] = {}
         self.kw: dict[int, np.ndarray] = {}
+        self.kerr: dict[int, np.ndarray] = {}
         ml = sys.modules[type(st.model.model.layers[0].self_attn).__module__]
         prev, h = ml.apply_rotary_pos_emb, self
 
@@ -237,6 +244,7 @@ class Harness:
                         y = importance_split(y, h.korder[i], *re.findall(r"t?\d", r.k[3:]))
                     else:
                         y = per_token(y, r.k, g.head_dim)
+                    h.kerr[i] = ((y - ((x - mean) / scale)) ** 2).sum(-1)                   # [T, n_kv]
                     xq = torch.from_numpy(np.ascontiguousarray((y * scale + mean)[..., st.inv].transpose(1, 0, 2),
                                                                np.float32))[None]
                     h.kq[i] = prev(q, xq, cos, sin, *a, **kw)[1]
@@ -272,6 +280,10 @@ class Harness:
                 mask_q = ((sidx // G + 1) * G <= t - r.window + 1) & (sidx >= r.sinks)   # keys read quantized
                 s = torch.where(mask_q, s_q, s_e)
                 mask_q = (sidx <= t - r.vwin()) & (sidx >= r.sinks)                       # values read quantized
+                if r.salient > 0:
+                    keep = h.salient_tokens(r, i, s_e, t, sidx, v_np, vq, n_rep)             # [H, T] read exactly
+                    s = torch.where(keep[None, :, None, :], s_e, s)
+                    mask_q = mask_q & ~keep[None, :, None, :]
             s = s.masked_fill(sidx > t, float("-inf"))      # causal (one unpadded sequence; the mask given is unused)
             p = torch.softmax(s, dim=-1, dtype=torch.float32)
             if mask_q is None:
@@ -282,6 +294,24 @@ class Harness:
             return o.transpose(1, 2).contiguous(), None
         AttentionInterface.register("pykvq_longctx", attention)
         st.model.config._attn_implementation = "pykvq_longctx"
+
+    def salient_tokens(self, r: Row, i: int, s_e, t, sidx, v_np, vq, n_rep):
+        """[n_head, T] bool: the r.salient fraction of each KV head's tokens past the sinks read exactly."""
+        import torch
+        T = s_e.shape[-1]
+        if r.sal_by == "oracle":
+            p = torch.softmax(s_e.masked_fill(sidx > t, float("-inf")), dim=-1, dtype=torch.float32)
+            score = p[0].sum(1)                                                      # [H, T] received
+            score = score.reshape(-1, n_rep, T).sum(1)                               # [n_kv, T]
+        else:                                                                        # own rounding error, K and V
+            ev = ((vq[0].numpy() - v_np.transpose(1, 0, 2)) ** 2).sum(-1)            # [n_kv, T]
+            ek = self.kerr[i].T
+            score = torch.from_numpy(ek / ek.mean(1, keepdims=True) + ev / ev.mean(1, keepdims=True))
+        score[:, :r.sinks] = -1.0
+        n = max(1, int(round(r.salient * T)))
+        keep = torch.zeros_like(score, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(score, n, dim=1).indices, True)
+        return keep.repeat_interleave(n_rep, dim=0)
 
     def quant_v(self, v: np.ndarray, t: str, i: int) -> np.ndarray:
         """v [T, n_kv, hd] of layer i read back from the cache type t: per_token's types, or split by importance
@@ -383,6 +413,10 @@ def main(argv=None) -> int:
           for kw, vw, wt in ((64, 64, "f16"), (0, 0, "f16"), (64, 0, "f16"), (0, 64, "f16"), (128, 0, "f16"),
                              (0, 128, "f16"), (16, 16, "f16"), (128, 128, "q8_0"), (64, 64, "q8_0"))],
     ]
+    # heavy hitters: a few tokens past the window read exactly, by attention received (a bound) or by own error
+    rows += [Row(f"{k} / {v} + window 64, sinks 4, {fr:.0%} salient by {by}", k, v, 64, S, salient=fr, sal_by=by)
+             for k, v in (("q8_0", "tcq2_64"), ("mix32", "q8_0"))
+             for fr, by in ((0.0, "oracle"), (0.01, "oracle"), (0.03, "oracle"), (0.03, "err"))]
     if args.only:
         keep = set(args.only.split(";"))
         rows = [r for r in rows if r.name in keep]
