@@ -63,7 +63,8 @@ class Row:
     wtype: str = "f16"     # how the window and sinks are held: f16 (exact) or q8_0 (per token, the head's Hadamard)
     salient: float = 0.0   # this fraction of each KV head's other tokens also read exactly (heavy hitters)
     sal_by: str = "oracle"  # which: "oracle" (most attention received from every query, the future's included:
-                            # a bound) or "err" (largest own rounding error, known when the row is written)
+                            # a bound), "h2o" (most received from the queries before each one) or "err" (largest
+                            # own rounding error, known when the row is written)
 
     def vwin(self) -> int:
         return self.window if self.vwindow is None else self.vwindow
@@ -238,19 +239,20 @@ class Harness:
                 else:
                     x = k[0].detach().numpy().transpose(1, 0, 2)[..., st.idx]        # [T, n_kv, hd] NORM
                     mean, scale = h.kstats[i]
-                    y = (x - mean) / scale
+                    y0 = (x - mean) / scale                  # what the cache quantizes
+                    y = y0
                     if r.k.startswith("grp"):
                         y = token_groups(y, *map(int, r.k[3:].split("x")))
                     elif r.k.startswith("mix"):
                         y = importance_split(y, h.korder[i], *re.findall(r"t?\d", r.k[3:]))
                     else:
                         y = per_token(y, r.k, g.head_dim)
-                    h.kerr[i] = ((y - ((x - mean) / scale)) ** 2).sum(-1)                   # [T, n_kv]
+                    h.kerr[i] = ((y - y0) ** 2).sum(-1)                                      # [T, n_kv]
                     xq = torch.from_numpy(np.ascontiguousarray((y * scale + mean)[..., st.inv].transpose(1, 0, 2),
                                                                np.float32))[None]
                     h.kq[i] = prev(q, xq, cos, sin, *a, **kw)[1]
                     if r.wtype != "f16":             # the window's rows held in another type (pre-RoPE, as the cache)
-                        y8 = per_token((x - mean) / scale, r.wtype, g.head_dim)
+                        y8 = per_token(y0, r.wtype, g.head_dim)
                         x8 = torch.from_numpy(np.ascontiguousarray((y8 * scale + mean)[..., st.inv].transpose(1, 0, 2),
                                                                    np.float32))[None]
                         h.kw[i] = prev(q, x8, cos, sin, *a, **kw)[1]
@@ -301,9 +303,10 @@ class Harness:
         each KV head's tokens past the sinks (h2o: of the tokens before each query, by their attention so far)."""
         import torch
         T = s_e.shape[-1]
-        if r.sal_by == "h2o":                     # causal: attention received from the queries before each one
+        if r.sal_by in ("h2o", "oracle"):         # the exact attention, summed over each KV head's group
             p = torch.softmax(s_e.masked_fill(sidx > t, float("-inf")), dim=-1, dtype=torch.float32)
             a = p[0].reshape(-1, n_rep, T, T).sum(1)                                 # [n_kv, T(q), T(k)]
+        if r.sal_by == "h2o":                     # causal: attention received from the queries before each one
             a = torch.cumsum(a, dim=1) - a                                           # from queries u < t
             a[:, :, :r.sinks] = -1.0
             n = torch.clamp(torch.round(r.salient * torch.arange(T)), min=1).long()  # of the tokens so far
@@ -312,9 +315,7 @@ class Harness:
             keep = (a >= thr) & (a > 0)
             return keep.repeat_interleave(n_rep, dim=0)[None]                      # [1, H, T, T]
         if r.sal_by == "oracle":
-            p = torch.softmax(s_e.masked_fill(sidx > t, float("-inf")), dim=-1, dtype=torch.float32)
-            score = p[0].sum(1)                                                      # [H, T] received
-            score = score.reshape(-1, n_rep, T).sum(1)                               # [n_kv, T]
+            score = a.sum(1)                                                         # [n_kv, T] received
         else:                                                                        # own rounding error, K and V
             ev = ((vq[0].numpy() - v_np.transpose(1, 0, 2)) ** 2).sum(-1)            # [n_kv, T]
             ek = self.kerr[i].T
@@ -425,7 +426,8 @@ def main(argv=None) -> int:
           for kw, vw, wt in ((64, 64, "f16"), (0, 0, "f16"), (64, 0, "f16"), (0, 64, "f16"), (128, 0, "f16"),
                              (0, 128, "f16"), (16, 16, "f16"), (128, 128, "q8_0"), (64, 64, "q8_0"))],
     ]
-    # heavy hitters: a few tokens past the window read exactly, by attention received (a bound) or by own error
+    # heavy hitters: a few tokens past the window read exactly, by attention received (from every query: a bound;
+    # from the queries before each: H2O's rule) or by own rounding error
     rows += [Row(f"{k} / {v} + window 64, sinks 4, {fr:.0%} salient by {by}", k, v, 64, S, salient=fr, sal_by=by)
              for k, v in (("q8_0", "tcq2_64"), ("mix32", "q8_0"))
              for fr, by in ((0.0, "oracle"), (0.01, "oracle"), (0.03, "oracle"), (0.03, "err"), (0.01, "h2o"),
