@@ -140,6 +140,21 @@ def prerope_key_moments(c: Calib, layer: int, g: Geometry, d: Domain) -> tuple[n
     return mean, std, absmax, fisher
 
 
+def prerope_query_mean(c: Calib, layer: int, g: Geometry, d: Domain) -> np.ndarray | None:
+    """[n_kv, head_dim] float32: the mean pre-RoPE query summed over each KV head's group, in prerope_keys' channels
+    (the baked transforms act on queries as on the keys' gradients, so q.k is kept), or None without query
+    statistics. Its dot product with a key is the key's mean score before RoPE: the runtime's heavy-hitter score."""
+    km = c.km[layer] if c.km is not None else None
+    if c.q is not None:
+        qm = c.q[layer].astype(np.float64).mean(axis=0)
+    elif km is not None and km.q_mean is not None:
+        qm = np.asarray(km.q_mean, np.float64)
+    else:
+        return None
+    qg = qm.reshape(g.n_head_kv, g.group, g.head_dim).sum(axis=1)
+    return _k_baked(qg[None], g, d, grad=True)[0].astype(np.float32)
+
+
 def keys(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
     if d.k_prerope:
         if d.k_mean is None or d.k_div is None:

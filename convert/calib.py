@@ -54,6 +54,7 @@ class KeyMoments:
     lo: np.ndarray           # smallest k
     hi: np.ndarray           # largest k
     fisher: np.ndarray       # E[(dL/dk)^2], or its forward-pass estimate (sensitivity "forward")
+    q_mean: np.ndarray | None = None   # [n_head, head_dim] E[q] of the layer's queries before RoPE
 
 
 @dataclass
@@ -119,7 +120,7 @@ def from_runtime(st, g: Geometry, v_sens: list[np.ndarray] | None = None, grads=
                                    f"the converter expects [{heads}, {g.head_dim}] (per-layer head sizes or counts "
                                    "are not supported)")
     km = [KeyMoments(ls.mean["k"][:, idx], ls.sq["k"][:, idx], ls.lo["k"][:, idx], ls.hi["k"][:, idx],
-                     key_sensitivity(ls.sq["q"][:, idx], g)) for ls in st.layers]
+                     key_sensitivity(ls.sq["q"][:, idx], g), ls.mean["q"][:, idx]) for ls in st.layers]
     have = all("k" in ls.samples for ls in st.layers)
     q = [ls.samples["q"][..., idx] for ls in st.layers] if have else None
     k = [ls.samples["k"][..., idx] for ls in st.layers] if have else None

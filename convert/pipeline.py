@@ -370,6 +370,9 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
             out = [(Tensors.K_MEAN, mean), (Tensors.K_SCALE, scale)]
             if opts.prerope_scale != "std":     # the centred cache chooses its mean pairs by the std
                 out.append((Tensors.K_STD, std))
+            q_mean = cache_domain.prerope_query_mean(calib, i, g, dom)
+            if q_mean is not None:              # the runtime's heavy-hitter score (--kv-heavy)
+                out.append((Tensors.Q_MEAN, q_mean))
             for fmt, arr in out:
                 name = fmt.format(bid=i)
                 m.tensors[name] = Tensor(name, QT.F32, arr)

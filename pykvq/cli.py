@@ -44,6 +44,9 @@ def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None
     ap.add_argument("--kv-window", type=int, default=None, metavar="N",
                     help="a pre-RoPE file: each query reads the last N positions up to it in f16 (default: the file's "
                          "pykvq.cache.kv_window, 64 for a --prerope-k file; 0 turns it off), in decode and prefill alike")
+    ap.add_argument("--kv-heavy", type=float, default=None, metavar="F",
+                    help="a pre-RoPE file with the window: also keep this fraction of the context exact, the keys "
+                         "scoring highest against the file's mean query (heavy hitters, e.g. 0.01; default 0)")
     ap.add_argument("-ub", "--ubatch-size", type=int, default=None, help="tokens per graph (default 512)")
     ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
@@ -78,7 +81,7 @@ def _open(args, n_ctx_default: int = 4096, cache_k=None, cache_v=None, rotation:
                  attn_rot_k=args.attn_rot_k if rotation else "auto",
                  attn_rot_v=args.attn_rot_v if rotation else "auto",
                  kv_sinks=args.kv_sinks if rotation else 0, kv_window=args.kv_window if rotation else 0,
-                 n_ubatch=args.ubatch_size)
+                 kv_heavy=args.kv_heavy if rotation else 0, n_ubatch=args.ubatch_size)
 
 
 def _read_text(path):

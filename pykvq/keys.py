@@ -75,6 +75,8 @@ class Tensors:
     K_MEAN = "blk.{bid}.kvq_k_mean"                          # F32 [head_dim, n_head_kv]: pre-RoPE key cache
     K_SCALE = "blk.{bid}.kvq_k_scale"
     K_STD = "blk.{bid}.kvq_k_std"                            # F32, same shape: the keys' std (scale methods but std)
+    Q_MEAN = "blk.{bid}.kvq_q_mean"                          # F32, same shape: the mean pre-RoPE query, summed over
+                                                             # each KV head's group (the heavy-hitter score's direction)
 
     CODEBOOK = {"k": CODEBOOK_K, "v": CODEBOOK_V}
 

@@ -87,6 +87,8 @@ class Model(Generation, Evaluation):
     kv_sinks positions unquantized (f16) beside the quantized cache (default: the file's pykvq.cache.kv_window /
     kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md). kv_window_type: their
     rows' type, "f16" or "q8_0" (default: the file's pykvq.cache.kv_window_type, else f16; q8_0 in CPU- and CUDA-held layers).
+    kv_heavy: with the window, also keep this fraction of each sequence's cells exact as heavy hitters, the keys
+    scoring highest against the file's mean query (blk.N.kvq_q_mean; default 0).
     None for any of these: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL /
     PYKVQ_KV_WINDOW / PYKVQ_KV_SINKS,
     else the process default (pykvq.use_with_llama_cpp), else auto. self.k_domain / self.encoder say what the context really runs.
@@ -103,7 +105,7 @@ class Model(Generation, Evaluation):
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
                  encoder: str | None = None, k_centre_residual: float | None = None,
                  kv_window: int | None = None, kv_sinks: int | None = None, kv_window_type: str | None = None,
-                 n_ubatch: int | None = None,
+                 kv_heavy: float | None = None, n_ubatch: int | None = None,
                  _calibration=None, _probe=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
@@ -196,7 +198,7 @@ class Model(Generation, Evaluation):
         log.clear()
         settings = dict(attn_rot_k=_ROT_NAMES[rot_k], attn_rot_v=_ROT_NAMES[rot_v], k_domain=k_domain,
                         encoder=encoder, k_centre_residual=k_centre_residual, kv_window=kv_window, kv_sinks=kv_sinks,
-                        kv_window_type=kv_window_type)
+                        kv_window_type=kv_window_type, kv_heavy=kv_heavy)
         try:
             with _kvq_params(L, settings) as kvq:
                 self._ctx = L.llama_kvq_init_from_model_params(self._model, cp, kvq)

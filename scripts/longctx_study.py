@@ -64,7 +64,16 @@ class Row:
     salient: float = 0.0   # this fraction of each KV head's other tokens also read exactly (heavy hitters)
     sal_by: str = "oracle"  # which: "oracle" (most attention received from every query, the future's included:
                             # a bound), "h2o" (most received from the queries before each one) or "err" (largest
-                            # own rounding error, known when the row is written)
+                            # own rounding error, known when the row is written); "evict*": what a runtime can do,
+                            # a token chosen when it leaves the window, from a store that only loses members
+                            # (H2O's running sums: "evict" per KV head, "evictl" one store per layer for all
+                            # heads' rows, "evictm" one for the model by every layer's and head's attention,
+                            # "evictf" per head with each score frozen when the token leaves); "qbar" / "qbarl"
+                            # (per head / per layer): the same store by a static score, each key's logit against
+                            # the text's mean query before RoPE; "qbarm" one store for the model by the sum of every
+                            # layer's and head's standardized score, "qbarc" / "qbarlc" (per head / per layer)
+                            # against the mean of the queries up to the key's own, "qbarlx" per layer against
+                            # another text's mean query (what a file could hold)
 
     def vwin(self) -> int:
         return self.window if self.vwindow is None else self.vwindow
@@ -93,7 +102,7 @@ def type_bits(t: str) -> float:
 def row_bits(r: Row, ctx: int) -> float:
     wb = type_bits(r.wtype)
     ek, ev = min(ctx, r.window + r.sinks), min(ctx, r.vwin() + r.sinks)
-    bk, bv = (type_bits(x) * (1 - r.salient) + type_bits("f16") * r.salient for x in (r.k, r.v))
+    bk, bv = (type_bits(x) * (1 - r.salient) + wb * r.salient for x in (r.k, r.v))
     return ((ctx - ek) * bk + ek * wb + (ctx - ev) * bv + ev * wb) / (2 * ctx)
 
 
@@ -195,6 +204,7 @@ class Harness:
         from transformers import AttentionInterface
         st = Study(model, 4, 512, threads)
         self.st, self.g = st, st.g
+        self.recv_model, self.qbar_model, self.text, self.qbar, self.qmean = {}, {}, None, {}, {}
         c, g = st.calib, st.g
         dom = cache_domain.Domain()
         self.kstats, self.korder = [], []
@@ -230,6 +240,22 @@ class Harness:
         def rope(q, k, cos, sin, *a, **kw):
             q2, k2 = prev(q, k, cos, sin, *a, **kw)
             r = h.row
+            if r is None or r.sal_by.startswith("qbar"):   # a static score per key: the mean query's logit
+                n_kv, hd = k.shape[1], k.shape[-1]
+                if r is not None and r.sal_by in ("qbarc", "qbarlc"):   # the mean of the queries up to the key's own
+                    qc = torch.cumsum(q[0], 1) / torch.arange(1, q.shape[2] + 1)[None, :, None]
+                    sc = torch.einsum("grtd,gtd->gt", qc.reshape(n_kv, -1, q.shape[2], hd), k[0])
+                else:                                       # qbarlx: the mean query of another text (a file's)
+                    qm = q[0].mean(1)
+                    if r is None:
+                        h.qmean.setdefault(h.text, {})[st.layer] = qm.detach()
+                    elif r.sal_by == "qbarlx":
+                        qm = next(v[st.layer] for t, v in h.qmean.items() if t != h.text)
+                    sc = torch.einsum("grd,gtd->gt", qm.reshape(n_kv, -1, hd), k[0])   # [n_kv, T]
+                h.qbar[st.layer] = sc.detach()
+                if r is None:                               # qbarm: every layer's and head's, each standardized
+                    z = (sc - sc.mean(1, keepdim=True)) / sc.std(1, keepdim=True)
+                    h.qbar_model[h.text] = h.qbar_model[h.text] + z.sum(0).detach()
             if r is not None:                        # the quantized cache's keys, after RoPE, for the attention
                 i = st.layer
                 if r.k.endswith("@post"):
@@ -289,6 +315,8 @@ class Harness:
                     mask_q = mask_q & ~keep
             s = s.masked_fill(sidx > t, float("-inf"))      # causal (one unpadded sequence; the mask given is unused)
             p = torch.softmax(s, dim=-1, dtype=torch.float32)
+            if r is None:
+                h.recv_model[h.text] = h.recv_model[h.text] + p[0].sum(0)          # [T(q), T(k)]
             if mask_q is None:
                 o = torch.matmul(p, repeat_kv(value, n_rep))
             else:
@@ -303,9 +331,19 @@ class Harness:
         each KV head's tokens past the sinks (h2o: of the tokens before each query, by their attention so far)."""
         import torch
         T = s_e.shape[-1]
-        if r.sal_by in ("h2o", "oracle"):         # the exact attention, summed over each KV head's group
+        if r.sal_by in ("h2o", "oracle", "evict", "evictl", "evictf"):   # the exact attention, summed over each KV head's group
             p = torch.softmax(s_e.masked_fill(sidx > t, float("-inf")), dim=-1, dtype=torch.float32)
             a = p[0].reshape(-1, n_rep, T, T).sum(1)                                 # [n_kv, T(q), T(k)]
+        if r.sal_by == "evictm":                  # one store for the model: every layer's and head's attention
+            a = self.recv_model[self.text][None].expand(s_e.shape[1] // n_rep, T, T)
+            return self.evicted_store(r, torch.cumsum(a, dim=1) - a, n_rep)
+        if r.sal_by.startswith("evict"):
+            return self.evicted_store(r, torch.cumsum(a, dim=1) - a, n_rep)
+        if r.sal_by == "qbarm":
+            return self.evicted_store(r, self.qbar_model[self.text][None, None, :].expand(s_e.shape[1] // n_rep, T, T),
+                                      n_rep)
+        if r.sal_by.startswith("qbar"):           # static: each key's logit against the mean query (pre-RoPE)
+            return self.evicted_store(r, self.qbar[i][:, None, :].expand(-1, T, T), n_rep)
         if r.sal_by == "h2o":                     # causal: attention received from the queries before each one
             a = torch.cumsum(a, dim=1) - a                                           # from queries u < t
             a[:, :, :r.sinks] = -1.0
@@ -325,6 +363,38 @@ class Harness:
         keep = torch.zeros_like(score, dtype=torch.bool)
         keep.scatter_(1, torch.topk(score, n, dim=1).indices, True)
         return keep.repeat_interleave(n_rep, dim=0)[None, :, None, :]             # [1, H, 1, T]
+
+    @staticmethod
+    def evicted_store(r: Row, recv, n_rep: int):
+        """keep [1, H, T, T] of a store filled as tokens leave the window: token e = t - W, first read quantized by
+        query t, joins while the store holds fewer than round(salient * t) tokens, else takes the place of the member
+        with the least attention received (from queries < t; "evictf": what a member had received when it left the
+        window) if it has more; a member that loses its place is quantized for good. recv [n_kv, T(q), T(k)]."""
+        import torch
+        recv = recv.numpy()
+        n_kv, T, _ = recv.shape
+        # (evictm: every head holds the same score, so one of them chooses)
+        per_layer = r.sal_by in ("evictl", "qbarl", "qbarlc", "qbarlx")
+        groups = [[0]] if r.sal_by in ("evictm", "qbarm") else [list(range(n_kv))] if per_layer else \
+            [[g] for g in range(n_kv)]
+        keep = np.zeros((n_kv, T, T), dtype=bool)
+        for g in groups:
+            mem, frozen = [], []                       # members, and their scores when they left the window
+            for t in range(r.window + r.sinks, T):
+                e = t - r.window
+                se = float(recv[g, t, e].sum())
+                cap = max(1, round(r.salient * t))
+                if len(mem) < cap:
+                    mem.append(e)
+                    frozen.append(se)
+                else:
+                    sc = frozen if r.sal_by == "evictf" else recv[g, t][:, mem].sum(0)
+                    m = int(np.argmin(sc))
+                    if se > sc[m]:
+                        mem[m], frozen[m] = e, se
+                for h in (range(n_kv) if r.sal_by in ("evictm", "qbarm") else g):
+                    keep[h, t, mem] = True
+        return torch.from_numpy(keep).repeat_interleave(n_rep, dim=0)[None]        # [1, H, T, T]
 
     def quant_v(self, v: np.ndarray, t: str, i: int) -> np.ndarray:
         """v [T, n_kv, hd] of layer i read back from the cache type t: per_token's types, or split by importance
@@ -347,6 +417,9 @@ class Harness:
 
     def logprobs(self, ids: np.ndarray, row: Row | None):
         self.row, self.kq = row, {}
+        self.text = hash(ids.tobytes())           # the text's attention received, every head's (evictm's score)
+        if row is None:
+            self.recv_model[self.text] = self.qbar_model[self.text] = 0.0
         try:
             return self.st.logprobs(ids)
         finally:
@@ -432,6 +505,17 @@ def main(argv=None) -> int:
              for k, v in (("q8_0", "tcq2_64"), ("mix32", "q8_0"))
              for fr, by in ((0.0, "oracle"), (0.01, "oracle"), (0.03, "oracle"), (0.03, "err"), (0.01, "h2o"),
                             (0.03, "h2o"))]
+    # what a runtime can keep: chosen as tokens leave the window (per head, one store per layer, frozen scores), the
+    # store's rows in f16 or in the window's q8_0
+    rows += [Row(f"{k} / {v} + window 64, sinks 4{' in q8_0' if wt != 'f16' else ''}, {fr:.0%} salient by {by}", k, v, 64,
+                 S, wtype=wt, salient=fr, sal_by=by)
+             for k, v in (("mix32", "q8_0"),)
+             for fr, by, wt in ((0.0, "evict", "q8_0"), (0.01, "qbarlx", "q8_0"), (0.03, "qbarlx", "q8_0"),
+                                (0.01, "qbarlx", "f16"), (0.01, "qbarl", "f16"), (0.01, "qbarlc", "f16"),
+                                (0.01, "qbar", "f16"), (0.01, "qbarc", "f16"), (0.01, "qbarm", "f16"),
+                                (0.01, "evict", "f16"), (0.01, "evictl", "f16"), (0.01, "evictf", "f16"),
+                                (0.01, "evictm", "f16"), (0.01, "evictl", "q8_0"), (0.01, "evictm", "q8_0"),
+                                (0.03, "evictm", "q8_0"))]
     if args.only:
         keep = set(args.only.split(";"))
         rows = [r for r in rows if r.name in keep]

@@ -30,3 +30,12 @@ def variant(src, out, *, layer_types_k=None, layer_types_v=None, type_k=None, ty
             m.tensors[name] = Tensor(name, QT.I8, padded)
     write_gguf(m, out)
     return out
+
+
+def without_tensors(src, out, suffix: str):
+    """A copy of src without its tensors named blk.N.<suffix> (a file from before that tensor existed)."""
+    m = read_gguf(src)
+    for name in [n for n in m.tensors if n.endswith("." + suffix)]:
+        del m.tensors[name]
+    write_gguf(m, out)
+    return out

@@ -81,14 +81,16 @@ def test_file_has_mean_and_scale_for_every_layer(files, smollm2, geo):
     assert m.meta(Keys.Cache.K_SCALE_METHOD) == prerope.DEFAULT_SCALE
     assert m.meta(Keys.Cache.CODEBOOK_ROT_K) is None                   # no codebooks asked for
     for i in range(geo.n_layer):
-        for name in (Tensors.K_MEAN.format(bid=i), Tensors.K_SCALE.format(bid=i), Tensors.K_STD.format(bid=i)):
+        for name in (Tensors.K_MEAN.format(bid=i), Tensors.K_SCALE.format(bid=i), Tensors.K_STD.format(bid=i),
+                     Tensors.Q_MEAN.format(bid=i)):
             t = m.tensors[name]
             assert t.qtype.name == "F32" and t.data.dtype == np.float32
             assert t.data.shape == (geo.n_head_kv, geo.head_dim)           # ggml ne = [head_dim, n_head_kv]
             assert np.isfinite(t.data).all()
         assert (m.tensors[Tensors.K_SCALE.format(bid=i)].data > 0).all()
     # nothing else changes: the weights are the input's, byte for byte
-    assert len(m.tensors) == len(src.tensors) + 3 * geo.n_layer            # mean, scale, std
+        assert np.abs(m.tensors[Tensors.Q_MEAN.format(bid=i)].data).max() > 0     # the heavy hitters' score
+    assert len(m.tensors) == len(src.tensors) + 4 * geo.n_layer            # mean, scale, std, the queries' mean
     for name, t in src.tensors.items():
         assert m.tensors[name].qtype == t.qtype and np.array_equal(m.tensors[name].data, t.data), name
     assert "pre-RoPE key domain: on" in stdout and "turned by the online Hadamard" in stdout

@@ -549,7 +549,8 @@ def test_tools_take_the_settings_as_flags(smol_pre, tmp_path):
     from pykvq._lib import setting_envs
     assert setting_envs() == {"k_domain": "PYKVQ_K_DOMAIN", "encoder": "PYKVQ_ENCODER",
                               "k_centre_residual": "PYKVQ_K_CENTRE_RESIDUAL", "kv_window": "PYKVQ_KV_WINDOW",
-                              "kv_sinks": "PYKVQ_KV_SINKS", "kv_window_type": "PYKVQ_KV_WINDOW_TYPE"}
+                              "kv_sinks": "PYKVQ_KV_SINKS", "kv_window_type": "PYKVQ_KV_WINDOW_TYPE",
+                              "kv_heavy": "PYKVQ_KV_HEAVY"}
     for name, env in setting_envs().items():
         res = run_tool("llama-bench", *bench, timeout=300, env={env: "-1"})
         assert res.returncode != 0 and f"{env}: {name} = '-1'" in res.stderr, (env, res.stderr[-2000:])

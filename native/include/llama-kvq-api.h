@@ -32,6 +32,7 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model(
 //   k_centre_residual       a number >= 0          the mean energy a centred cache may leave uncorrected (x the variance)
 //   kv_window, kv_sinks     a number >= 0          the exact window of a pre-RoPE cache: last cells, first positions
 //   kv_window_type          f16 | q8_0             its rows' type (q8_0 where the CPU or CUDA attends; RPC keeps f16)
+//   kv_heavy                a fraction in [0, 1]   and this share of each sequence's cells: the heavy hitters
 // A context takes each setting from the llama_kvq_params it is made with, else the process default
 // (llama_kvq_set_default: the tools' flags), else auto. The library reads no environment variable for them: the
 // tools' --kv-* flags fall back to PYKVQ_* variables (llama_kvq_setting_env; as upstream's set_env), llama-bench reads
@@ -64,7 +65,7 @@ LLAMA_API struct llama_context * llama_kvq_init_from_model_params(
 // what context ctx really runs for a setting, as text in buf: k_domain "pre" / "centred" / "post" (any layer
 // pre-RoPE or centred, else post), encoder "lsq" / "stock", attn_rot_k / _v "on" / "off", kv_sinks / kv_window the
 // exact window's sizes ("0": none, e.g. post-RoPE keys or a cache on a GPU), kv_window_type its rows' ("q8_0" where any
-// layer holds q8_0 rows, "" without a window). Returns the length
+// layer holds q8_0 rows, "" without a window), kv_heavy the heavy-hitter slots per sequence ("0": none). Returns the length
 // (snprintf's), -1 for a name it cannot answer or a context without an attention KV cache
 LLAMA_API int32_t llama_kvq_get(const struct llama_context * ctx, const char * name, char * buf, size_t size);
 

@@ -40,6 +40,11 @@ struct llama_kvq_window;
 // planes 1-3 of the positions input at cell j of stream strm, as this batch's attention reads them: the cell's row in
 // the layers' window tensors (-1: its quantized row), the last query position reading that row, query j's position
 void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t j, int32_t * row, int32_t * last, int32_t * qpos);
+// heavy hitters: each keeping layer's positions input for this graph (I32 like pos), and its data: pos's planes (data,
+// streams from s0) with the layer's members' rows patched in
+void llama_kvq_window_layer_pos(const llama_kvq_window & w, ggml_context * ctx, const ggml_tensor * pos);
+void llama_kvq_window_set_layer_pos(const llama_kvq_window & w, const std::vector<llama_kv_cells> & v_cells, uint32_t s0,
+                                    int64_t n_kv, const std::vector<int32_t> & data);
 
 struct llama_kvq_cache {
     using slot_info     = llama_kv_cache::slot_info;
@@ -51,6 +56,7 @@ struct llama_kvq_cache {
         const int8_t * cb_v = nullptr;
         ggml_tensor * k_mean  = nullptr; // a pre-RoPE K cache stores (k - k_mean) / k_scale (model tensors); nullptr: post-RoPE
         ggml_tensor * k_scale = nullptr;
+        ggml_tensor * q_mean  = nullptr; // the file's mean query per KV head's group (heavy hitters' score); nullptr: none
         std::vector<float> k_centre;     // a centred post-RoPE K cache stores R(p)(k - k_centre): F32 [DK, n_head_kv]; empty: not
     };
 
@@ -72,10 +78,13 @@ struct llama_kvq_cache {
     void     set_attn_rot(llama_attn_rot_type rot_k, llama_attn_rot_type rot_v); // AUTO keeps the constructor's choice
     uint32_t set_k_domain(const llama_kvq_ctx_opts & opts);                      // returns the pre-RoPE or centred layers
     // returns the layers that keep one; row_type F16 or Q8_0 (CPU / CUDA layers; an RPC worker's keep F16)
-    uint32_t set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch, ggml_type row_type = GGML_TYPE_F16);
+    // heavy: the fraction of each sequence's cells kept exact as heavy hitters (llama-kvq-window.cpp)
+    uint32_t set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch, ggml_type row_type = GGML_TYPE_F16,
+                        double heavy = 0.0);
     void     describe(std::vector<llama_kvq_layer_desc> & out) const;            // fills out[il] for the layers it holds
     std::pair<uint32_t, uint32_t> window_size() const;                          // {sinks, window} kept exact ({0, 0}: none)
     const char * window_type() const;                                           // its rows' type ("f16" / "q8_0"), "" for none
+    uint32_t heavy_size() const;                                                // heavy-hitter slots per sequence (0: none)
 
     // "q4_0", or "mixed: q8_0 1.23 MiB q4_0 4.56 MiB" when the layers' K (V) tensors differ in type; any of them quantized
     std::string types_str(bool v) const;
@@ -91,7 +100,8 @@ struct llama_kvq_cache {
     ggml_tensor * cpy_k(ggml_tensor * set_rows, const ggml_tensor * k_cur, int32_t il) const;
     ggml_tensor * cpy_v(ggml_tensor * set_rows, int32_t il) const;
 
-    // I32 [n_kv, n_stream(, 4 with a window)]: each cell's position (pre-RoPE and centred layers read it)
+    // I32 [n_kv, n_stream(, 4 with a window)]: each cell's position (pre-RoPE and centred layers read it); with heavy
+    // hitters each layer that keeps them reads its own (made here, filled by set_input_k_pos)
     static ggml_tensor * build_input_k_pos(const llama_kv_cache_context * mctx, ggml_context * ctx);
     static void          set_input_k_pos(const llama_kv_cache_context * mctx, ggml_tensor * dst);
 

@@ -53,3 +53,4 @@
 #define LLAMA_KVQ_TENSOR_K_MEAN                "blk.%d.kvq_k_mean"
 #define LLAMA_KVQ_TENSOR_K_SCALE               "blk.%d.kvq_k_scale"
 #define LLAMA_KVQ_TENSOR_K_STD                 "blk.%d.kvq_k_std"
+#define LLAMA_KVQ_TENSOR_Q_MEAN                "blk.%d.kvq_q_mean"

@@ -26,6 +26,7 @@ struct llama_kvq_ctx_opts {
     int    kv_window       = -1;     // exact window: the last cells written kept in f16 (-1: not set, 0)
     int    kv_sinks        = -1;     // and the first positions (attention sinks) (-1: not set, 0)
     int    kv_window_type  = -1;     // the type its rows are held in: GGML_TYPE_F16 / GGML_TYPE_Q8_0 (-1: not set)
+    double kv_heavy        = -1.0;   // and this fraction of each sequence's cells, the heavy hitters (-1: not set, 0)
 };
 
 // llama_init_from_model with these settings: a C++ overload holding upstream's body (src/llama-context.cpp, the KV cache

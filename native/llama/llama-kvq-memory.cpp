@@ -339,6 +339,7 @@ uint32_t llama_kvq_cache::set_k_domain(const llama_kvq_ctx_opts & opts) {
         }
         layers[ikv].k_mean  = ml.kvq_k_mean;     // their values were checked when the model loaded (llama_kvq_load_codebooks)
         layers[ikv].k_scale = ml.kvq_k_scale;
+        layers[ikv].q_mean  = ml.kvq_q_mean;
         ++n_prerope;
     }
     // keys of a halves type (q53_64, q42_64) are turned within each half only (llama_kvq_new_k_rot)
@@ -422,6 +423,9 @@ ggml_tensor * llama_kvq_cache::build_input_k_pos(const llama_kv_cache_context * 
     ggml_tensor * pos = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, mctx->n_kv, sinfo.s1 - sinfo.s0 + 1, c.win ? 4 : 1);
     ggml_set_name(pos, "kvq_k_pos");
     ggml_set_input(pos);
+    if (c.win) {
+        llama_kvq_window_layer_pos(*c.win, ctx, pos);
+    }
     return pos;
 }
 
@@ -449,6 +453,9 @@ void llama_kvq_cache::set_input_k_pos(const llama_kv_cache_context * mctx, ggml_
         }
     }
     ggml_backend_tensor_set(dst, data.data(), 0, ggml_nbytes(dst));
+    if (c.win) {
+        llama_kvq_window_set_layer_pos(*c.win, c.kv.v_cells, sinfo.s0, n_kv, data);
+    }
 }
 
 uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, const llama_kvq_ctx_opts & opts, uint32_t n_ubatch) {
@@ -456,7 +463,7 @@ uint32_t llama_memory_kvq_set_k_domain(llama_memory_i * mem, const llama_kvq_ctx
         auto & c = llama_kvq_cache::of(*kv);
         const uint32_t n = c.set_k_domain(opts);
         c.set_window(std::max(opts.kv_window, 0), std::max(opts.kv_sinks, 0), n_ubatch,
-                     opts.kv_window_type == GGML_TYPE_Q8_0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16);
+                     opts.kv_window_type == GGML_TYPE_Q8_0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16, std::max(opts.kv_heavy, 0.0));
         return n;
     }
     // sliding-window models (gemma3, ...): the base and the SWA cache each hold their own layers, and

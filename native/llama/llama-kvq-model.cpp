@@ -105,7 +105,8 @@ static void kvq_check_keys(const gguf_context * ctx) {
 // (the loader would only say "wrong number of tensors")
 static void kvq_check_tensor_names(const gguf_context * ctx) {
     static const char * known[] = { LLAMA_KVQ_TENSOR_ROPE_FREQS, LLAMA_KVQ_TENSOR_CODEBOOK_K, LLAMA_KVQ_TENSOR_CODEBOOK_V,
-                                    LLAMA_KVQ_TENSOR_K_MEAN, LLAMA_KVQ_TENSOR_K_SCALE, LLAMA_KVQ_TENSOR_K_STD };
+                                    LLAMA_KVQ_TENSOR_K_MEAN, LLAMA_KVQ_TENSOR_K_SCALE, LLAMA_KVQ_TENSOR_K_STD,
+                                    LLAMA_KVQ_TENSOR_Q_MEAN };
     int64_t n_layer = -1;
     const int64_t aid = gguf_find_key(ctx, "general.architecture");
     if (aid >= 0 && gguf_get_kv_type(ctx, aid) == GGUF_TYPE_STRING) {
@@ -129,7 +130,7 @@ static void kvq_check_tensor_names(const gguf_context * ctx) {
             kind = format(known[k], il) == name ? k : kind;
         }
         if (kind < 0) {
-            throw std::runtime_error(format("tensor %s: not a pykvq tensor this build knows (kvq_rope_freqs, kvq_codebook_k/v, kvq_k_mean/scale/std)", name));
+            throw std::runtime_error(format("tensor %s: not a pykvq tensor this build knows (kvq_rope_freqs, kvq_codebook_k/v, kvq_k_mean/scale/std, kvq_q_mean)", name));
         }
         // the type before the loader sees it: it test-builds the tensor's op (ggml_rope_ext asserts on a non-F32 factor)
         const ggml_type want = kind == 1 || kind == 2 ? GGML_TYPE_I8 : GGML_TYPE_F32;
@@ -261,6 +262,14 @@ static void llama_kvq_check_k_stats(const llama_model & model) {
         }
         if (std != nullptr) {
             llama_kvq_prerope_check_stats(mean, std, (int) il);
+        }
+        const ggml_tensor * q_mean = model.layers[il].kvq_q_mean;   // optional; the rules of a mean
+        if (q_mean != nullptr && mean == nullptr) {
+            throw std::runtime_error(format("%s is present but %s is missing", ggml_get_name(q_mean),
+                    format(LLAMA_KVQ_TENSOR_K_MEAN, (int) il).c_str()));
+        }
+        if (q_mean != nullptr) {
+            llama_kvq_prerope_check_stats(q_mean, scale, (int) il);
         }
     }
 }

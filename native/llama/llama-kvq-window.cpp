@@ -12,6 +12,14 @@
 // layer's attention in the graph). A stream shared by several sequences (kv_unified) has sinks and a ring per
 // sequence (a token shared by several: its first sequence). What holds a row is host bookkeeping, updated when a
 // batch's inputs are set. A state carries its cells' rows (see "states" below); a stream copy copies them.
+//
+// Heavy hitters (kv_heavy, a fraction of each sequence's context): n_heavy more slots per sequence and layer keep
+// the cells whose keys score highest against the file's mean query (blk.N.kvq_q_mean: Q̄·k, the key's mean score
+// before RoPE) exact for every later query, as sinks are. A batch's graph writes each token's score beside its stage
+// row; the next batch's inputs read them and choose per layer (a free slot, else the lowest-scoring member's if the
+// token scores higher: a member that loses its slot is quantized for good), and its graph copies the chosen stage
+// rows into their slots before it writes its own. Each layer then reads its own planes 1-2 of the positions input
+// (a block of 4 planes per layer). A cell written again, or empty, leaves the store; states do not carry it.
 #include "llama-kvq-cache.h"
 
 #include "llama-batch.h"
@@ -29,7 +37,7 @@ struct llama_kvq_window {
     uint32_t n_win  = 0;
     uint32_t n_sink = 0;
     uint32_t n_seq  = 1;                 // sequences per stream (n_seq_max of a unified cache, else 1)
-    uint32_t n_slot = 0;                 // (n_sink + n_win) per sequence + 1: the last takes what a batch writes past a ring
+    uint32_t n_slot = 0;                 // per_seq() per sequence + 1: the last takes what a batch writes past a ring
     uint32_t n_stage = 0;                // rows after every stream's slots: one per token of a ubatch (n_ubatch)
     std::vector<ggml_tensor *> rows;     // per cache layer: F16 / Q8_0 [n_embd_k_gqa + n_embd_v_gqa, n_slot*n_stream + n_stage]
     std::vector<ggml_context_ptr> ctxs;
@@ -46,12 +54,30 @@ struct llama_kvq_window {
     struct keep_write { ggml_context * ctx; ggml_cgraph * gf; ggml_tensor * k2, * v2, * idxs; };
     mutable std::vector<keep_write> keep;
 
+    // heavy hitters (n_heavy > 0)
+    uint32_t n_heavy = 0;                // slots per sequence, after its ring
+    uint32_t n_copy  = 0;                // rows a graph may copy into them per layer: min(n_stage, every heavy slot)
+    std::vector<ggml_tensor *> q_mean;   // per cache layer: the file's kvq_q_mean (nullptr: no store in the layer)
+    std::vector<ggml_tensor *> scores;   // per cache layer: F32 [n_stage], the last batch's score per stage row
+    // per cache layer and stream, per heavy slot (n_seq*n_heavy, sequence by sequence): its cell (-1: free), score
+    mutable std::vector<std::vector<std::vector<int32_t>>> heavy_cell;
+    mutable std::vector<std::vector<std::vector<float>>>   heavy_score;
+    // the last batch's stage rows: each token's stream, cell, sequence and position (chosen from by the next batch)
+    struct staged { uint32_t strm; int32_t cell; uint32_t seq; llama_pos pos; };
+    mutable std::vector<staged> last_stage;
+    mutable std::vector<std::vector<std::pair<int64_t, int64_t>>> copies;   // this batch's, per layer: (from, to) row
+    // this graph's positions input of each layer with a store (the shared one's planes, its members' rows patched in)
+    mutable std::vector<ggml_tensor *> layer_pos;
+
+    uint32_t per_seq() const { return n_sink + n_win + n_heavy; }
     uint32_t trash() const { return n_slot - 1; }
-    // slots of sequence q of a stream: its sinks [q*(n_sink + n_win), + n_sink), then its ring of n_win
-    uint32_t base(uint32_t q) const { return q*(n_sink + n_win); }
+    // slots of sequence q of a stream: its sinks [q*per_seq(), + n_sink), then its ring of n_win, then n_heavy
+    uint32_t base(uint32_t q) const { return q*per_seq(); }
+    uint32_t heavy0(uint32_t q) const { return base(q) + n_sink + n_win; }
+    bool heavy_on(size_t ikv) const { return n_heavy > 0 && ikv < q_mean.size() && q_mean[ikv] != nullptr; }
 };
 
-uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch, ggml_type row_type) {
+uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n_ubatch, ggml_type row_type, double heavy) {
     win.reset();
     if (n_win == 0 && n_sink == 0) {
         return 0;
@@ -73,10 +99,29 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
     w->n_win  = n_win;
     w->n_sink = n_sink;
     w->n_seq  = n_stream == 1 ? kv.n_seq_max : 1;
-    w->n_slot = (n_sink + n_win)*w->n_seq + 1;
+    // heavy hitters: a fraction of each sequence's cells, in the layers whose file gives the mean query
+    const uint32_t n_ctx_seq = kv.get_size() / w->n_seq;
+    uint32_t n_q_mean = 0;
+    for (const auto & l : layers) {
+        n_q_mean += l.k_mean != nullptr && l.q_mean != nullptr;
+    }
+    if (heavy > 0.0 && n_q_mean == 0) {
+        LLAMA_LOG_WARN("%s: heavy hitters off: the file has no blk.N.kvq_q_mean in its pre-RoPE layers (convert it again "
+                       "with --prerope-k)\n", __func__);
+    } else if (heavy > 0.0) {
+        w->n_heavy = (uint32_t) std::min<double>(std::ceil(heavy*n_ctx_seq), n_ctx_seq);
+    }
+    w->n_slot = w->per_seq()*w->n_seq + 1;
     w->n_stage = std::max(n_ubatch, 1u);
+    w->n_copy  = std::min(w->n_stage, w->n_heavy*w->n_seq*n_stream);
     w->rows.assign(layers.size(), nullptr);
     w->keep.assign(layers.size(), {});
+    w->q_mean.assign(layers.size(), nullptr);
+    w->scores.assign(layers.size(), nullptr);
+    w->copies.assign(layers.size(), {});
+    w->layer_pos.assign(layers.size(), nullptr);
+    w->heavy_cell.assign(layers.size(), {});
+    w->heavy_score.assign(layers.size(), {});
     uint32_t n_layers = 0, n_device = 0, n_q8 = 0;
     size_t bytes = 0, stage_bytes = 0, cache_bytes = 0;
     double values = 0.0;
@@ -101,17 +146,24 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
                         (ggml_backend_buffer_is_host(layer.k->buffer) || ggml_kvq_dev_window_q8(ggml_backend_buft_get_device(buft))) &&
                         kv.hparams.n_embd_head_k(layer.il) % qk == 0 && kv.hparams.n_embd_head_v(layer.il) % qk == 0;
         n_q8 += q8;
-        ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+        ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
         ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), q8 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16, layer.k->ne[0] + layer.v->ne[0],
                                              (int64_t) w->n_slot*n_stream + w->n_stage);
         ggml_format_name(t, "kvq_window_l%u", layer.il);
+        if (w->n_heavy > 0 && layers[ikv].q_mean != nullptr) {
+            w->q_mean[ikv] = layers[ikv].q_mean;
+            w->scores[ikv] = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_F32, w->n_stage);
+            ggml_format_name(w->scores[ikv], "kvq_heavy_scores_l%u", layer.il);
+            w->heavy_cell[ikv].assign(n_stream, std::vector<int32_t>((size_t) w->n_heavy*w->n_seq, -1));
+            w->heavy_score[ikv].assign(n_stream, std::vector<float>((size_t) w->n_heavy*w->n_seq, 0.0f));
+        }
         ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
         if (!buf) {
             throw std::runtime_error(format("pykvq: cannot allocate the exact window of layer %u", layer.il));
         }
         ggml_backend_buffer_clear(buf.get(), 0);
-        stage_bytes += (size_t) w->n_stage*t->nb[1];
+        stage_bytes += (size_t) w->n_stage*t->nb[1] + (w->scores[ikv] ? ggml_nbytes(w->scores[ikv]) : 0);
         bytes += ggml_nbytes(t) - (size_t) w->n_stage*t->nb[1];
         w->rows[ikv] = t;
         w->ctxs.push_back(std::move(ctx));
@@ -139,10 +191,16 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
                        __func__, n_layers - n_q8);
     }
     win = w;
-    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query kept in %s "
+    char heavy_str[128] = "";
+    if (w->n_heavy > 0) {
+        snprintf(heavy_str, sizeof(heavy_str), " and %u heavy hitters per sequence (the keys scoring highest against the "
+                 "file's mean query)", w->n_heavy);
+    }
+    LLAMA_LOG_INFO("%s: exact window in %u of %zu layers: the first %u positions and the last %u up to each query%s kept in %s "
                    "beside the quantized cache (%.2f MiB; K+V %.3f bits/value at %u cells with it, %.3f without; plus %.2f MiB "
                    "of stage rows for a ubatch's %u tokens)\n",
-                   __func__, n_layers, layers.size(), n_sink, n_win, n_q8 == 0 ? "f16" : n_q8 == n_layers ? "q8_0" : "f16 / q8_0",
+                   __func__, n_layers, layers.size(), n_sink, n_win, heavy_str,
+                   n_q8 == 0 ? "f16" : n_q8 == n_layers ? "q8_0" : "f16 / q8_0",
                    bytes / (1024.0*1024.0), 8.0*(cache_bytes + bytes) / values,
                    kv.get_size(), 8.0*cache_bytes / values, stage_bytes / (1024.0*1024.0), w->n_stage);
     return n_layers;
@@ -150,6 +208,10 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
 
 std::pair<uint32_t, uint32_t> llama_kvq_cache::window_size() const {
     return win ? std::pair<uint32_t, uint32_t>{ win->n_sink, win->n_win } : std::pair<uint32_t, uint32_t>{ 0, 0 };
+}
+
+uint32_t llama_kvq_cache::heavy_size() const {
+    return win ? win->n_heavy : 0;
 }
 
 const char * llama_kvq_cache::window_type() const {
@@ -173,6 +235,13 @@ void llama_kvq_cache::win_copy_stream(uint32_t ssrc, uint32_t sdst) const {
     w.slot_cell[sdst] = w.slot_cell[ssrc];
     w.cell_slot[sdst] = w.cell_slot[ssrc];
     w.next[sdst]      = w.next[ssrc];
+    for (size_t ikv = 0; ikv < w.heavy_cell.size(); ++ikv) {
+        if (w.heavy_on(ikv)) {
+            w.heavy_cell[ikv][sdst]  = w.heavy_cell[ikv][ssrc];
+            w.heavy_score[ikv][sdst] = w.heavy_score[ikv][ssrc];
+        }
+    }
+    w.last_stage.clear();
     std::vector<uint8_t> buf;
     for (ggml_tensor * rows : w.rows) {
         if (rows == nullptr) {
@@ -189,8 +258,10 @@ ggml_tensor * llama_kvq_cache::build_input_win_idxs(ggml_context * ctx, const ll
     if (!win) {
         return nullptr;
     }
-    // row 0: each token's stage row, row 1: its ring or sink slot (the trash slot if it keeps none)
-    ggml_tensor * idxs = ggml_new_tensor_2d(ctx, GGML_TYPE_I64, ubatch.n_tokens, 2);
+    // each token's stage row, then its ring or sink slot (the trash slot if it keeps none); with heavy hitters, then
+    // per layer n_copy rows to copy into heavy slots and n_copy slots they go to
+    // (I32: GET_ROWS takes no other)
+    ggml_tensor * idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 2*ubatch.n_tokens + 2*(int64_t) win->n_copy*win->rows.size());
     ggml_set_input(idxs);
     ggml_set_name(idxs, "kvq_win_idxs");
     return idxs;
@@ -209,6 +280,74 @@ static int32_t kvq_win_last(const llama_kvq_window & w, llama_pos p, bool sink) 
     return (int32_t) std::min<int64_t>((int64_t) p + w.n_win - 1, INT32_MAX - 1);
 }
 
+// Heavy hitters, before a batch's inputs: its cells leave every store (what they held is written over), as do empty
+// ones; then each of the last batch's tokens, by the score its graph wrote, takes a free slot of its sequence in each
+// layer, or the lowest-scoring member's if it scores higher. What moves is copied from its stage row by this graph.
+static void kvq_win_choose_heavy(const llama_kvq_window & w, const std::vector<llama_kv_cells> & v_cells,
+                                 const llama_kv_cache::slot_info & sinfo, int64_t stage0) {
+    std::vector<std::vector<uint8_t>> fresh(v_cells.size());
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        auto & f = fresh[sinfo.strm[s]];
+        f.assign(v_cells[sinfo.strm[s]].size(), 0);
+        for (uint32_t i = 0; i < sinfo.size(); ++i) {
+            f[sinfo.idxs[s][i]] = 1;
+        }
+    }
+    auto gone = [&](uint32_t strm, int32_t cell) {
+        return v_cells[strm].is_empty(cell) || (!fresh[strm].empty() && fresh[strm][cell]);
+    };
+    std::vector<float> sc;
+    for (size_t ikv = 0; ikv < w.rows.size(); ++ikv) {
+        w.copies[ikv].clear();
+        if (!w.heavy_on(ikv)) {
+            continue;
+        }
+        for (uint32_t strm = 0; strm < w.heavy_cell[ikv].size(); ++strm) {
+            for (int32_t & cell : w.heavy_cell[ikv][strm]) {
+                cell = cell >= 0 && gone(strm, cell) ? -1 : cell;
+            }
+        }
+        if (w.last_stage.empty()) {
+            continue;
+        }
+        sc.resize(w.last_stage.size());
+        ggml_backend_tensor_get(w.scores[ikv], sc.data(), 0, sc.size()*sizeof(float));
+        std::vector<int64_t> from((size_t) w.n_heavy*w.n_seq*w.heavy_cell[ikv].size(), -1);  // per heavy slot
+        for (size_t t = 0; t < w.last_stage.size(); ++t) {
+            const auto & st = w.last_stage[t];
+            if (st.cell < 0 || gone(st.strm, st.cell) || (st.pos >= 0 && (uint32_t) st.pos < w.n_sink) || !std::isfinite(sc[t])) {
+                continue;
+            }
+            auto & hc = w.heavy_cell[ikv][st.strm];
+            auto & hs = w.heavy_score[ikv][st.strm];
+            const uint32_t k0 = st.seq*w.n_heavy;
+            uint32_t k = k0;
+            for (uint32_t j = k0; j < k0 + w.n_heavy; ++j) {
+                if (hc[j] < 0) {
+                    k = j;
+                    break;
+                }
+                k = hs[j] < hs[k] ? j : k;
+            }
+            if (hc[k] >= 0 && !(sc[t] > hs[k])) {
+                continue;
+            }
+            hc[k] = st.cell;
+            hs[k] = sc[t];
+            from[(size_t) st.strm*w.n_heavy*w.n_seq + k] = stage0 + (int64_t) t;
+        }
+        for (size_t k = 0; k < from.size(); ++k) {
+            if (from[k] >= 0) {
+                const uint32_t strm = (uint32_t) (k / ((size_t) w.n_heavy*w.n_seq));
+                const uint32_t kk = (uint32_t) (k % ((size_t) w.n_heavy*w.n_seq));
+                w.copies[ikv].emplace_back(from[k], (int64_t) strm*w.n_slot + w.heavy0(kk / w.n_heavy) + kk % w.n_heavy);
+            }
+        }
+        GGML_ASSERT(w.copies[ikv].size() <= w.n_copy);
+    }
+    w.last_stage.clear();
+}
+
 void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, ggml_tensor * dst, const llama_ubatch * ubatch) {
     const llama_kvq_cache & c = of(mctx);
     const slot_info & sinfo = mctx->sinfos[mctx->i_cur];
@@ -218,7 +357,10 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
     const int64_t n_tok = ubatch->n_tokens;
     GGML_ASSERT(n_tok == (int64_t) (n*sinfo.n_stream()));
     const int64_t stage0 = (int64_t) w.n_slot*w.slot_cell.size();
-    std::vector<int64_t> data(2*n_tok);
+    std::vector<int32_t> data(ggml_nelements(dst));
+    if (w.n_heavy > 0) {
+        kvq_win_choose_heavy(w, v_cells, sinfo, stage0);
+    }
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const uint32_t strm = sinfo.strm[s];
         auto & slot_cell = w.slot_cell[strm];
@@ -233,7 +375,7 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
             const int32_t slot = cell_slot[j];
             if (slot >= 0 && slot_cell[slot] == (int32_t) j && !cells.is_empty(j)) {
                 prow[j]  = (int32_t) (strm*w.n_slot + slot);
-                plast[j] = kvq_win_last(w, cells.pos_get(j), (uint32_t) slot % (w.n_sink + w.n_win) < w.n_sink);
+                plast[j] = kvq_win_last(w, cells.pos_get(j), (uint32_t) slot % w.per_seq() < w.n_sink);
             }
         }
         auto & qpos = w.plane_qpos[strm];
@@ -246,10 +388,10 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
             if (t < w.n_stage) {
                 prow[cell]  = (int32_t) (stage0 + t);
                 plast[cell] = kvq_win_last(w, p, p >= 0 && (uint32_t) p < w.n_sink);
-                data[t] = stage0 + t;
+                data[t] = (int32_t) (stage0 + t);
             } else {
                 prow[cell] = -1;
-                data[t] = (int64_t) strm*w.n_slot + w.trash();
+                data[t] = (int32_t) (strm*w.n_slot + w.trash());
             }
         }
         // then the ring moves: of a sequence's tokens in this batch, the last n_win take it
@@ -275,10 +417,31 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
             } else {
                 cell_slot[cell] = -1;
             }
-            data[n_tok + s*n + i] = (int64_t) strm*w.n_slot + slot;
+            data[n_tok + s*n + i] = (int32_t) (strm*w.n_slot + slot);
         }
     }
-    ggml_backend_tensor_set(dst, data.data(), 0, data.size()*sizeof(int64_t));
+    if (w.n_heavy > 0) {
+        // this batch's stage rows, scored by its graph; each layer's copies (the rest: trash slot to trash slot)
+        w.last_stage.resize((size_t) std::min<int64_t>(n_tok, w.n_stage));
+        for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+            for (uint32_t i = 0; i < n; ++i) {
+                const int64_t t = (int64_t) s*n + i;
+                if (t < w.n_stage) {
+                    w.last_stage[t] = { (uint32_t) sinfo.strm[s], (int32_t) sinfo.idxs[s][i],
+                                        kvq_win_seq(w, ubatch->seq_id[t][0]), ubatch->pos[t] };
+                }
+            }
+        }
+        for (size_t ikv = 0; ikv < w.rows.size(); ++ikv) {
+            int32_t * cp = data.data() + 2*n_tok + 2*(int64_t) ikv*w.n_copy;
+            std::fill(cp, cp + 2*w.n_copy, (int32_t) w.trash());
+            for (size_t j = 0; j < w.copies[ikv].size(); ++j) {
+                cp[j]            = (int32_t) w.copies[ikv][j].first;
+                cp[w.n_copy + j] = (int32_t) w.copies[ikv][j].second;
+            }
+        }
+    }
+    ggml_backend_tensor_set(dst, data.data(), 0, data.size()*sizeof(int32_t));
 }
 
 // planes 1-3 of the positions input (ggml_kvq_fa_set_window) at cell j of stream strm: the row attention reads for
@@ -290,17 +453,95 @@ void llama_kvq_window_planes(const llama_kvq_window & w, uint32_t strm, uint32_t
     *qpos = j < w.plane_qpos[strm].size() ? w.plane_qpos[strm][j] : 0;
 }
 
+// the node named `name` among t and its sources (a few levels up)
+static ggml_tensor * kvq_find_node(ggml_tensor * t, const char * name, int depth) {
+    if (t == nullptr || depth < 0) {
+        return nullptr;
+    }
+    if (strcmp(t->name, name) == 0) {
+        return t;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        if (ggml_tensor * r = kvq_find_node(t->src[i], name, depth - 1)) {
+            return r;
+        }
+    }
+    return nullptr;
+}
+
+void llama_kvq_window_layer_pos(const llama_kvq_window & w, ggml_context * ctx, const ggml_tensor * pos) {
+    for (size_t ikv = 0; ikv < w.layer_pos.size(); ++ikv) {
+        w.layer_pos[ikv] = nullptr;
+        if (w.heavy_on(ikv) && w.rows[ikv] != nullptr) {
+            ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, pos->ne[0], pos->ne[1], 4);
+            ggml_format_name(t, "kvq_k_pos_l%zu", ikv);
+            ggml_set_input(t);
+            w.layer_pos[ikv] = t;
+        }
+    }
+}
+
+void llama_kvq_window_set_layer_pos(const llama_kvq_window & w, const std::vector<llama_kv_cells> & v_cells, uint32_t s0,
+                                    int64_t n_kv, const std::vector<int32_t> & data) {
+    const int64_t n_s = (int64_t) data.size() / (4*n_kv);
+    std::vector<int32_t> mine;
+    for (size_t ikv = 0; ikv < w.layer_pos.size(); ++ikv) {
+        ggml_tensor * t = w.layer_pos[ikv];
+        if (t == nullptr || t->buffer == nullptr) {
+            continue;
+        }
+        GGML_ASSERT(ggml_nelements(t) == (int64_t) data.size());
+        mine = data;
+        for (int64_t s = 0; s < n_s; ++s) {
+            const uint32_t strm = s0 + (uint32_t) s;
+            const auto & hc = w.heavy_cell[ikv][strm];
+            for (size_t k = 0; k < hc.size(); ++k) {
+                const int32_t cell = hc[k];
+                if (cell >= 0 && cell < n_kv && !v_cells[strm].is_empty(cell)) {
+                    mine[(1*n_s + s)*n_kv + cell] = (int32_t) (strm*w.n_slot + w.heavy0((uint32_t) k / w.n_heavy) + k % w.n_heavy);
+                    mine[(2*n_s + s)*n_kv + cell] = INT32_MAX;   // read by every later query, as a sink
+                }
+            }
+        }
+        ggml_backend_tensor_set(t, mine.data(), 0, ggml_nbytes(t));
+    }
+}
+
 void llama_kvq_cache::win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * v_cur,
                                 ggml_tensor * idxs, int32_t il) const {
-    ggml_tensor * rows = win->rows[kv.map_layer_ids.at(il)];
+    const size_t ikv = kv.map_layer_ids.at(il);
+    ggml_tensor * rows = win->rows[ikv];
     if (rows == nullptr) {
         return;
+    }
+    const int64_t n_tok = k_cur->ne[2];
+    if (win->heavy_on(ikv)) {
+        // first the rows the last batch's tokens left in the stage move into their heavy slots (before this batch's
+        // stage writes: nodes run in the order they were added)
+        const size_t off = (2*n_tok + 2*(int64_t) ikv*win->n_copy)*idxs->nb[0];
+        ggml_tensor * from = ggml_view_1d(ctx, idxs, win->n_copy, off);
+        ggml_tensor * to   = ggml_view_1d(ctx, idxs, win->n_copy, off + win->n_copy*idxs->nb[0]);
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, rows, ggml_get_rows(ctx, rows, from), to));
+        // then this batch's scores: each key before RoPE against the file's mean query, Q̄·k (llama_kvq_prerope_store's
+        // (k - mean) / scale names its input)
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "k_prerope-%d", il);
+        ggml_tensor * c = kvq_find_node(k_cur, name, 4);
+        GGML_ASSERT(c != nullptr && c->op == GGML_OP_DIV && c->src[0]->op == GGML_OP_SUB);
+        ggml_tensor * k_pre = c->src[0]->src[0];
+        ggml_tensor * qm = win->q_mean[ikv];
+        GGML_ASSERT(ggml_nelements(qm) == k_pre->ne[0]*k_pre->ne[1]);
+        ggml_tensor * k2 = ggml_reshape_2d(ctx, ggml_cont(ctx, k_pre), k_pre->ne[0]*k_pre->ne[1], n_tok);
+        ggml_tensor * s  = ggml_mul_mat(ctx, k2, ggml_reshape_2d(ctx, qm, ggml_nelements(qm), 1));   // [n_tok, 1]
+        const int64_t n_s = std::min<int64_t>(n_tok, win->n_stage);   // tokens past the stage keep no row
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_1d(ctx, s, n_s, 0), ggml_view_1d(ctx, win->scores[ikv], n_s, 0)));
     }
     const int64_t n_tokens = k_cur->ne[2];
     const int64_t n_k = k_cur->ne[0]*k_cur->ne[1], n_v = v_cur->ne[0]*v_cur->ne[1];
     GGML_ASSERT(n_k + n_v == rows->ne[0]);
     GGML_ASSERT(ggml_row_size(k_cur->type, k_cur->ne[0]) == k_cur->nb[1] && ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
     ggml_tensor * k2 = ggml_view_2d(ctx, k_cur, n_k, n_tokens, k_cur->nb[2], 0);
+    GGML_ASSERT(n_tokens == n_tok);
     ggml_tensor * v2 = ggml_view_2d(ctx, v_cur, n_v, n_tokens, v_cur->nb[2], 0);
     ggml_tensor * rk = ggml_view_2d(ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
     ggml_tensor * rv = ggml_view_2d(ctx, rows, n_v, rows->ne[1], rows->nb[1], ggml_row_size(rows->type, n_k));
@@ -308,7 +549,7 @@ void llama_kvq_cache::win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tenso
     ggml_tensor * stage = ggml_view_1d(ctx, idxs, n_tokens, 0);
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, rk, k2, stage));
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, rv, v2, stage));
-    win->keep[kv.map_layer_ids.at(il)] = { ctx, gf, k2, v2, ggml_view_1d(ctx, idxs, n_tokens, idxs->nb[1]) };
+    win->keep[kv.map_layer_ids.at(il)] = { ctx, gf, k2, v2, ggml_view_1d(ctx, idxs, n_tokens, n_tokens*idxs->nb[0]) };
 }
 
 void llama_kvq_cache::win_attach(ggml_tensor * fa, int32_t il) const {
@@ -320,10 +561,15 @@ void llama_kvq_cache::win_attach(ggml_tensor * fa, int32_t il) const {
     if (rows == nullptr) {
         return;
     }
+    auto & kw = win->keep[ikv];
+    if (win->layer_pos[ikv] != nullptr && kw.gf != nullptr) {
+        // heavy hitters: the layer's own planes; the shared input stays in the graph (its inputs fill the layers')
+        ggml_build_forward_expand(kw.gf, fa->src[5]);
+        fa->src[5] = win->layer_pos[ikv];
+    }
     ggml_kvq_fa_set_window(fa, rows);
     // the batch's rows move into the ring once attention has read the ring: nodes run in the order they were added,
     // so attention is added first (nothing else orders a write after a read of the same tensor)
-    auto & kw = win->keep[ikv];
     if (kw.ctx != nullptr) {
         ggml_build_forward_expand(kw.gf, fa);
         const int64_t n_k = kw.k2->ne[0], n_v = kw.v2->ne[0];
@@ -396,6 +642,19 @@ void llama_kvq_cache::win_forget(uint32_t strm, const slot_info & sinfo) const {
     }
     auto & w = *win;
     const auto & cells = kv.v_cells[strm];
+    // heavy hitters: the restored cells hold other keys now, and the last batch's stage rows are not theirs
+    std::vector<uint8_t> restored(cells.size(), 0);
+    for (uint32_t idx : sinfo.idxs[0]) {
+        restored[idx] = 1;
+    }
+    for (size_t ikv = 0; ikv < w.heavy_cell.size(); ++ikv) {
+        if (w.heavy_on(ikv)) {
+            for (int32_t & cell : w.heavy_cell[ikv][strm]) {
+                cell = cell >= 0 && restored[cell] ? -1 : cell;
+            }
+        }
+    }
+    w.last_stage.clear();
     std::vector<bool> seqs(w.n_seq, false);
     for (uint32_t idx : sinfo.idxs[0]) {
         const int32_t slot = w.cell_slot[strm][idx];

@@ -110,6 +110,16 @@ const kvq_setting k_settings[] = {
       "--kv-window-type", "{f16,q8_0}",
       "how the exact window's and sinks' rows are held: f16, or q8_0 at about half the bytes, in layers the CPU "
       "or CUDA attends (default: the file's pykvq.cache.kv_window_type, else f16)" },
+    { "kv_heavy", "PYKVQ_KV_HEAVY", "a fraction of the context in [0, 1]",
+      [](llama_kvq_ctx_opts & o, const char * v) {
+          char * end = nullptr;
+          const double x = strtod(v, &end);
+          o.kv_heavy = x;
+          return end != v && *end == '\0' && x >= 0.0 && x <= 1.0;
+      },
+      "--kv-heavy", "F",
+      "pre-RoPE key cache with an exact window: also keep this fraction of each sequence's cells exact, the keys "
+      "scoring highest against the file's mean query (heavy hitters; e.g. 0.01; needs blk.N.kvq_q_mean; default: 0)" },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
 
@@ -307,6 +317,14 @@ int32_t llama_kvq_get(const llama_context * ctx, const char * name, char * buf, 
         llama_kvq_for_each_kv_cache(ctx->get_memory(), [&](llama_kv_cache & kv) {
             const auto [s, w] = llama_kvq_cache::of(kv).window_size();
             n = std::max(n, sinks ? s : w);
+        });
+        return snprintf(buf, buf ? size : 0, "%u", n);
+    }
+    if (strcmp(name, "kv_heavy") == 0) {
+        // heavy-hitter slots per sequence, the most any of the memory's caches keeps (0: none)
+        uint32_t n = 0;
+        llama_kvq_for_each_kv_cache(ctx->get_memory(), [&](llama_kv_cache & kv) {
+            n = std::max(n, llama_kvq_cache::of(kv).heavy_size());
         });
         return snprintf(buf, buf ? size : 0, "%u", n);
     }
