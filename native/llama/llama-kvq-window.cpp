@@ -18,8 +18,9 @@
 // before RoPE) exact for every later query, as sinks are. A batch's graph writes each token's score beside its stage
 // row; the next batch's inputs read them and choose per layer (a free slot, else the lowest-scoring member's if the
 // token scores higher: a member that loses its slot is quantized for good), and its graph copies the chosen stage
-// rows into their slots before it writes its own. Each layer then reads its own planes 1-2 of the positions input
-// (a block of 4 planes per layer). A cell written again, or empty, leaves the store; states do not carry it.
+// rows into their slots before it writes its own. Each such layer's attention reads its own positions input (the
+// shared one's 4 planes, its members' rows patched into planes 1-2). A cell written again, or empty, leaves the store;
+// states do not carry it.
 #include "llama-kvq-cache.h"
 
 #include "llama-batch.h"
