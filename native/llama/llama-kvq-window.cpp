@@ -66,7 +66,6 @@ struct llama_kvq_window {
     // the last batch's stage rows: each token's stream, cell, sequence and position (chosen from by the next batch)
     struct staged { uint32_t strm; int32_t cell; uint32_t seq; llama_pos pos; };
     mutable std::vector<staged> last_stage;
-    mutable std::vector<std::vector<std::pair<int64_t, int64_t>>> copies;   // this batch's, per layer: (from, to) row
     // this graph's positions input of each layer with a store (the shared one's planes, its members' rows patched in)
     mutable std::vector<ggml_tensor *> layer_pos;
 
@@ -74,7 +73,10 @@ struct llama_kvq_window {
     uint32_t trash() const { return n_slot - 1; }
     // slots of sequence q of a stream: its sinks [q*per_seq(), + n_sink), then its ring of n_win, then n_heavy
     uint32_t base(uint32_t q) const { return q*per_seq(); }
-    uint32_t heavy0(uint32_t q) const { return base(q) + n_sink + n_win; }
+    // the row of stream strm's heavy slot k (sequence k / n_heavy, its slot k % n_heavy)
+    int32_t heavy_row(uint32_t strm, size_t k) const {
+        return (int32_t) (strm*n_slot + base((uint32_t) (k / n_heavy)) + n_sink + n_win + k % n_heavy);
+    }
     bool heavy_on(size_t ikv) const { return n_heavy > 0 && ikv < q_mean.size() && q_mean[ikv] != nullptr; }
 };
 
@@ -119,7 +121,6 @@ uint32_t llama_kvq_cache::set_window(uint32_t n_win, uint32_t n_sink, uint32_t n
     w->keep.assign(layers.size(), {});
     w->q_mean.assign(layers.size(), nullptr);
     w->scores.assign(layers.size(), nullptr);
-    w->copies.assign(layers.size(), {});
     w->layer_pos.assign(layers.size(), nullptr);
     w->heavy_cell.assign(layers.size(), {});
     w->heavy_score.assign(layers.size(), {});
@@ -283,9 +284,12 @@ static int32_t kvq_win_last(const llama_kvq_window & w, llama_pos p, bool sink) 
 
 // Heavy hitters, before a batch's inputs: its cells leave every store (what they held is written over), as do empty
 // ones; then each of the last batch's tokens, by the score its graph wrote, takes a free slot of its sequence in each
-// layer, or the lowest-scoring member's if it scores higher. What moves is copied from its stage row by this graph.
-static void kvq_win_choose_heavy(const llama_kvq_window & w, const std::vector<llama_kv_cells> & v_cells,
-                                 const llama_kv_cache::slot_info & sinfo, int64_t stage0) {
+// layer, or the lowest-scoring member's if it scores higher. Returns per layer what this graph copies: (stage row,
+// heavy slot's row).
+using kvq_win_copies = std::vector<std::vector<std::pair<int32_t, int32_t>>>;
+static kvq_win_copies kvq_win_choose_heavy(const llama_kvq_window & w, const std::vector<llama_kv_cells> & v_cells,
+                                           const llama_kv_cache::slot_info & sinfo, int64_t stage0) {
+    kvq_win_copies copies(w.rows.size());
     std::vector<std::vector<uint8_t>> fresh(v_cells.size());
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         auto & f = fresh[sinfo.strm[s]];
@@ -299,7 +303,6 @@ static void kvq_win_choose_heavy(const llama_kvq_window & w, const std::vector<l
     };
     std::vector<float> sc;
     for (size_t ikv = 0; ikv < w.rows.size(); ++ikv) {
-        w.copies[ikv].clear();
         if (!w.heavy_on(ikv)) {
             continue;
         }
@@ -313,7 +316,8 @@ static void kvq_win_choose_heavy(const llama_kvq_window & w, const std::vector<l
         }
         sc.resize(w.last_stage.size());
         ggml_backend_tensor_get(w.scores[ikv], sc.data(), 0, sc.size()*sizeof(float));
-        std::vector<int64_t> from((size_t) w.n_heavy*w.n_seq*w.heavy_cell[ikv].size(), -1);  // per heavy slot
+        const size_t n_per_strm = (size_t) w.n_heavy*w.n_seq;
+        std::vector<int64_t> from(n_per_strm*w.heavy_cell[ikv].size(), -1);  // per heavy slot: the stage row moving in
         for (size_t t = 0; t < w.last_stage.size(); ++t) {
             const auto & st = w.last_stage[t];
             if (st.cell < 0 || gone(st.strm, st.cell) || (st.pos >= 0 && (uint32_t) st.pos < w.n_sink) || !std::isfinite(sc[t])) {
@@ -335,18 +339,17 @@ static void kvq_win_choose_heavy(const llama_kvq_window & w, const std::vector<l
             }
             hc[k] = st.cell;
             hs[k] = sc[t];
-            from[(size_t) st.strm*w.n_heavy*w.n_seq + k] = stage0 + (int64_t) t;
+            from[st.strm*n_per_strm + k] = stage0 + (int64_t) t;
         }
         for (size_t k = 0; k < from.size(); ++k) {
             if (from[k] >= 0) {
-                const uint32_t strm = (uint32_t) (k / ((size_t) w.n_heavy*w.n_seq));
-                const uint32_t kk = (uint32_t) (k % ((size_t) w.n_heavy*w.n_seq));
-                w.copies[ikv].emplace_back(from[k], (int64_t) strm*w.n_slot + w.heavy0(kk / w.n_heavy) + kk % w.n_heavy);
+                copies[ikv].emplace_back((int32_t) from[k], w.heavy_row((uint32_t) (k / n_per_strm), k % n_per_strm));
             }
         }
-        GGML_ASSERT(w.copies[ikv].size() <= w.n_copy);
+        GGML_ASSERT(copies[ikv].size() <= w.n_copy);
     }
     w.last_stage.clear();
+    return copies;
 }
 
 void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, ggml_tensor * dst, const llama_ubatch * ubatch) {
@@ -359,9 +362,7 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
     GGML_ASSERT(n_tok == (int64_t) (n*sinfo.n_stream()));
     const int64_t stage0 = (int64_t) w.n_slot*w.slot_cell.size();
     std::vector<int32_t> data(ggml_nelements(dst));
-    if (w.n_heavy > 0) {
-        kvq_win_choose_heavy(w, v_cells, sinfo, stage0);
-    }
+    const kvq_win_copies copies = w.n_heavy > 0 ? kvq_win_choose_heavy(w, v_cells, sinfo, stage0) : kvq_win_copies{};
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const uint32_t strm = sinfo.strm[s];
         auto & slot_cell = w.slot_cell[strm];
@@ -436,9 +437,9 @@ void llama_kvq_cache::set_input_win_idxs(const llama_kv_cache_context * mctx, gg
         for (size_t ikv = 0; ikv < w.rows.size(); ++ikv) {
             int32_t * cp = data.data() + 2*n_tok + 2*(int64_t) ikv*w.n_copy;
             std::fill(cp, cp + 2*w.n_copy, (int32_t) w.trash());
-            for (size_t j = 0; j < w.copies[ikv].size(); ++j) {
-                cp[j]            = (int32_t) w.copies[ikv][j].first;
-                cp[w.n_copy + j] = (int32_t) w.copies[ikv][j].second;
+            for (size_t j = 0; j < copies[ikv].size(); ++j) {
+                cp[j]            = copies[ikv][j].first;
+                cp[w.n_copy + j] = copies[ikv][j].second;
             }
         }
     }
@@ -473,7 +474,7 @@ static ggml_tensor * kvq_find_node(ggml_tensor * t, const char * name, int depth
 void llama_kvq_window_layer_pos(const llama_kvq_window & w, ggml_context * ctx, const ggml_tensor * pos) {
     for (size_t ikv = 0; ikv < w.layer_pos.size(); ++ikv) {
         w.layer_pos[ikv] = nullptr;
-        if (w.heavy_on(ikv) && w.rows[ikv] != nullptr) {
+        if (w.heavy_on(ikv)) {   // (only layers with rows have a store)
             ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, pos->ne[0], pos->ne[1], 4);
             ggml_format_name(t, "kvq_k_pos_l%zu", ikv);
             ggml_set_input(t);
@@ -499,7 +500,7 @@ void llama_kvq_window_set_layer_pos(const llama_kvq_window & w, const std::vecto
             for (size_t k = 0; k < hc.size(); ++k) {
                 const int32_t cell = hc[k];
                 if (cell >= 0 && cell < n_kv && !v_cells[strm].is_empty(cell)) {
-                    mine[(1*n_s + s)*n_kv + cell] = (int32_t) (strm*w.n_slot + w.heavy0((uint32_t) k / w.n_heavy) + k % w.n_heavy);
+                    mine[(1*n_s + s)*n_kv + cell] = w.heavy_row(strm, k);
                     mine[(2*n_s + s)*n_kv + cell] = INT32_MAX;   // read by every later query, as a sink
                 }
             }
@@ -515,11 +516,11 @@ void llama_kvq_cache::win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tenso
     if (rows == nullptr) {
         return;
     }
-    const int64_t n_tok = k_cur->ne[2];
+    const int64_t n_tokens = k_cur->ne[2];
     if (win->heavy_on(ikv)) {
         // first the rows the last batch's tokens left in the stage move into their heavy slots (before this batch's
         // stage writes: nodes run in the order they were added)
-        const size_t off = (2*n_tok + 2*(int64_t) ikv*win->n_copy)*idxs->nb[0];
+        const size_t off = (2*n_tokens + 2*(int64_t) ikv*win->n_copy)*idxs->nb[0];
         ggml_tensor * from = ggml_view_1d(ctx, idxs, win->n_copy, off);
         ggml_tensor * to   = ggml_view_1d(ctx, idxs, win->n_copy, off + win->n_copy*idxs->nb[0]);
         ggml_build_forward_expand(gf, ggml_set_rows(ctx, rows, ggml_get_rows(ctx, rows, from), to));
@@ -532,17 +533,15 @@ void llama_kvq_cache::win_write(ggml_context * ctx, ggml_cgraph * gf, ggml_tenso
         ggml_tensor * k_pre = c->src[0]->src[0];
         ggml_tensor * qm = win->q_mean[ikv];
         GGML_ASSERT(ggml_nelements(qm) == k_pre->ne[0]*k_pre->ne[1]);
-        ggml_tensor * k2 = ggml_reshape_2d(ctx, ggml_cont(ctx, k_pre), k_pre->ne[0]*k_pre->ne[1], n_tok);
-        ggml_tensor * s  = ggml_mul_mat(ctx, k2, ggml_reshape_2d(ctx, qm, ggml_nelements(qm), 1));   // [n_tok, 1]
-        const int64_t n_s = std::min<int64_t>(n_tok, win->n_stage);   // tokens past the stage keep no row
+        ggml_tensor * k2 = ggml_reshape_2d(ctx, ggml_cont(ctx, k_pre), k_pre->ne[0]*k_pre->ne[1], n_tokens);
+        ggml_tensor * s  = ggml_mul_mat(ctx, k2, ggml_reshape_2d(ctx, qm, ggml_nelements(qm), 1));   // [n_tokens, 1]
+        const int64_t n_s = std::min<int64_t>(n_tokens, win->n_stage);   // tokens past the stage keep no row
         ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_1d(ctx, s, n_s, 0), ggml_view_1d(ctx, win->scores[ikv], n_s, 0)));
     }
-    const int64_t n_tokens = k_cur->ne[2];
     const int64_t n_k = k_cur->ne[0]*k_cur->ne[1], n_v = v_cur->ne[0]*v_cur->ne[1];
     GGML_ASSERT(n_k + n_v == rows->ne[0]);
     GGML_ASSERT(ggml_row_size(k_cur->type, k_cur->ne[0]) == k_cur->nb[1] && ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
     ggml_tensor * k2 = ggml_view_2d(ctx, k_cur, n_k, n_tokens, k_cur->nb[2], 0);
-    GGML_ASSERT(n_tokens == n_tok);
     ggml_tensor * v2 = ggml_view_2d(ctx, v_cur, n_v, n_tokens, v_cur->nb[2], 0);
     ggml_tensor * rk = ggml_view_2d(ctx, rows, n_k, rows->ne[1], rows->nb[1], 0);
     ggml_tensor * rv = ggml_view_2d(ctx, rows, n_v, rows->ne[1], rows->nb[1], ggml_row_size(rows->type, n_k));
