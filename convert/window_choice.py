@@ -34,11 +34,12 @@ BLOCK = 64    # rows at a time: float64 temporaries of a 150k vocabulary stay ~8
 BATCH = 512   # tokens per decode call (the graph's own ubatch): 512 rows of logits at a time, 0.3 GB at 150k
 
 
-def candidates(kv_bits: float, sinks: int, ctx: int, low_bits: float, row_type: str = "f16") -> list[int]:
-    """The WINDOWS whose rows (of row_type) at ctx cells leave at least low_bits (the cheapest K and V types' mean) of
-    kv_bits to the quantized cache, and that are at most an eighth of the context."""
+def candidates(kv_bits: float, sinks: int, ctx: int, low_bits: float, row_type: str = "f16",
+               heavy: float = 0.0) -> list[int]:
+    """The WINDOWS whose rows (of row_type, with heavy's hitters) at ctx cells leave at least low_bits (the cheapest
+    K and V types' mean) of kv_bits to the quantized cache, and that are at most an eighth of the context."""
     from pykvq.cache_info import window_bits
-    return [w for w in WINDOWS if w <= ctx // 8 and kv_bits - window_bits(sinks, w, ctx, row_type) >= low_bits]
+    return [w for w in WINDOWS if w <= ctx // 8 and kv_bits - window_bits(sinks, w, ctx, row_type, heavy) >= low_bits]
 
 
 @dataclass

@@ -1,15 +1,20 @@
 """KVCacheInfo: the exact geometry and size of a context's KV cache (what Model.kv_cache_info returns)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .cache_types import bits_per_value
 
 
-def window_bits(sinks: int, window: int, n_ctx: int, row_type: str = "f16") -> float:
+def window_bits(sinks: int, window: int, n_ctx: int, row_type: str = "f16", heavy: float = 0.0) -> float:
     """Bits per value the exact window adds at n_ctx cells: its rows (the sinks, the window and the row being
-    written, in row_type: pykvq.cache.kv_window_type, f16 or q8_0) beside the quantized cache; 0 without a window."""
-    return bits_per_value(row_type) * (sinks + window + 1) / n_ctx if (sinks or window) and n_ctx > 0 else 0.0
+    written, and ceil(heavy * n_ctx) heavy hitters, in row_type: pykvq.cache.kv_window_type, f16 or q8_0) beside the
+    quantized cache; 0 without a window (the runtime's own count)."""
+    if not (sinks or window) or n_ctx <= 0:
+        return 0.0
+    n_heavy = min(math.ceil(heavy * n_ctx), n_ctx) if heavy > 0 else 0
+    return bits_per_value(row_type) * (sinks + window + 1 + n_heavy) / n_ctx
 
 
 def longest_window(bits: float, sinks: int, n_ctx: int, row_type: str = "f16") -> int | None:

@@ -46,7 +46,8 @@ def _cache_args(ap: argparse.ArgumentParser, default: str | None = None) -> None
                          "pykvq.cache.kv_window, 64 for a --prerope-k file; 0 turns it off), in decode and prefill alike")
     ap.add_argument("--kv-heavy", type=float, default=None, metavar="F",
                     help="a pre-RoPE file with the window: also keep this fraction of the context exact, the keys "
-                         "scoring highest against the file's mean query (heavy hitters, e.g. 0.01; default 0)")
+                         "scoring highest against the file's mean query (heavy hitters, e.g. 0.01; default: the file's "
+                         "pykvq.cache.kv_heavy, else 0)")
     ap.add_argument("-ub", "--ubatch-size", type=int, default=None, help="tokens per graph (default 512)")
     ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size of the model (tokens)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
@@ -189,8 +190,9 @@ def cmd_info(args) -> int:
     if prepared:
         from .diagnose import outlook
         info = m.kv_cache_info()
+        heavy = float(m.meta(Keys.Cache.KV_HEAVY) or 0.0) if int(m.setting("kv_heavy") or 0) > 0 else 0.0
         print(outlook(info.bits_per_value, int(m.setting("kv_sinks") or 0), int(m.setting("kv_window") or 0),
-                      m.setting("kv_window_type") or "f16"))
+                      m.setting("kv_window_type") or "f16", heavy))
     return 0
 
 

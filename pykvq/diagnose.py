@@ -90,12 +90,14 @@ EXPECTED_KLD = ((4.4, "about stock q8_0's (0.9-1.4x q8_0 on the suite's models)"
                 (0.0, "more than 19x stock q8_0's (not measured below 2.5 bits)"))
 
 
-def outlook(bits: float, sinks: int, window: int, row_type: str = "f16") -> str:
-    """What a converted file will do: its bits/value at 4k and 32k cells, exact window counted (rows of row_type),
-    and the mean KLD class those bits gave on the suite's models. bits: the quantized cache's own mean over K and V."""
+def outlook(bits: float, sinks: int, window: int, row_type: str = "f16", heavy: float = 0.0) -> str:
+    """What a converted file will do: its bits/value at 4k and 32k cells, exact window and heavy hitters counted (rows
+    of row_type), and the mean KLD class those bits gave on the suite's models. bits: the quantized cache's own mean
+    over K and V."""
     from .cache_info import window_bits
-    at = {n: bits + window_bits(sinks, window, n, row_type) for n in (4096, 32768)}
+    at = {n: bits + window_bits(sinks, window, n, row_type, heavy) for n in (4096, 32768)}
     win = f"exact window: first {sinks} + last {window} cells ({row_type})" if sinks or window else "no exact window"
+    win += f" + {heavy:g} of the cells as heavy hitters" if heavy and (sinks or window) else ""
     quality = ("none from the cache (not quantized)" if bits >= 16 else
                next(text for floor, text in EXPECTED_KLD if at[4096] >= floor))
     return (f"outlook: {bits:.2f} bits/value in the cache, {win}: {at[4096]:.2f} bits/value at 4k tokens, "

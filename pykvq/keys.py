@@ -33,6 +33,7 @@ class Keys:
         KV_SINKS = "pykvq.cache.kv_sinks"                    # uint32: default exact sinks (pre-RoPE keys)
         KV_WINDOW = "pykvq.cache.kv_window"                  # uint32: default exact window, cells per sequence
         KV_WINDOW_TYPE = "pykvq.cache.kv_window_type"        # string: its rows' type, "f16" / "q8_0" (absent: f16)
+        KV_HEAVY = "pykvq.cache.kv_heavy"                    # float32: default heavy hitters, a fraction of the context
 
         TYPE = {"k": TYPE_K, "v": TYPE_V}
         LAYER_TYPES = {"k": LAYER_TYPES_K, "v": LAYER_TYPES_V}

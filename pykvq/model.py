@@ -88,7 +88,8 @@ class Model(Generation, Evaluation):
     kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md). kv_window_type: their
     rows' type, "f16" or "q8_0" (default: the file's pykvq.cache.kv_window_type, else f16; q8_0 in CPU- and CUDA-held layers).
     kv_heavy: with the window, also keep this fraction of each sequence's cells exact as heavy hitters, the keys
-    scoring highest against the file's mean query (blk.N.kvq_q_mean; default 0).
+    scoring highest against the file's mean query (blk.N.kvq_q_mean; default: the file's pykvq.cache.kv_heavy, 0.01
+    in a --bits budget below 3.5, else 0).
     None for any of these: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL /
     PYKVQ_KV_WINDOW / PYKVQ_KV_SINKS,
     else the process default (pykvq.use_with_llama_cpp), else auto. self.k_domain / self.encoder say what the context really runs.
@@ -318,7 +319,9 @@ class Model(Generation, Evaluation):
         rot = [w for w, on in self.attn_rotation.items() if on]
         baked = self.baked_transforms()
         sinks, win = self.setting("kv_sinks"), self.setting("kv_window")
-        exact = (f" ({self.setting('kv_window_type') or 'f16'}: first {sinks} positions, last {win} cells)"
+        heavy = self.setting("kv_heavy")
+        exact = (f" ({self.setting('kv_window_type') or 'f16'}: first {sinks} positions, last {win} cells"
+                 + (f", {heavy} heavy hitters" if heavy not in (None, "0") else "") + ")"
                  if {sinks, win} - {None, "0"} else "")
         return ("online Hadamard rotation: " + ("+".join(rot) if rot else "off")
                 + "; baked: " + (", ".join(baked) if baked else "none") + f"; keys cached {self.k_domain}{exact}"

@@ -39,3 +39,11 @@ def without_tensors(src, out, suffix: str):
         del m.tensors[name]
     write_gguf(m, out)
     return out
+
+
+def with_key(src, out, key: str, value, vtype):
+    """A copy of src with one metadata key set (a pykvq.cache.* default of a newer converter, or a bad one)."""
+    m = read_gguf(src)
+    m.set(key, value, vtype)
+    write_gguf(m, out)
+    return out

@@ -330,7 +330,7 @@ RIGHT_SHAPE = {"cb_k": [16], "cb_v": [16], "rope": [32, 3], "mean": [64, 3], "sc
 KEY_KIND = {Keys.Cache.TYPE_K: "str", Keys.Cache.TYPE_V: "str", Keys.Cache.CODEBOOK_ROT_K: "bool",
             Keys.Cache.K_DOMAIN: "str", Keys.Baked.KSORT: "bool", Keys.Baked.ROTATE_V: "str",
             Keys.Rope.LAYOUT: "str", Keys.Cache.LAYER_TYPES_K: "str_array", Keys.Cache.LAYER_TYPES_V: "str_array",
-            Keys.Cache.KV_SINKS: "int", Keys.Cache.KV_WINDOW: "int"}
+            Keys.Cache.KV_SINKS: "int", Keys.Cache.KV_WINDOW: "int", Keys.Cache.KV_HEAVY: "float"}
 CACHE_TYPE_KEYS = (Keys.Cache.TYPE_K, Keys.Cache.TYPE_V, Keys.Cache.LAYER_TYPES_K, Keys.Cache.LAYER_TYPES_V)
 
 
@@ -685,6 +685,8 @@ FIXED = [  # the table in the issue note: one per kind of damage, each with the 
     {"seed": "prerope", "op": "key_value", "key": Keys.Cache.KV_WINDOW, "value": "64"},
     {"seed": "prerope", "op": "key_type", "key": Keys.Cache.KV_SINKS, "as_": "float"},
     {"seed": "prerope", "op": "key_type", "key": Keys.Cache.KV_WINDOW, "as_": "int"},
+    {"seed": "prerope", "op": "key_type", "key": Keys.Cache.KV_HEAVY, "as_": "float"},   # 1.5: not a fraction
+    {"seed": "prerope", "op": "key_type", "key": Keys.Cache.KV_HEAVY, "as_": "int"},
 ]
 
 

@@ -95,3 +95,22 @@ def test_cpu_types_take_the_trellis_types(smollm2, tmp_path):
         with pytest.raises(ConvertError, match="--cpu-types changes the default types"):
             to_gguf.convert(args)
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_low_budgets_keep_heavy_hitters_priced_like_the_window():
+    """--bits below 3.5 keeps 1% heavy hitters by default (pykvq.cache.kv_heavy), paid from the budget as the window
+    is: ceil(0.01 * 4096) = 41 more q8_0 rows; other presets keep none unless told; --kv-heavy needs a window."""
+    from convert.pipeline import HEAVY_DEFAULT, Options
+    for argv, want in ((["--bits", "3"], HEAVY_DEFAULT), (["--bits", "2.5"], HEAVY_DEFAULT), (["--bits", "3.5"], 0.0),
+                       (["--bits", "4"], 0.0), ([], 0.0), (["--bits", "3", "--kv-heavy", "0"], 0.0),
+                       (["--bits", "4.5", "--kv-heavy", "0.03"], 0.03)):
+        _, a = _resolve(*argv)
+        assert to_gguf._heavy(a, a.kv_window) == want, argv
+    assert Options(prerope_k=True, kv_bits=3.0, kv_bits_ctx=4096, kv_heavy=0.01).cache_bits() == \
+        pytest.approx(3.0 - 8.5 * (69 + 41) / 4096)
+    _, a = _resolve("--prerope-k", "--kv-window", "0", "--kv-sinks", "0", "--kv-heavy", "0.01")
+    with pytest.raises(ConvertError, match="--kv-heavy keeps heavy hitters beside the exact window"):
+        to_gguf._heavy(a, a.kv_window)
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            _resolve("--kv-heavy", bad)

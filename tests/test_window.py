@@ -173,6 +173,26 @@ def test_heavy_hitters_need_the_files_mean_query(smol_pre, tmp_path):
             Model(smol_pre, n_ctx=512, flash_attn=True, kv_heavy=bad)
 
 
+def test_heavy_hitters_from_the_file(smol_pre, tmp_path):
+    """pykvq.cache.kv_heavy (what a --bits budget below 3.5 writes) is the runtime's default, said in the log and in
+    the transforms; kv_heavy=0 turns it off; a value outside [0, 1] refuses the file, naming the key."""
+    from gguf import GGUFValueType as VT
+    from gguf_variants import with_key
+    from pykvq.errors import ModelLoadError
+    from pykvq.keys import Keys
+    f = with_key(smol_pre, tmp_path / "heavy.gguf", Keys.Cache.KV_HEAVY, 0.01, VT.FLOAT32)
+    kvq_log.clear()
+    with Model(f, n_ctx=1024, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True) as m:
+        assert m.setting("kv_heavy") == "11"                # ceil(0.01 * 1024)
+        assert "last 64 cells, 11 heavy hitters)" in m.transforms()
+    assert "heavy hitters = 0.01 of each sequence's cells (from the GGUF's pykvq.cache.kv_heavy" in "".join(kvq_log.recent())
+    with Model(f, n_ctx=1024, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn=True, kv_heavy=0) as m:
+        assert m.setting("kv_heavy") == "0"
+    bad = with_key(smol_pre, tmp_path / "bad.gguf", Keys.Cache.KV_HEAVY, 2.0, VT.FLOAT32)
+    with pytest.raises(ModelLoadError, match=r"pykvq.cache.kv_heavy = 2: expected a fraction of the context in \[0, 1\]"):
+        Model(bad, n_ctx=512, flash_attn=True)
+
+
 def test_unified_cache_keeps_a_window_per_sequence(smol_pre, passage, wikitext):
     """Two sequences in one unified stream, 150 tokens each: each keeps its own sinks and ring, so a 160-cell window
     holds all of both and attends as an f16 pre-RoPE cache, bit for bit (one ring shared by both would hold 160 of

@@ -22,6 +22,7 @@
 #define LLAMA_KVQ_KEY_CACHE_KV_SINKS           "pykvq.cache.kv_sinks"
 #define LLAMA_KVQ_KEY_CACHE_KV_WINDOW          "pykvq.cache.kv_window"
 #define LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE     "pykvq.cache.kv_window_type"
+#define LLAMA_KVQ_KEY_CACHE_KV_HEAVY           "pykvq.cache.kv_heavy"
 
 // Keys.Baked: transforms baked into the weights
 #define LLAMA_KVQ_KEY_BAKED_KSORT              "pykvq.baked.ksort"

@@ -62,6 +62,7 @@ static void kvq_check_keys(const gguf_context * ctx) {
         { LLAMA_KVQ_KEY_CACHE_KV_SINKS,          GGUF_TYPE_UINT32, {} },
         { LLAMA_KVQ_KEY_CACHE_KV_WINDOW,         GGUF_TYPE_UINT32, {} },
         { LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE,    GGUF_TYPE_STRING, { "f16", "q8_0" } },
+        { LLAMA_KVQ_KEY_CACHE_KV_HEAVY,          GGUF_TYPE_FLOAT32, {} },
         { LLAMA_KVQ_KEY_BAKED_KSORT,             GGUF_TYPE_BOOL,   {} },
         { LLAMA_KVQ_KEY_BAKED_KSORT_KEY,         GGUF_TYPE_STRING, {} },
         { LLAMA_KVQ_KEY_BAKED_SMOOTH_QK,         GGUF_TYPE_BOOL,   {} },
@@ -96,6 +97,12 @@ static void kvq_check_keys(const gguf_context * ctx) {
                     want += (want.empty() ? "'" : ", '") + std::string(v) + "'";
                 }
                 throw std::runtime_error(format("%s = '%.64s': expected %s", key, val, want.c_str()));
+            }
+        }
+        if (strcmp(key, LLAMA_KVQ_KEY_CACHE_KV_HEAVY) == 0) {
+            const float f = gguf_get_val_f32(ctx, kid);
+            if (!(f >= 0.0f && f <= 1.0f)) {
+                throw std::runtime_error(format("%s = %g: expected a fraction of the context in [0, 1]", key, (double) f));
             }
         }
     }
@@ -395,6 +402,12 @@ void llama_kvq_apply_model_defaults(const llama_model & model, llama_context_par
         kvq.kv_window_type = key(LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE) == "q8_0" ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
         LLAMA_LOG_INFO("%s: exact window rows in %s (from the GGUF's %s)\n", "llama_kvq_apply_model_defaults",
                        ggml_type_name((ggml_type) kvq.kv_window_type), LLAMA_KVQ_KEY_CACHE_KV_WINDOW_TYPE);
+    }
+    if (kvq.kv_heavy < 0.0 && !key(LLAMA_KVQ_KEY_CACHE_KV_HEAVY).empty()) {
+        // a float32 in [0, 1] (kvq_check_keys), held as text by the loader
+        kvq.kv_heavy = std::stod(key(LLAMA_KVQ_KEY_CACHE_KV_HEAVY));
+        LLAMA_LOG_INFO("%s: heavy hitters = %g of each sequence's cells (from the GGUF's %s; --kv-heavy 0 turns them off)\n",
+                       "llama_kvq_apply_model_defaults", kvq.kv_heavy, LLAMA_KVQ_KEY_CACHE_KV_HEAVY);
     }
 
     // (a q53_64 file's pairs are laid out by importance, "importance": its halves keep their own 32-wide Hadamards)

@@ -119,7 +119,8 @@ const kvq_setting k_settings[] = {
       },
       "--kv-heavy", "F",
       "pre-RoPE key cache with an exact window: also keep this fraction of each sequence's cells exact, the keys "
-      "scoring highest against the file's mean query (heavy hitters; e.g. 0.01; needs blk.N.kvq_q_mean; default: 0)" },
+      "scoring highest against the file's mean query (heavy hitters; e.g. 0.01; needs blk.N.kvq_q_mean; default: the "
+      "file's pykvq.cache.kv_heavy, else 0)" },
 };
 constexpr int k_n_settings = (int) (sizeof(k_settings) / sizeof(k_settings[0]));
 
