@@ -147,11 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-heavy", type=_fraction, default=None, metavar="F",
                    help="with --prerope-k and its window: the runtime also keeps this fraction of each sequence's cells "
                         "exact, the keys scoring highest against the mean query (heavy hitters; pykvq.cache.kv_heavy; "
-                        f"0: off). Default: {pipeline.HEAVY_DEFAULT:g} with --kv-bits below {pipeline.HEAVY_BELOW:g} "
-                        "(counted in the budget like the window, F x 8.5 bits/value in q8_0 rows), else 0. "
-                        "Measured on SmolLM2 at 4096 tokens, KLD x stock q8_0: 3 bits 7.5x -> 5.5x with 0.01 "
-                        "(3.08 bits; 3.1 bits without: 6.2x), 2.5 bits 19x -> 12.5x; --kv-heavy at run time "
-                        "overrides it")
+                        f"0: off). Default: {pipeline.HEAVY_DEFAULT:g} with --kv-bits in [{pipeline.HEAVY_FROM:g}, "
+                        f"{pipeline.HEAVY_BELOW:g}) (counted in the budget like the window, F x 8.5 bits/value in q8_0 "
+                        "rows), else 0. Measured on SmolLM2 at 4096 tokens, KLD x stock q8_0: --bits 3 7.5x -> 6.1x "
+                        "with 0.01 in its 3 bits; at --bits 2.5 the types are at their floor and lose more (19x -> "
+                        "23x) than the heavy hitters gain; --kv-heavy at run time overrides it")
     g.add_argument("--layer-types", default=None, metavar="TYPES",
                    help="candidate types for --kv-bits, V's and (without --layer-types-k) K's. Default: V "
                         + ",".join(pipeline.layer_types.VALUE_LADDER) + ", with nuq2_64 (2.25 bits) first where the "
@@ -674,10 +674,12 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
 
 
 def _heavy(args, window: int) -> float:
-    """The file's default heavy hitters: --kv-heavy, else pipeline.HEAVY_DEFAULT for a low budget with a window."""
+    """The file's default heavy hitters: --kv-heavy, else pipeline.HEAVY_DEFAULT for a budget near 3 bits with a
+    window."""
     exact = args.prerope_k and (args.kv_sinks > 0 or window > 0)
     if args.kv_heavy is None:
-        return pipeline.HEAVY_DEFAULT if exact and args.kv_bits is not None and args.kv_bits < pipeline.HEAVY_BELOW else 0.0
+        near_3 = args.kv_bits is not None and pipeline.HEAVY_FROM <= args.kv_bits < pipeline.HEAVY_BELOW
+        return pipeline.HEAVY_DEFAULT if exact and near_3 else 0.0
     if args.kv_heavy > 0 and not exact:
         raise ConvertError("--kv-heavy keeps heavy hitters beside the exact window: it needs --prerope-k and a window "
                            "(--kv-window or --kv-sinks > 0)")

@@ -98,10 +98,11 @@ def test_cpu_types_take_the_trellis_types(smollm2, tmp_path):
 
 
 def test_low_budgets_keep_heavy_hitters_priced_like_the_window():
-    """--bits below 3.5 keeps 1% heavy hitters by default (pykvq.cache.kv_heavy), paid from the budget as the window
-    is: ceil(0.01 * 4096) = 41 more q8_0 rows; other presets keep none unless told; --kv-heavy needs a window."""
+    """--bits in [2.75, 3.5) keeps 1% heavy hitters by default (pykvq.cache.kv_heavy), paid from the budget as the
+    window is: ceil(0.01 * 4096) = 41 more q8_0 rows; other presets keep none unless told (at 2.5 bits they cost the
+    types more than they gain); --kv-heavy needs a window."""
     from convert.pipeline import HEAVY_DEFAULT, Options
-    for argv, want in ((["--bits", "3"], HEAVY_DEFAULT), (["--bits", "2.5"], HEAVY_DEFAULT), (["--bits", "3.5"], 0.0),
+    for argv, want in ((["--bits", "3"], HEAVY_DEFAULT), (["--bits", "2.5"], 0.0), (["--bits", "3.5"], 0.0),
                        (["--bits", "4"], 0.0), ([], 0.0), (["--bits", "3", "--kv-heavy", "0"], 0.0),
                        (["--bits", "4.5", "--kv-heavy", "0.03"], 0.03)):
         _, a = _resolve(*argv)
