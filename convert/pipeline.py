@@ -35,12 +35,12 @@ from .rope_layout import neox_to_norm
 log = logging.getLogger("pykvq.convert")
 
 VERSION = "0.1.0"
-# heavy hitters a budget in [HEAVY_FROM, HEAVY_BELOW) bits keeps by default (pykvq.cache.kv_heavy), paid from it as
-# the window is. SmolLM2, 4096 tokens, KLD x stock q8_0: --bits 3 7.5x -> 6.1x with 0.01 inside its 3.00 bits (on
-# top, 3.08 bits: 5.5x; 3.1 bits of types alone: 6.2x). At --bits 2.5 the types are at their floor: 19x -> 23x
-# inside the budget (12.5x on top, 2.58 bits). On a q4_0 pair (about 4.5 bits) 0.0053 -> 0.0050 only.
-HEAVY_DEFAULT = 0.01
-HEAVY_FROM, HEAVY_BELOW = 2.75, 3.5
+# heavy hitters (pykvq.cache.kv_heavy) are off unless --kv-heavy asks: inside a budget they are paid from it as the
+# window is, and whether that pays depends on the model. 4096 tokens, KLD x stock q8_0, --bits 3 with 0.01 inside its
+# 3.00 bits: SmolLM2 7.5x -> 6.1x, Qwen2.5-Coder-1.5B 3.0x -> 3.4x (heavy hitters gain only 3% there); at --bits 2.5
+# the types are at their floor: SmolLM2 19x -> 23x. On top of the budget (3.08 bits) SmolLM2 gets 5.5x. --kv-heavy auto
+# judges a file with HEAVY_TRIED against one without, as --kv-window auto judges lengths.
+HEAVY_TRIED = 0.01
 
 
 @dataclass

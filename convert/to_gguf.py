@@ -144,14 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "default %(default)s: half f16's bytes, the same KLD on SmolLM2 at 3 bits and 4096 tokens, "
                         "0.03010 against 0.03006; RPC workers keep f16 rows; --kv-window-type at run time "
                         "overrides it)")
-    g.add_argument("--kv-heavy", type=_fraction, default=None, metavar="F",
+    g.add_argument("--kv-heavy", type=_fraction, default=None, metavar="F|auto",
                    help="with --prerope-k and its window: the runtime also keeps this fraction of each sequence's cells "
                         "exact, the keys scoring highest against the mean query (heavy hitters; pykvq.cache.kv_heavy; "
-                        f"0: off). Default: {pipeline.HEAVY_DEFAULT:g} with --kv-bits in [{pipeline.HEAVY_FROM:g}, "
-                        f"{pipeline.HEAVY_BELOW:g}) (counted in the budget like the window, F x 8.5 bits/value in q8_0 "
-                        "rows), else 0. Measured on SmolLM2 at 4096 tokens, KLD x stock q8_0: --bits 3 7.5x -> 6.1x "
-                        "with 0.01 in its 3 bits; at --bits 2.5 the types are at their floor and lose more (19x -> "
-                        "23x) than the heavy hitters gain; --kv-heavy at run time overrides it")
+                        "default 0: off). Inside --kv-bits it is counted like the window (F x 8.5 bits/value in q8_0 "
+                        "rows) and takes bits from the types. Measured at 4096 tokens, --bits 3 with 0.01, KLD x stock "
+                        "q8_0: SmolLM2 7.5x -> 6.1x, Qwen2.5-Coder-1.5B 3.0x -> 3.4x. auto (with --kv-bits and "
+                        f"--kv-bits-ctx N): a file with {pipeline.HEAVY_TRIED:g} and one without are made and judged "
+                        "at N tokens on held-out calibration text, as --kv-window auto does, and the better is kept "
+                        "(slow). --kv-heavy at run time overrides the file's")
     g.add_argument("--layer-types", default=None, metavar="TYPES",
                    help="candidate types for --kv-bits, V's and (without --layer-types-k) K's. Default: V "
                         + ",".join(pipeline.layer_types.VALUE_LADDER) + ", with nuq2_64 (2.25 bits) first where the "
@@ -595,12 +596,14 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
 
 
 def _fraction(v: str) -> float:
+    if v == "auto":     # --kv-heavy auto
+        return v
     try:
         f = float(v)
     except ValueError:
         f = -1.0
     if not 0.0 <= f <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction of the context in [0, 1], got {v}")
+        raise argparse.ArgumentTypeError(f"expected a fraction of the context in [0, 1] or auto, got {v}")
     return f
 
 
@@ -633,57 +636,73 @@ def _build(m: GGUFModel, opts, calib, g, args, hf: bool, out: Path, progress, la
 
 
 def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path: Path, text: str, args, hf: bool,
-                   out: Path, tmp: Path, progress):
-    """--kv-window auto (window_choice.py): every candidate length's file made and judged at --kv-bits-ctx tokens
-    on held-out calibration text; the best is renamed to out. wins: the lengths (window_choice.candidates); first:
-    [the input's model, as read], used for the first length and let go. -> (the best's Report, its Options, the table)."""
+                   out: Path, tmp: Path, progress, heavy: tuple = (), ladders=None):
+    """--kv-window auto / --kv-heavy auto (window_choice.py): every candidate length's file made and judged at
+    --kv-bits-ctx tokens on held-out calibration text, then, at the best length, a file with each of heavy's fractions
+    of heavy hitters (ladders(o): o's default ladders for its share of the budget); the best is renamed to out. wins:
+    the lengths (window_choice.candidates, or the one given); first: [the input's model, as read], used for the first
+    file and let go. -> (the best's Report, its Options, the table)."""
     import dataclasses
     import os
     from convert import window_choice
     from pykvq.errors import PykvqError
-    log.info("--kv-window auto: trying %s at %d tokens", ", ".join(map(str, wins)), opts.kv_bits_ctx)
+    tries = [dataclasses.replace(opts, kv_window=w) for w in wins]
+    log.info("--kv-%s auto: trying %s at %d tokens", "window" if len(wins) > 1 or not heavy else "heavy",
+             ", ".join(f"window {w}" for w in wins) + "".join(f", then {h:g} heavy hitters" for h in heavy),
+             opts.kv_bits_ctx)
     t0 = time.time()
     try:
         judge = window_choice.Judge(gguf_path, text, opts.kv_bits_ctx, args.calib_seqs, args.calib_len, progress)
     except PykvqError as e:
-        raise ConvertError(f"--kv-window auto: the reference run failed: {e}") from None
+        raise ConvertError(f"--kv-window / --kv-heavy auto: the reference run failed: {e}") from None
     rows, best = [], None
-    for n, w in enumerate(wins):
-        o = dataclasses.replace(opts, kv_window=w)
-        c = calib
-        if n and calib is not None and calib.sensitivity != "forward":     # the backward pass is taken per window
-            c, _ = calibrate(o)
-        path = tmp / f"window-{w}.gguf"
-        rep = _build(first.pop() if first else read_gguf(gguf_path), o, c, g, args, hf, path, progress,
-                     last=n == len(wins) - 1)
+
+    def judged(n: int, o, c, last: bool):
+        nonlocal best
+        name = f"window {o.kv_window}" + (f", heavy {o.kv_heavy:g}" if o.kv_heavy else "")
+        path = tmp / f"window-{o.kv_window}-heavy-{o.kv_heavy:g}.gguf"
+        rep = _build(first.pop() if first else read_gguf(gguf_path), o, c, g, args, hf, path, progress, last=last)
         try:
             kld = judge.kld(path)
         except PykvqError as e:
-            raise ConvertError(f"--kv-window auto: running the window-{w} file failed: {e}") from None
-        rows.append({"window": w, "kld": kld, "bits_per_value": rep.bits_per_value})
-        log.info("--kv-window auto: window %d: KLD %.5f on held-out calibration text", w, kld)
+            raise ConvertError(f"--kv-window / --kv-heavy auto: running the {name} file failed: {e}") from None
+        rows.append({"window": o.kv_window, "heavy": o.kv_heavy, "kld": kld, "bits_per_value": rep.bits_per_value})
+        log.info("auto: %s: KLD %.5f on held-out calibration text", name, kld)
         if best is None or kld < best[0]:
             if best is not None:
                 best[3].unlink()
-            best = (kld, rep, o, path)
+            best = (kld, rep, o, path, c)
         else:
             path.unlink()
+
+    for n, o in enumerate(tries):
+        c = calib
+        if n and calib is not None and calib.sensitivity != "forward":     # the backward pass is taken per window
+            c, _ = calibrate(o)
+        judged(n, o, c, last=n == len(tries) - 1 and not heavy)
+    for i, h in enumerate(heavy):
+        o = dataclasses.replace(best[2], kv_heavy=h)
+        if ladders is not None:
+            ladders(o)
+        if o.cache_bits() < o.cheapest_bits():
+            log.info("auto: %g heavy hitters leave the types %.3f bits, below the cheapest (%.3f): not tried", h,
+                     o.cache_bits(), o.cheapest_bits())
+            continue
+        c = best[4] if best[4] is None or best[4].sensitivity == "forward" else calibrate(o)[0]
+        judged(len(tries) + i, o, c, last=i == len(heavy) - 1)
     os.replace(best[3], out)
-    return best[1], best[2], {"chosen": best[2].kv_window, "tried": rows, "seconds": round(time.time() - t0, 1),
-                              "ctx": opts.kv_bits_ctx, "rows": judge.rows}
+    return best[1], best[2], {"chosen": best[2].kv_window, "heavy": best[2].kv_heavy, "tried": rows,
+                              "seconds": round(time.time() - t0, 1), "ctx": opts.kv_bits_ctx, "rows": judge.rows}
 
 
 def _heavy(args, window: int) -> float:
-    """The file's default heavy hitters: --kv-heavy, else pipeline.HEAVY_DEFAULT for a budget near 3 bits with a
-    window."""
+    """The file's default heavy hitters (--kv-heavy, else none; auto: none until judged): they need the pre-RoPE
+    keys' window."""
     exact = args.prerope_k and (args.kv_sinks > 0 or window > 0)
-    if args.kv_heavy is None:
-        near_3 = args.kv_bits is not None and pipeline.HEAVY_FROM <= args.kv_bits < pipeline.HEAVY_BELOW
-        return pipeline.HEAVY_DEFAULT if exact and near_3 else 0.0
-    if args.kv_heavy > 0 and not exact:
+    if args.kv_heavy and not exact:
         raise ConvertError("--kv-heavy keeps heavy hitters beside the exact window: it needs --prerope-k and a window "
                            "(--kv-window or --kv-sinks > 0)")
-    return args.kv_heavy
+    return 0.0 if args.kv_heavy in (None, "auto") else args.kv_heavy
 
 
 def convert(args) -> dict:
@@ -694,10 +713,12 @@ def convert(args) -> dict:
         raise ConvertError("the output would overwrite the input; choose another --outfile")
     if args.learn_steps < 0 or args.max_cond <= 1.0:
         raise ConvertError("--learn-steps must be >= 0 and --max-cond > 1")
-    auto_window = args.kv_window == "auto"
-    if auto_window and not (args.prerope_k and args.kv_bits is not None and args.kv_bits_ctx > 0):
-        raise ConvertError("--kv-window auto chooses the window with a budget's types for a context: it needs "
-                           "--prerope-k, --kv-bits B and --kv-bits-ctx N")
+    auto_window, auto_heavy = args.kv_window == "auto", args.kv_heavy == "auto"
+    for flag, auto in (("--kv-window", auto_window), ("--kv-heavy", auto_heavy)):
+        if auto and not (args.prerope_k and args.kv_bits is not None and args.kv_bits_ctx > 0):
+            raise ConvertError(f"{flag} auto chooses {'the window' if flag == '--kv-window' else 'heavy hitters'} "
+                               "with a budget's types for a context: it needs --prerope-k, --kv-bits B and "
+                               "--kv-bits-ctx N")
     window = pipeline.Options.kv_window if auto_window else args.kv_window
     if not (0 <= args.kv_sinks < 2**31 and 0 <= window < 2**31):
         raise ConvertError(f"--kv-sinks and --kv-window must be >= 0, got {args.kv_sinks} and {args.kv_window}")
@@ -816,10 +837,12 @@ def convert(args) -> dict:
 
         calib, g = calibrate(opts)
         t_cal = time.time() - t1 if needs_calib else 0.0
-        if args.kv_window == "auto":
+        if auto_window or auto_heavy:
             first, m = [m], None        # each candidate's model is read afresh: only one held at a time
-            rep, opts, window_report = _choose_window(wins, first, opts, calib, calibrate, g, gguf_path, text, args,
-                                                      hf, out, Path(tmp), progress)
+            rep, opts, window_report = _choose_window(
+                wins if auto_window else [opts.kv_window], first, opts, calib, calibrate, g, gguf_path, text, args,
+                hf, out, Path(tmp), progress, heavy=(pipeline.HEAVY_TRIED,) if auto_heavy else (),
+                ladders=lambda o: _default_ladders(o, ladder_v_auto, o.cache_bits()))
         else:
             rep, window_report = _build(m, opts, calib, g, args, hf, out, progress), None
     k, v = opts.resolved_types()
@@ -917,9 +940,11 @@ def main(argv=None) -> int:
         print(f"budget: each slot's {r['candidates']} candidate types rounded and measured in the runtime ({when})")
     if s.get("window_choice"):
         r = s["window_choice"]
-        print(f"window chosen: {r['chosen']} cells, the lowest KLD at {r['ctx']} tokens on held-out calibration text "
-              f"({r['rows']} positions, {r['seconds']:.0f} s): "
-              + ", ".join(f"{t['window']} {t['kld']:.4f}" for t in r["tried"]))
+        heavy = f" and {r['heavy']:g} heavy hitters" if r.get("heavy") else ""
+        print(f"window chosen: {r['chosen']} cells{heavy}, the lowest KLD at {r['ctx']} tokens on held-out calibration "
+              f"text ({r['rows']} positions, {r['seconds']:.0f} s): "
+              + ", ".join(f"{t['window']}{' + heavy %g' % t['heavy'] if t.get('heavy') else ''} {t['kld']:.4f}"
+                          for t in r["tried"]))
     if s.get("budget_weights") == "window" and s["layer_types_k"] and not s.get("candidate_prices"):
         print("budget: counts the errors of reads the window leaves quantized (--kv-bits-weights window)")
     if s.get("window_share") and not s.get("candidate_prices"):

@@ -88,8 +88,8 @@ class Model(Generation, Evaluation):
     kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md). kv_window_type: their
     rows' type, "f16" or "q8_0" (default: the file's pykvq.cache.kv_window_type, else f16; q8_0 in CPU- and CUDA-held layers).
     kv_heavy: with the window, also keep this fraction of each sequence's cells exact as heavy hitters, the keys
-    scoring highest against the file's mean query (blk.N.kvq_q_mean; default: the file's pykvq.cache.kv_heavy, 0.01
-    in a --bits budget from 2.75 to below 3.5, else 0).
+    scoring highest against the file's mean query (blk.N.kvq_q_mean; default: the file's pykvq.cache.kv_heavy, written
+    by the converter's --kv-heavy, else 0).
     None for any of these: the environment's PYKVQ_K_DOMAIN / PYKVQ_ENCODER / PYKVQ_K_CENTRE_RESIDUAL /
     PYKVQ_KV_WINDOW / PYKVQ_KV_SINKS,
     else the process default (pykvq.use_with_llama_cpp), else auto. self.k_domain / self.encoder say what the context really runs.

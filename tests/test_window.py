@@ -174,7 +174,7 @@ def test_heavy_hitters_need_the_files_mean_query(smol_pre, tmp_path):
 
 
 def test_heavy_hitters_from_the_file(smol_pre, tmp_path):
-    """pykvq.cache.kv_heavy (what a --bits budget below 3.5 writes) is the runtime's default, said in the log and in
+    """pykvq.cache.kv_heavy (what --kv-heavy F writes) is the runtime's default, said in the log and in
     the transforms; kv_heavy=0 turns it off; a value outside [0, 1] refuses the file, naming the key."""
     from gguf import GGUFValueType as VT
     from gguf_variants import with_key

@@ -54,11 +54,12 @@ def test_held_out_sequences_follow_the_calibration_windows():
 
 def test_auto_needs_a_budget_and_a_context(smollm2, tmp_path):
     from convert import to_gguf
-    for extra in ([], ["--kv-bits", "4"], ["--kv-bits-ctx", "512"]):
-        args = to_gguf.build_parser().parse_args([str(smollm2), "-o", str(tmp_path / "x.gguf"), "--prerope-k",
-                                                  "--kv-window", "auto", *extra])
-        with pytest.raises(ConvertError, match="needs --prerope-k, --kv-bits B and --kv-bits-ctx N"):
-            to_gguf.convert(args)
+    for flag in ("--kv-window", "--kv-heavy"):
+        for extra in ([], ["--kv-bits", "4"], ["--kv-bits-ctx", "512"]):
+            args = to_gguf.build_parser().parse_args([str(smollm2), "-o", str(tmp_path / "x.gguf"), "--prerope-k",
+                                                      flag, "auto", *extra])
+            with pytest.raises(ConvertError, match=f"{flag} auto .* needs --prerope-k, --kv-bits B and --kv-bits-ctx N"):
+                to_gguf.convert(args)
     with pytest.raises(SystemExit):
         to_gguf.build_parser().parse_args([str(smollm2), "-o", "x", "--kv-window", "long"])
     assert not list(tmp_path.iterdir())
@@ -66,17 +67,25 @@ def test_auto_needs_a_budget_and_a_context(smollm2, tmp_path):
 
 def test_auto_keeps_the_window_it_measured_best(smollm2, tmp_path):
     """A real conversion (runtime calibration, forward weights, 512-token context so that it is quick): the file written
-    is the tried length with the lowest KL divergence, and the judge gives that file the same number again."""
+    is the tried length with the lowest KL divergence, and the judge gives that file the same number again. With
+    --kv-heavy auto, the best length is tried once more with 1% heavy hitters, their rows taken from the types."""
     from convert import to_gguf
     out = tmp_path / "auto.gguf"
     s = to_gguf.convert(to_gguf.build_parser().parse_args(
         [str(smollm2), "-o", str(out), "--prerope-k", "--kv-bits", "6", "--kv-bits-ctx", "512", "--kv-window", "auto",
-         "--sensitivity", "forward", "--calib-seqs", "2", "--calib-len", "256", "--no-progress"]))
+         "--kv-heavy", "auto", "--sensitivity", "forward", "--calib-seqs", "2", "--calib-len", "256", "--no-progress"]))
     r = s["window_choice"]
-    assert [t["window"] for t in r["tried"]] == [16, 32, 64]
+    assert [(t["window"], t["heavy"]) for t in r["tried"][:3]] == [(16, 0), (32, 0), (64, 0)]
+    by_window = min(r["tried"][:3], key=lambda t: t["kld"])
+    assert [(t["window"], t["heavy"]) for t in r["tried"][3:]] == [(by_window["window"], 0.01)]
+    assert r["tried"][3]["bits_per_value"] <= by_window["bits_per_value"]      # 6 more rows at 512 cells, same budget
     best = min(r["tried"], key=lambda t: t["kld"])
-    assert r["chosen"] == best["window"] == s["prerope_k"]["kv_window"]
-    assert read_gguf(out).fields[Keys.Cache.KV_WINDOW].value == best["window"]
+    assert (r["chosen"], r["heavy"]) == (best["window"], best["heavy"]) == (s["prerope_k"]["kv_window"],
+                                                                           s["prerope_k"].get("kv_heavy", 0.0))
+    f = read_gguf(out).fields
+    assert f[Keys.Cache.KV_WINDOW].value == best["window"]
+    assert (f[Keys.Cache.KV_HEAVY].value if best["heavy"] else Keys.Cache.KV_HEAVY not in f) == \
+        (pytest.approx(0.01) if best["heavy"] else True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["auto.gguf"]       # no candidate left behind
     from convert.calib import calibration_text
     judge = window_choice.Judge(smollm2, calibration_text("canterbury")[0], 512, 2, 256)
