@@ -688,8 +688,7 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
             log.info("auto: %g heavy hitters leave the types %.3f bits, below the cheapest (%.3f): not tried", h,
                      o.cache_bits(), o.cheapest_bits())
             continue
-        c = best[4] if best[4] is None or best[4].sensitivity == "forward" else calibrate(o)[0]
-        judged(len(tries) + i, o, c, last=i == len(heavy) - 1)
+        judged(len(tries) + i, o, best[4], last=i == len(heavy) - 1)     # the same window: the same calibration
     os.replace(best[3], out)
     return best[1], best[2], {"chosen": best[2].kv_window, "heavy": best[2].kv_heavy, "tried": rows,
                               "seconds": round(time.time() - t0, 1), "ctx": opts.kv_bits_ctx, "rows": judge.rows}
@@ -828,8 +827,9 @@ def convert(args) -> dict:
         def calibrate(o):
             if not needs_calib:
                 return None, g
-            if forward:
-                return _runtime_calib(gguf_path, m, g, text, source, args, o, progress, unknown_arch, tmp)
+            if forward:     # m is None once --kv-window auto has handed it to its first file
+                return _runtime_calib(gguf_path, m if m is not None else read_gguf(gguf_path), g, text, source, args,
+                                      o, progress, unknown_arch, tmp)
             hf_dir = src if hf else _calibration_hf_dir(src, args)
             return calib_mod.collect_cached(hf_dir, text, g, n_seq=args.calib_seqs, seq_len=args.calib_len,
                                             source=source, progress=progress, fisher=o.needs_gradients(),

@@ -66,14 +66,15 @@ def test_auto_needs_a_budget_and_a_context(smollm2, tmp_path):
 
 
 def test_auto_keeps_the_window_it_measured_best(smollm2, tmp_path):
-    """A real conversion (runtime calibration, forward weights, 512-token context so that it is quick): the file written
-    is the tried length with the lowest KL divergence, and the judge gives that file the same number again. With
-    --kv-heavy auto, the best length is tried once more with 1% heavy hitters, their rows taken from the types."""
+    """A real conversion (the default calibration, its gradients taken again per window; 512 tokens so that it is
+    quick): the file written is the tried length with the lowest KL divergence, and the judge gives that file the same
+    number again. With --kv-heavy auto, the best length is tried once more with 1% heavy hitters, paid from the
+    types."""
     from convert import to_gguf
     out = tmp_path / "auto.gguf"
     s = to_gguf.convert(to_gguf.build_parser().parse_args(
         [str(smollm2), "-o", str(out), "--prerope-k", "--kv-bits", "6", "--kv-bits-ctx", "512", "--kv-window", "auto",
-         "--kv-heavy", "auto", "--sensitivity", "forward", "--calib-seqs", "2", "--calib-len", "256", "--no-progress"]))
+         "--kv-heavy", "auto", "--calib-seqs", "2", "--calib-len", "256", "--no-progress"]))
     r = s["window_choice"]
     assert [(t["window"], t["heavy"]) for t in r["tried"][:3]] == [(16, 0), (32, 0), (64, 0)]
     by_window = min(r["tried"][:3], key=lambda t: t["kld"])
