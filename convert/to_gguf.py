@@ -595,7 +595,7 @@ def _runtime_calib(gguf_path: Path, m: GGUFModel, g, text: str, source: str, arg
     return calib, g
 
 
-def _fraction(v: str) -> float:
+def _fraction(v: str) -> float | str:
     if v == "auto":     # --kv-heavy auto
         return v
     try:
@@ -657,7 +657,7 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
         raise ConvertError(f"--kv-window / --kv-heavy auto: the reference run failed: {e}") from None
     rows, best = [], None
 
-    def judged(n: int, o, c, last: bool):
+    def judged(o, c, last: bool):
         nonlocal best
         name = f"window {o.kv_window}" + (f", heavy {o.kv_heavy:g}" if o.kv_heavy else "")
         path = tmp / f"window-{o.kv_window}-heavy-{o.kv_heavy:g}.gguf"
@@ -679,7 +679,7 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
         c = calib
         if n and calib is not None and calib.sensitivity != "forward":     # the backward pass is taken per window
             c, _ = calibrate(o)
-        judged(n, o, c, last=n == len(tries) - 1 and not heavy)
+        judged(o, c, last=n == len(tries) - 1 and not heavy)
     for i, h in enumerate(heavy):
         o = dataclasses.replace(best[2], kv_heavy=h)
         if ladders is not None:
@@ -688,7 +688,7 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
             log.info("auto: %g heavy hitters leave the types %.3f bits, below the cheapest (%.3f): not tried", h,
                      o.cache_bits(), o.cheapest_bits())
             continue
-        judged(len(tries) + i, o, best[4], last=i == len(heavy) - 1)     # the same window: the same calibration
+        judged(o, best[4], last=i == len(heavy) - 1)     # the same window: the same calibration
     os.replace(best[3], out)
     return best[1], best[2], {"chosen": best[2].kv_window, "heavy": best[2].kv_heavy, "tried": rows,
                               "seconds": round(time.time() - t0, 1), "ctx": opts.kv_bits_ctx, "rows": judge.rows}

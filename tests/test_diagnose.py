@@ -70,7 +70,7 @@ def test_outlook_counts_the_window_and_names_the_quality_class():
     # --bits 2.5: 2.357 + 8.5 * 69 / 4096 = 2.50 at 4k (SmolLM2 18.7x, Qwen 8.3x)
     assert "8-19x" in outlook(2.5 - 8.5 * 69 / 4096, 4, 64, "q8_0") and "8-19x" in outlook(2.625, 4, 64)
     assert "not measured below 2.5 bits" in outlook(2.2, 0, 0)
-    # --bits 3 keeps 1% heavy hitters: 3.0 at 4k = types + 8.5 * (69 + 41) / 4096; at 32k 69 + 328 rows
+    # --bits 3 --kv-heavy 0.01: 3.0 at 4k = types + 8.5 * (69 + 41) / 4096; at 32k 69 + 328 rows
     text = outlook(3.0 - 8.5 * 110 / 4096, 4, 64, "q8_0", 0.01)
     assert "+ 0.01 of the cells as heavy hitters" in text and "3.00 bits/value at 4k" in text
     assert f"{3.0 - 8.5 * 110 / 4096 + 8.5 * 397 / 32768:.2f} at 32k" in text

@@ -99,11 +99,12 @@ def test_cpu_types_take_the_trellis_types(smollm2, tmp_path):
 
 def test_heavy_hitters_only_when_asked_and_priced_like_the_window():
     """No preset keeps heavy hitters (they lost on Qwen2.5-Coder-1.5B at 3 bits); --kv-heavy F writes them, paid from
-    a budget as the window is: ceil(0.01 * 4096) = 41 more q8_0 rows; --kv-heavy needs a window."""
+    a budget as the window is: ceil(0.01 * 4096) = 41 more q8_0 rows (auto: none until judged); --kv-heavy needs a
+    window."""
     from convert.pipeline import Options
     for argv, want in ((["--bits", "3"], 0.0), (["--bits", "2.5"], 0.0), (["--bits", "3.5"], 0.0),
                        (["--bits", "4"], 0.0), ([], 0.0), (["--bits", "3", "--kv-heavy", "0.01"], 0.01),
-                       (["--bits", "4.5", "--kv-heavy", "0.03"], 0.03)):
+                       (["--bits", "4.5", "--kv-heavy", "0.03"], 0.03), (["--bits", "3", "--kv-heavy", "auto"], 0.0)):
         _, a = _resolve(*argv)
         assert to_gguf._heavy(a, a.kv_window) == want, argv
     assert Options(prerope_k=True, kv_bits=3.0, kv_bits_ctx=4096, kv_heavy=0.01).cache_bits() == \
