@@ -647,8 +647,7 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
     from convert import window_choice
     from pykvq.errors import PykvqError
     tries = [dataclasses.replace(opts, kv_window=w) for w in wins]
-    log.info("--kv-%s auto: trying %s at %d tokens", "window" if len(wins) > 1 or not heavy else "heavy",
-             ", ".join(f"window {w}" for w in wins)
+    log.info("auto: trying %s at %d tokens", ", ".join(f"window {w}" for w in wins)
              + "".join(f", each without and with {h:g} heavy hitters" for h in heavy), opts.kv_bits_ctx)
     t0 = time.time()
     try:
