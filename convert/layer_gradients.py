@@ -110,7 +110,7 @@ def _output_rows(m: GGUFModel):
     return name, (tensor_f32(m, name, slice(a, a + VOCAB_CHUNK)) for a in range(0, n, VOCAB_CHUNK))
 
 
-def _trim() -> None:
+def release_heap() -> None:
     """Give freed heap back to the system: glibc keeps freed blocks below its (growing) mmap threshold for reuse,
     and the pass frees hundreds of MB of them, which the rest of the conversion would otherwise carry as resident."""
     try:
@@ -179,7 +179,7 @@ def collect(gguf_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len:
         xs.append(dg.layer_forward(xs[-1], layer_weights(m, i), s, cos, sin, seq_len,
                                    keep=lambda q, k, v: layers.append(_stats(q, k, v, samples))))
         next(steps)
-    _trim()
+    release_heap()
     name, rows = _output_rows(m)
     dx, loss = dg.head_backward(xs.pop(), tensor_f32(m, "output_norm.weight"), s.eps, rows,
                                 tensor_f32(m, name, labels), seq_len)
@@ -191,7 +191,7 @@ def collect(gguf_path: str | os.PathLike, text: str, *, n_seq: int = 4, seq_len:
     for i in reversed(range(n_layer)):
         dx, ks[i], vs[i] = dg.layer_backward(xs.pop(), dx, layer_weights(m, i), s, cos, sin, seq_len, exact)
         next(steps)
-    _trim()
+    release_heap()
     if hasattr(bar, "close"):
         bar.close()
     seconds = time.time() - t0

@@ -635,21 +635,24 @@ def _build(m: GGUFModel, opts, calib, g, args, hf: bool, out: Path, progress, la
     return rep
 
 
-def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path: Path, text: str, args, hf: bool,
+def _choose_window(wins: list, opts, calib, calibrate, g, gguf_path: Path, text: str, args, hf: bool,
                    out: Path, tmp: Path, progress, heavy: tuple = (), ladders=None):
     """--kv-window auto / --kv-heavy auto (window_choice.py): every candidate length's file made and judged at
     --kv-bits-ctx tokens on held-out calibration text, and at each length a file with each of heavy's fractions of
     heavy hitters (ladders(o): o's default ladders for its share of the budget); the best is renamed to out. wins:
-    the lengths (window_choice.candidates, or the one given); first: [the input's model, as read], used for the first
-    file and let go. -> (the best's Report, its Options, the table)."""
+    the lengths (window_choice.candidates, or the one given). Each file is built from the input read afresh (a
+    fraction of a second), so no copy of its pages is held while the judge's runtime maps the same file.
+    -> (the best's Report, its Options, the table)."""
     import dataclasses
     import os
     from convert import window_choice
+    from convert.layer_gradients import release_heap
     from pykvq.errors import PykvqError
     tries = [dataclasses.replace(opts, kv_window=w) for w in wins]
     log.info("auto: trying %s at %d tokens", ", ".join(f"window {w}" for w in wins)
              + "".join(f", each without and with {h:g} heavy hitters" for h in heavy), opts.kv_bits_ctx)
     t0 = time.time()
+    release_heap()      # what the calibration freed, before the reference model loads
     try:
         judge = window_choice.Judge(gguf_path, text, opts.kv_bits_ctx, args.calib_seqs, args.calib_len, progress)
     except PykvqError as e:
@@ -660,7 +663,8 @@ def _choose_window(wins: list, first: list, opts, calib, calibrate, g, gguf_path
         nonlocal best
         name = f"window {o.kv_window}" + (f", heavy {o.kv_heavy:g}" if o.kv_heavy else "")
         path = tmp / f"window-{o.kv_window}-heavy-{o.kv_heavy:g}.gguf"
-        rep = _build(first.pop() if first else read_gguf(gguf_path), o, c, g, args, hf, path, progress, last=last)
+        rep = _build(read_gguf(gguf_path), o, c, g, args, hf, path, progress, last=last)
+        release_heap()      # what the build freed, before the judge loads the file beside it
         try:
             kld = judge.kld(path)
         except PykvqError as e:
@@ -826,7 +830,7 @@ def convert(args) -> dict:
         def calibrate(o):
             if not needs_calib:
                 return None, g
-            if forward:     # m is None once --kv-window auto has handed it to its first file
+            if forward:     # m is None once --kv-window / --kv-heavy auto has let it go
                 return _runtime_calib(gguf_path, m if m is not None else read_gguf(gguf_path), g, text, source, args,
                                       o, progress, unknown_arch, tmp)
             hf_dir = src if hf else _calibration_hf_dir(src, args)
@@ -837,9 +841,9 @@ def convert(args) -> dict:
         calib, g = calibrate(opts)
         t_cal = time.time() - t1 if needs_calib else 0.0
         if auto_window or auto_heavy:
-            first, m = [m], None        # each candidate's model is read afresh: only one held at a time
+            m = None        # each candidate's model is read afresh: none held while the judge runs
             rep, opts, window_report = _choose_window(
-                wins if auto_window else [opts.kv_window], first, opts, calib, calibrate, g, gguf_path, text, args,
+                wins if auto_window else [opts.kv_window], opts, calib, calibrate, g, gguf_path, text, args,
                 hf, out, Path(tmp), progress, heavy=(pipeline.HEAVY_TRIED,) if auto_heavy else (),
                 ladders=lambda o: _default_ladders(o, ladder_v_auto, o.cache_bits()))
         else:

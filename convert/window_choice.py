@@ -30,7 +30,10 @@ from .gguf_io import ConvertError
 WINDOWS = (16, 32, 64, 128, 256, 512)    # the lengths tried: those that leave the cache its cheapest types
 SEQS = 3
 TOP = 64
-BLOCK = 64    # rows at a time: float64 temporaries of a 150k vocabulary stay ~80 MB
+BLOCK = 16    # rows at a time: each float64 / int64 temporary of a 150k vocabulary ~20 MB
+# The judge only prefills: without llama.cpp's repacked copy of the weights it holds one copy (Qwen2.5-Coder-1.5B's
+# judged conversion 4.8 -> see RESULTS-BY-DATE 2026-12-07 (second session)) and, on AVX2 with K-quants, runs faster.
+REPACK = False
 BATCH = 512   # tokens per decode call (the graph's own ubatch): 512 rows of logits at a time, 0.3 GB at 150k
 
 
@@ -120,7 +123,8 @@ class Judge:
         from pykvq import Model
         from pykvq.progress import progress_bar
         self.ctx = ctx
-        with Model(base_path, n_ctx=ctx, n_batch=BATCH, cache_type_k="f16", cache_type_v="f16", flash_attn=True) as m:
+        with Model(base_path, n_ctx=ctx, n_batch=BATCH, cache_type_k="f16", cache_type_v="f16", flash_attn=True,
+                   repack_weights=REPACK) as m:
             toks = m.tokenize(text, add_special=False)
             self.seqs = sequences(toks, n_calib, calib_len - 1 if m.add_bos else calib_len, SEQS,
                                   ctx - 1 if m.add_bos else ctx)
@@ -135,7 +139,7 @@ class Judge:
         from pykvq.metrics import scored_positions
         first, last = scored_positions(self.ctx)
         at = first
-        for logits in m.iter_logits(seq, output_from=first):
+        for logits in m.iter_logits(seq, output_from=first, copy=False):    # each batch used before the next
             n = min(len(logits), last - at)
             if n > 0:
                 yield at - first, logits[:n]
@@ -145,7 +149,7 @@ class Judge:
         """Mean KL divergence over the judged rows of the file at path, read with its own types and window."""
         from pykvq import Model
         out = []
-        with Model(path, n_ctx=self.ctx, n_batch=BATCH, flash_attn=True) as m:
+        with Model(path, n_ctx=self.ctx, n_batch=BATCH, flash_attn=True, repack_weights=REPACK) as m:
             for s, ref in zip(self.seqs, self.refs):
                 out += [kl_rows(ref.rows(a, a + len(x)), x) for a, x in self._scored(m, s)]
         return float(np.concatenate(out).mean())

@@ -87,6 +87,10 @@ class Model(Generation, Evaluation):
     kv_sinks positions unquantized (f16) beside the quantized cache (default: the file's pykvq.cache.kv_window /
     kv_sinks, 64 and 4 in a --prerope-k file, else 0; 0 turns them off; docs/prerope.md). kv_window_type: their
     rows' type, "f16" or "q8_0" (default: the file's pykvq.cache.kv_window_type, else f16; q8_0 in CPU- and CUDA-held layers).
+    repack_weights: let llama.cpp keep a repacked copy of the CPU-held weights (its extra buffer types; the
+    default). False reads them from the file's pages alone: memory about the file's size; measured on this project's
+    2-core AVX2 machine, Qwen2.5-Coder-1.5B Q4_K_M prefills 1.66x faster and decodes 0.75x as fast without it
+    (docs/RESULTS-BY-DATE.md, 2026-12-07 (second session)).
     kv_heavy: with the window, also keep this fraction of each sequence's cells exact as heavy hitters, the keys
     scoring highest against the file's mean query (blk.N.kvq_q_mean; default: the file's pykvq.cache.kv_heavy, written
     by the converter's --kv-heavy, else 0).
@@ -106,7 +110,7 @@ class Model(Generation, Evaluation):
                  n_seq_max: int = 1, kv_unified: bool = False, k_domain: str | None = None,
                  encoder: str | None = None, k_centre_residual: float | None = None,
                  kv_window: int | None = None, kv_sinks: int | None = None, kv_window_type: str | None = None,
-                 kv_heavy: float | None = None, n_ubatch: int | None = None,
+                 kv_heavy: float | None = None, n_ubatch: int | None = None, repack_weights: bool = True,
                  _calibration=None, _probe=None):
         if k_domain not in K_DOMAINS:
             raise ValueError(f"k_domain must be one of {', '.join(map(str, K_DOMAINS))}, got {k_domain!r}")
@@ -136,7 +140,7 @@ class Model(Generation, Evaluation):
         reclaim_log()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
-        if _calibration is not None or _probe is not None:
+        if not repack_weights or _calibration is not None or _probe is not None:
             mp.use_extra_bufts = False      # no repacked copy of the weights: memory ~ the file
         log.clear()
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
@@ -421,7 +425,7 @@ class Model(Generation, Evaluation):
         return the logits of every output row, in order."""
         return [r for r in self._decode_batches(tokens, pos0, output_from, collect, seq) if r is not None]
 
-    def _decode_batches(self, tokens, pos0: int, output_from: int | None, collect: bool, seq: int):
+    def _decode_batches(self, tokens, pos0: int, output_from: int | None, collect: bool, seq: int, copy: bool = True):
         """_decode one batch at a time: yields each batch's output logits (None without collect or outputs)."""
         L = self._lib
         n = len(tokens)
@@ -445,7 +449,7 @@ class Model(Generation, Evaluation):
                 rc = L.llama_decode(self._ctx, batch)
                 if rc != 0:
                     raise DecodeError(f"llama_decode failed ({rc}): {_last_error()}")
-                yield self._logits(n_out) if collect and n_out else None
+                yield self._logits(n_out, copy) if collect and n_out else None
         finally:
             L.llama_batch_free(batch)
 
@@ -520,10 +524,14 @@ class Model(Generation, Evaluation):
         attention cache summed; llama_kvq_memory_used_cells)."""
         return int(self._lib.llama_kvq_memory_used_cells(self._ctx, seq))
 
-    def _logits(self, n_rows: int) -> np.ndarray:
+    def _logits(self, n_rows: int, copy: bool = True) -> np.ndarray:
         ptr = self._lib.llama_get_logits(self._ctx)
-        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows * self.n_vocab), dtype=np.float32) \
-            .reshape(n_rows, self.n_vocab).copy()
+        rows = np.frombuffer(ffi.buffer(ptr, 4 * n_rows * self.n_vocab), dtype=np.float32)
+        rows = rows.reshape(n_rows, self.n_vocab)
+        if copy:
+            return rows.copy()
+        rows.flags.writeable = False
+        return rows
 
     def eval_logits(self, tokens, output_from: int = 0) -> np.ndarray:
         """Logits (float32, [n - output_from, n_vocab]) for tokens evaluated from
@@ -531,14 +539,15 @@ class Model(Generation, Evaluation):
         rows = list(self.iter_logits(tokens, output_from))
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
-    def iter_logits(self, tokens, output_from: int = 0):
+    def iter_logits(self, tokens, output_from: int = 0, copy: bool = True):
         """eval_logits a batch at a time (float32 [rows, n_vocab] arrays, in order): a long context's rows without
-        all of them in memory at once (8192 rows of a 150k vocabulary are 5 GB)."""
+        all of them in memory at once (8192 rows of a 150k vocabulary are 5 GB). copy=False yields read-only views of
+        llama.cpp's own logits buffer, valid only until the next batch is asked for (a batch's rows less)."""
         tokens = list(tokens)
         if len(tokens) > self.n_ctx:
             raise ContextOverflowError(f"{len(tokens)} tokens do not fit the context of {self.n_ctx}")
         self.reset()
-        for r in self._decode_batches(tokens, 0, output_from, True, 0):
+        for r in self._decode_batches(tokens, 0, output_from, True, 0, copy):
             if r is not None:
                 yield r
 

@@ -91,3 +91,22 @@ def test_auto_keeps_the_window_it_measured_best(smollm2, tmp_path):
     judge = window_choice.Judge(smollm2, calibration_text("canterbury")[0], 512, 2, 256)
     assert judge.kld(out) == pytest.approx(best["kld"], rel=1e-6)
     assert 0 < best["kld"] < 0.5
+
+
+def test_judge_reads_logits_without_copies_or_repacked_weights(smollm2):
+    """The judge's Model (window_choice.REPACK: no repacked copy of the weights) and its views of llama.cpp's logits
+    buffer (iter_logits(copy=False)) give the rows eval_logits gives."""
+    from pykvq import Model
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    with Model(smollm2, n_ctx=512, n_batch=128, cache_type_k="f16", cache_type_v="f16", flash_attn=True) as m:
+        toks = m.tokenize(text)[:300]
+        ref = m.eval_logits(toks, output_from=100)
+    with Model(smollm2, n_ctx=512, n_batch=128, cache_type_k="f16", cache_type_v="f16", flash_attn=True,
+               repack_weights=window_choice.REPACK) as m:
+        views = []
+        for x in m.iter_logits(toks, output_from=100, copy=False):
+            assert not x.flags.writeable
+            views.append(x.copy())
+    got = np.concatenate(views)
+    assert got.shape == ref.shape == (200, m.n_vocab)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-3 * np.abs(ref).max())
