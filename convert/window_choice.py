@@ -31,8 +31,9 @@ WINDOWS = (16, 32, 64, 128, 256, 512)    # the lengths tried: those that leave t
 SEQS = 3
 TOP = 64
 BLOCK = 16    # rows at a time: each float64 / int64 temporary of a 150k vocabulary ~20 MB
-# The judge only prefills: without llama.cpp's repacked copy of the weights it holds one copy (Qwen2.5-Coder-1.5B's
-# judged conversion 4.8 -> see RESULTS-BY-DATE 2026-12-07 (second session)) and, on AVX2 with K-quants, runs faster.
+# The judge only prefills: without llama.cpp's repacked copy of the weights it holds the file's pages alone, and on
+# AVX2 K-quants prefill faster (Qwen2.5-Coder-1.5B Q4_K_M 285 against 171 tokens/s on 2 cores; with the changes
+# beside it a judged conversion took 278 s and 3.1 GiB peak RSS, not 403 s and 4.3 GiB: RESULTS-BY-DATE 2026-12-07).
 REPACK = False
 BATCH = 512   # tokens per decode call (the graph's own ubatch): 512 rows of logits at a time, 0.3 GB at 150k
 
