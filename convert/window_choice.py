@@ -33,7 +33,7 @@ TOP = 64
 BLOCK = 16    # rows at a time: each float64 / int64 temporary of a 150k vocabulary ~20 MB
 # The judge only prefills: without llama.cpp's repacked copy of the weights it holds the file's pages alone, and on
 # AVX2 K-quants prefill faster (Qwen2.5-Coder-1.5B Q4_K_M 285 against 171 tokens/s on 2 cores; with the changes
-# beside it a judged conversion took 278 s and 3.1 GiB peak RSS, not 403 s and 4.3 GiB: RESULTS-BY-DATE 2026-12-07).
+# beside it a judged conversion took 278 s and 3.05 GiB peak RSS, not 403 s and 4.23 GiB: RESULTS-BY-DATE 2026-12-07).
 REPACK = False
 BATCH = 512   # tokens per decode call (the graph's own ubatch): 512 rows of logits at a time, 0.3 GB at 150k
 
