@@ -48,7 +48,8 @@ class Domain:
     rotate_v: bool = False                # baked per-head Hadamard on V
     rot_k: bool = False                   # online Hadamard on K (largest power of two dividing head_dim)
     rot_k_halves: bool = False            # ... within each 32-value half of its blocks (halves K types)
-    rot_v: bool = False                   # online Hadamard on V (blocks of 64)
+    rot_v: bool = False                   # online Hadamard on V (blocks of rot_v_size)
+    rot_v_size: int = 64                  # upstream's 64; 128 with a tcq*_128 V type (llama_kvq_v_rot_size)
     v_matrix: tuple | None = None         # learned V transform (A, A^-1), each [n_kv, hd, hd]
     k_prerope: bool = False               # K cached before RoPE (k_mean / k_div below; then rot_k if on)
     k_mean: np.ndarray | None = None      # [n_kv, head_dim] pre-RoPE mean in the cache's layout
@@ -181,7 +182,7 @@ def values(c: Calib, layer: int, g: Geometry, d: Domain) -> CacheSamples:
         a, a_inv = d.v_matrix
         v, gv = np.einsum("tnd,ned->tne", v, a), np.einsum("tnd,nde->tne", gv, a_inv)
     if d.rot_v:
-        v, gv = _block_rotate(v, 64), _block_rotate(gv, 64)
+        v, gv = _block_rotate(v, d.rot_v_size), _block_rotate(gv, d.rot_v_size)
     return CacheSamples(v.astype(np.float32), (gv.astype(np.float64) ** 2).astype(np.float32))
 
 
@@ -229,7 +230,7 @@ def value_error_to_model(e: np.ndarray, g: Geometry, d: Domain) -> np.ndarray:
         raise ValueError("a learned V transform is not undone here")
     x = e.astype(np.float32)
     if d.rot_v:
-        x = _block_rotate(x, 64)
+        x = _block_rotate(x, d.rot_v_size)
     if d.rotate_v:
         x = _block_rotate(x, g.head_dim)
     return x

@@ -68,6 +68,7 @@ class Options:
                                          # command line gives layer_types.DEFAULT_LADDER, V's VALUE_LADDER)
     ladder_k_auto: bool = False          # ladder_k is the pre-RoPE default: dropped where halves types cannot apply
     cpu_types: bool = False              # the default ladders may take CPU-only types (layer_types.CPU_VALUE_TYPES)
+    ladder_v_auto: bool = False          # `ladder` is the default V ladder (--cpu-types widens it on a head of 128)
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
     prerope_power: float | None = None   # the fisher scale's power (None: prerope.fisher_power of the K types)
@@ -248,6 +249,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     from .geometry import geometry as geometry_of
     g = geometry or geometry_of(m)
     check_file(m, opts, g)
+    if opts.cpu_types and opts.ladder_v_auto and opts.kv_bits is not None:
+        opts.ladder = layer_types.value_types_for_head(opts.ladder, g.head_dim, opts.cache_bits())
     rope_scaling = str(m.arch_meta("rope.scaling.type", "none"))
     if opts.smooth_qk and calib is None:
         raise ConvertError("smoothing needs calibration statistics")
@@ -300,6 +303,9 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     # a pre-RoPE key cache is rotated too: the centred keys, undone per K tile by flash attention
     online_rot_k = k_quantized and not opts.ksort and hd % 64 == 0
     online_rot_v = v_quantized and opts.rotate_v == "none" and hd % 64 == 0
+    # the runtime turns V in blocks of 64, or of the widest V block past that (llama_kvq_v_rot_size): priced so
+    rot_v_size = max([64] + [_block(t) for t in (opts.ladder_for("v") if opts.kv_bits is not None else (type_v,))
+                             if t in cache_types.KVQ_TYPES])
     if relayout:
         p = neox_to_norm(g)
         relayout_rows = head_rows(p, g.n_head, hd), head_rows(p, g.n_head_kv, hd)
@@ -369,7 +375,8 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
         dom = cache_domain.Domain(k_scale=s if (opts.smooth_qk or opts.learn_k) else None, k_angle=k_angle,
                                   k_perm=cp, layout=gl.layout, rotate_v=opts.rotate_v == "hadamard",
                                   v_matrix=None if vr is None else (vr.a, vr.a_inv),
-                                  rot_k=online_rot_k, rot_v=online_rot_v, rot_k_halves=importance)
+                                  rot_k=online_rot_k, rot_v=online_rot_v, rot_v_size=rot_v_size,
+                                  rot_k_halves=importance)
         if opts.prerope_k:          # mean / scale of the keys the runtime centres: after every baked K transform
             k_mean, k_std, k_absmax, fk = cache_domain.prerope_key_moments(calib, i, g, dom)
             mean, scale = prerope.stats_from_moments(k_mean, k_std, k_absmax, opts.prerope_scale, fisher=fk,

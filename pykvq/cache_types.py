@@ -48,6 +48,8 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("tcq2_64", 57, 64, "tcq", "q8_0", False, 0, False, 2.25),
     KVQType("q4t2_64", 58, 64, "q53", "q8_0", False, 0, False, 3.5),
     KVQType("t32_64", 59, 64, "q53", "q8_0", False, 0, False, 3.0),
+    KVQType("tcq3_128", 60, 128, "tcq", "q8_0", False, 0, False, 3.125),
+    KVQType("tcq2_128", 61, 128, "tcq", "q8_0", False, 0, False, 2.125),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

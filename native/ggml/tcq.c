@@ -1,4 +1,4 @@
-// tcq3_64 / tcq2_64: trellis-coded quantization (ggml-kvq.h has the format): the reference quantizer and
+// tcq3_64 / tcq2_64 (and tcq3_128 / tcq2_128: two runs under one scale): trellis-coded quantization (ggml-kvq.h has the format): the reference quantizer and
 // dequantizer (ggml-base). The rule is pykvq/ref/tcq.py's; the tests hold this file to it bit for bit, so every
 // product is rounded before it is added (no fused multiply-add) and sums run in double, in order.
 #if defined(__clang__)
@@ -22,16 +22,16 @@ static const int16_t tcq2_tables[32] = { TCQ2_A(TCQ_LEVEL) TCQ2_B(TCQ_LEVEL) };
 
 const int16_t * ggml_kvq_tcq_tables(enum ggml_type type) {
     switch (type) {
-        case GGML_TYPE_TCQ3_64: return tcq3_tables;
-        case GGML_TYPE_TCQ2_64: return tcq2_tables;
+        case GGML_TYPE_TCQ3_64: case GGML_TYPE_TCQ3_128: return tcq3_tables;
+        case GGML_TYPE_TCQ2_64: case GGML_TYPE_TCQ2_128: return tcq2_tables;
         default:                return NULL;
     }
 }
 
 int ggml_kvq_tcq_bits(enum ggml_type type) {
     switch (type) {
-        case GGML_TYPE_TCQ3_64: return 3;
-        case GGML_TYPE_TCQ2_64: return 2;
+        case GGML_TYPE_TCQ3_64: case GGML_TYPE_TCQ3_128: return 3;
+        case GGML_TYPE_TCQ2_64: case GGML_TYPE_TCQ2_128: return 2;
         default:                return 0;
     }
 }
@@ -87,12 +87,12 @@ static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o,
     }
 }
 
-// one block of n values: scaled to unit RMS, a free path over the block read from its middle names the overlap o (the
-// high bits of the last value's state there), the tail-biting path through o, then the least-squares scale of that
-// path's levels
-static void tcq_quantize_block(const float * x, int n, int k, const int16_t * t, const float * lut, uint8_t d_out[2],
-                               uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
-    float v[QK_TCQ], z[QK_TCQ];
+// one block of n values under one scale, in runs of `run` (n itself, or 64 of a tcq*_128 block): scaled to unit RMS,
+// for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
+// and the tail-biting path goes through o, then the least-squares scale of the paths' levels
+static void tcq_quantize_block(const float * x, int n, int run, int k, const int16_t * t, const float * lut,
+                               uint8_t d_out[2], uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
+    float v[QK_TCQ128], z[QK_TCQ128];
     double r2 = 0.0;
     for (int j = 0; j < n; ++j) {
         v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
@@ -107,9 +107,11 @@ static void tcq_quantize_block(const float * x, int n, int k, const int16_t * t,
     for (int j = 0; j < n; ++j) {
         z[j] = v[j]*inv;
     }
-    uint8_t st[QK_TCQ];
-    viterbi(z, n, k, lut, -1, n/2, st);
-    viterbi(z, n, k, lut, st[n/2 - 1] >> k, 0, st);
+    uint8_t st[QK_TCQ128];
+    for (int r = 0; r < n; r += run) {
+        viterbi(z + r, run, k, lut, -1, run/2, st + r);
+        viterbi(z + r, run, k, lut, st[r + run/2 - 1] >> k, 0, st + r);
+    }
     double xy = 0.0, yy = 0.0;
     for (int j = 0; j < n; ++j) {
         const float y = tcq_level(t, st[j]);
@@ -129,6 +131,7 @@ static void tcq_quantize_block(const float * x, int n, int k, const int16_t * t,
     }
 }
 
+// one run of n values of a block whose scale is d
 static void tcq_dequantize_block(const uint8_t d[2], const uint8_t * qs, int n, int k, const int16_t * t, float * y) {
     const int nbytes = n*k/8;
     uint8_t ext[QK_TCQ*3/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
@@ -149,16 +152,30 @@ static void tcq_lut(const int16_t * t, float * lut) {
     }
 }
 
+int ggml_kvq_tcq_block(enum ggml_type type) {
+    return type == GGML_TYPE_TCQ3_128 || type == GGML_TYPE_TCQ2_128 ? QK_TCQ128 : QK_TCQ;
+}
+
 void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
                                     ggml_kvq_tcq_viterbi_t viterbi) {
-    const int k = ggml_kvq_tcq_bits(type);
+    const int k = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
     const int16_t * t = ggml_kvq_tcq_tables(type);
-    const size_t bs = 2 + QK_TCQ*k/8;
+    const size_t bs = 2 + qk*k/8;
     float lut[TCQ_STATES];
     tcq_lut(t, lut);
-    for (int64_t i = 0; i < n/QK_TCQ; ++i) {
+    for (int64_t i = 0; i < n/qk; ++i) {
         uint8_t * b = (uint8_t *) y + i*bs;
-        tcq_quantize_block(x + i*QK_TCQ, QK_TCQ, k, t, lut, b, b + 2, viterbi);
+        tcq_quantize_block(x + i*qk, qk, QK_TCQ, k, t, lut, b, b + 2, viterbi);
+    }
+}
+
+// a row of tcq*_128 blocks: each run of 64 read as a tcq*_64 block with the shared scale
+static void tcq_dequantize_row_128(const uint8_t * x, int k, const int16_t * t, float * y, int64_t n) {
+    const size_t bs = 2 + QK_TCQ128*k/8;
+    for (int64_t i = 0; i < n/QK_TCQ128; ++i) {
+        const uint8_t * b = x + i*bs;
+        tcq_dequantize_block(b, b + 2, QK_TCQ, k, t, y + i*QK_TCQ128);
+        tcq_dequantize_block(b, b + 2 + QK_TCQ*k/8, QK_TCQ, k, t, y + i*QK_TCQ128 + QK_TCQ);
     }
 }
 
@@ -168,6 +185,22 @@ void quantize_row_tcq3_64_ref(const float * x, block_tcq3_64 * y, int64_t k) {
 
 void quantize_row_tcq2_64_ref(const float * x, block_tcq2_64 * y, int64_t k) {
     ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ2_64, x, y, k, tcq_viterbi);
+}
+
+void quantize_row_tcq3_128_ref(const float * x, block_tcq3_128 * y, int64_t k) {
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ3_128, x, y, k, tcq_viterbi);
+}
+
+void quantize_row_tcq2_128_ref(const float * x, block_tcq2_128 * y, int64_t k) {
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ2_128, x, y, k, tcq_viterbi);
+}
+
+void dequantize_row_tcq3_128(const block_tcq3_128 * x, float * y, int64_t k) {
+    tcq_dequantize_row_128((const uint8_t *) x, 3, tcq3_tables, y, k);
+}
+
+void dequantize_row_tcq2_128(const block_tcq2_128 * x, float * y, int64_t k) {
+    tcq_dequantize_row_128((const uint8_t *) x, 2, tcq2_tables, y, k);
 }
 
 void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k) {
@@ -189,7 +222,7 @@ void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_
     const int16_t * t = ggml_kvq_tcq_tables(tt);
     float lut[TCQ_STATES];
     tcq_lut(t, lut);
-    tcq_quantize_block(x, n, ggml_kvq_tcq_bits(tt), t, lut, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
+    tcq_quantize_block(x, n, n, ggml_kvq_tcq_bits(tt), t, lut, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
 }
 
 void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const uint8_t * qs, int n, float * y) {
@@ -197,5 +230,5 @@ void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const ui
 }
 
 bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {
-    return ggml_kvq_validate_f16_scales(data, nbytes, 2 + QK_TCQ*ggml_kvq_tcq_bits(type)/8, 1);
+    return ggml_kvq_validate_f16_scales(data, nbytes, 2 + ggml_kvq_tcq_block(type)*ggml_kvq_tcq_bits(type)/8, 1);
 }

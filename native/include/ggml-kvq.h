@@ -182,6 +182,24 @@ typedef struct {
 GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq3_64) == 26, "block_tcq3_64 size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq2_64) == 18, "block_tcq2_64 size");
 
+// tcq3_128 / tcq2_128: a head row of 128 as two runs of 64, each a tail-biting path and stream of tcq3_64's / tcq2_64's
+// rule and tables, under one f16 scale (the unit-RMS factor and the least-squares scale taken over all 128). A 128-wide
+// Hadamard spreads the row evenly, so the second scale buys little: 0.125 bits/value less for ~2-3% more squared
+// error on Gaussian rows.
+#define QK_TCQ128 128
+typedef struct {
+    uint8_t d[2];                // f16 scale of both runs
+    uint8_t qs[QK_TCQ128*3/8];   // run 0's 3-bit stream, then run 1's
+} block_tcq3_128;                // 50 bytes per 128 values: 3.125 bits/value
+
+typedef struct {
+    uint8_t d[2];
+    uint8_t qs[QK_TCQ128*2/8];
+} block_tcq2_128;                // 34 bytes per 128 values: 2.125 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq3_128) == 50, "block_tcq3_128 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq2_128) == 34, "block_tcq2_128 size");
+
 // q53_64 (pykvq/ref/q53.py, native/ggml/q53.c): a block of 64 values in 4.5 bits/value, split unevenly: the
 // first 32 in 5 bits (q5_0's rule and layout), the last 32 in 3 bits (the same rule with 8 levels, nuq3's
 // layout), each half with its own f16 scale. For a key cache laid out so that the important channels of
@@ -515,9 +533,15 @@ GGML_API void quantize_row_tcq3_64_ref(const float * x, block_tcq3_64 * y, int64
 GGML_API void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k);
 GGML_API void quantize_row_tcq2_64_ref(const float * x, block_tcq2_64 * y, int64_t k);
 GGML_API void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k);
+GGML_API void quantize_row_tcq3_128_ref(const float * x, block_tcq3_128 * y, int64_t k);
+GGML_API void quantize_row_tcq2_128_ref(const float * x, block_tcq2_128 * y, int64_t k);
+GGML_API void dequantize_row_tcq3_128(const block_tcq3_128 * x, float * y, int64_t k);
+GGML_API void dequantize_row_tcq2_128(const block_tcq2_128 * x, float * y, int64_t k);
 // a TCQ type's tables: A[16] then B[16], in 1/4096 (NULL for other types); its bits per value k (0 for other types)
 GGML_API const int16_t * ggml_kvq_tcq_tables(enum ggml_type type);
 GGML_API int ggml_kvq_tcq_bits(enum ggml_type type);
+// values per block under one scale (64; 128 for tcq3_128 / tcq2_128, two runs of 64)
+GGML_API int ggml_kvq_tcq_block(enum ggml_type type);
 // the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[n] (n <= 64) at unit
 // RMS, read from index rot on; o >= 0 the tail-biting overlap, o < 0 a free path; st: the n states (native/ggml/tcq.c)
 typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st);
@@ -528,7 +552,7 @@ GGML_API void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * 
 GGML_API void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t d[2], uint8_t * qs,
                                         ggml_kvq_tcq_viterbi_t viterbi);
 GGML_API void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const uint8_t * qs, int n, float * y);
-// Row validation (the type registration seam): every block's scale finite (tcq3_64, tcq2_64).
+// Row validation (the type registration seam): every block's scale finite (tcq3_64, tcq2_64, tcq3_128, tcq2_128).
 GGML_API bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes);
 // Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64,
 // q42_64, q32_64).

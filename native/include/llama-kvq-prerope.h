@@ -83,6 +83,18 @@ template <typename Layer>
 ggml_tensor * llama_kvq_new_k_rot(ggml_context * ctx, const std::vector<Layer> & layers, int64_t nrot) {
     return llama_kvq_new_k_rot_tensor(ctx, llama_kvq_halves_k(layers), nrot);
 }
+// The online V Hadamard's size: upstream's 64, or the widest block of a layer's V type past it (tcq*_128 keeps one
+// scale per 128 values, which the 64-wide turn leaves at two different magnitudes); nrot divides every head it turns.
+template <typename Layer>
+int64_t llama_kvq_v_rot_size(const std::vector<Layer> & layers, int64_t nrot) {
+    int64_t n = nrot;
+    for (const auto & l : layers) {
+        if (l.v != nullptr && ggml_kvq_type_is_kvq(l.v->type) && ggml_blck_size(l.v->type) > n) {
+            n = ggml_blck_size(l.v->type);
+        }
+    }
+    return n;
+}
 // the butterfly stride the K rotation tensor leaves out (0: none; nullptr: no rotation)
 int llama_kvq_k_rot_skip(const ggml_tensor * k_rot);
 // fills a host K rotation tensor that leaves a stride out and returns true; false for upstream's plain Hadamard

@@ -1,4 +1,4 @@
-"""Trellis-coded quantization (tcq3_64, tcq2_64): the reference rule.
+"""Trellis-coded quantization (tcq3_64, tcq2_64; tcq3_128, tcq2_128): the reference rule.
 
 A block of 64 values stores an f16 scale d and k bits per value (k = 3, 2) as a little-endian bit stream, value j's
 bits at [kj, kj + k). Value j reads the 8-bit window of the stream that ends with its own bits, [kj + k - 8, kj + k)
@@ -6,6 +6,13 @@ taken around the block (tail-biting), as its state s (0..255), and is d * (A[s >
 
   tcq3_64 (64): d[2] qs[24]   26 B  3.25 bits/value
   tcq2_64 (64): d[2] qs[16]   18 B  2.25 bits/value
+
+tcq3_128 / tcq2_128 hold a head row of 128 as two such runs of 64 (each its own tail-biting path and stream) under one
+f16 scale: the step 1 and 4 sums below run over all 128 values, steps 2-3 over each run. The online Hadamard spreads
+a 128-wide head evenly, so one scale serves both runs and 2 bytes per 128 values are saved (0.125 bits/value):
+
+  tcq3_128 (128): d[2] qs[48]   50 B  3.125 bits/value
+  tcq2_128 (128): d[2] qs[32]   34 B  2.125 bits/value
 
 A state is the last 8 bits written, so state_j = (b_j << (8 - k)) | (state_{j-1} >> k): the levels a value can take
 depend on the bits before it, and the encoder searches the whole block's path (Viterbi, 256 states x 64 steps) for the
@@ -36,7 +43,8 @@ TABLES = {
     2: (2008, -4882, 2839, -2797, -1357, 1043, -6090, 6235, 5043, 962, 305, -113, -3288, -2157, 220, 2979,
         933, 2483, -2738, -5195, 4052, -1380, -1332, 1487, -991, 4290, 1273, -3988, 345, -368, 4341, -3213),
 }
-FORMATS = {"tcq3_64": 3, "tcq2_64": 2}
+FORMATS = {"tcq3_64": 3, "tcq2_64": 2, "tcq3_128": 3, "tcq2_128": 2}
+BLOCK = {"tcq3_64": 64, "tcq2_64": 64, "tcq3_128": 128, "tcq2_128": 128}     # values under one scale (runs of 64)
 
 
 def bits_of(type_name: str) -> int:
@@ -86,8 +94,11 @@ def viterbi(z: np.ndarray, k: int, lut: np.ndarray, o: np.ndarray | None, rot: i
     return st
 
 
-def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N) -> tuple[np.ndarray, np.ndarray]:
-    """x [m*n] -> (d [m] float16, states [m, n]): blocks of n values (64; q4t2_64's trellis half: 32)."""
+def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N, run: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """x [m*n] -> (d [m] float16, states [m, n]): blocks of n values (64; q4t2_64's trellis half: 32; tcq*_128: 128)
+    under one scale, each run of `run` values (default n) its own tail-biting path."""
+    run = n if run is None else run
     v = np.asarray(x, np.float32).reshape(-1, n)
     v = np.where(np.isnan(v), np.float32(0), np.clip(v, -FLT_MAX, FLT_MAX)).astype(np.float32)
     vd = v.astype(np.float64)
@@ -101,9 +112,9 @@ def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N) -> tuple[np.
     if live.any():
         vl = v[live]
         inv = np.minimum(1.0 / np.sqrt(r2[live] / n), float(FLT_MAX)).astype(np.float32)
-        z = (vl * inv[:, None]).astype(np.float32)
-        free = viterbi(z, k, lut, None, n // 2)
-        path = viterbi(z, k, lut, free[:, n // 2 - 1] >> k, 0)
+        z = (vl * inv[:, None]).astype(np.float32).reshape(-1, run)
+        free = viterbi(z, k, lut, None, run // 2)
+        path = viterbi(z, k, lut, free[:, run // 2 - 1] >> k, 0).reshape(-1, n)
         y = lut[path].astype(np.float64)
         vd = vl.astype(np.float64)
         xy = np.zeros(len(vl))
@@ -134,11 +145,13 @@ def stream(st: np.ndarray, k: int) -> np.ndarray:
     return np.packbits(bits, axis=1, bitorder="little")
 
 
-def unpack(raw: bytes, k: int, n: int = N) -> tuple[np.ndarray, np.ndarray]:
-    """(d, states) of packed blocks of n values, each state read as its window of the stream around the block."""
+def unpack(raw: bytes, k: int, n: int = N, run: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(d, states) of packed blocks of n values, each state read as its window of its run's stream around the run."""
+    run = n if run is None else run
     a = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes(k, n))
     d = a[:, :2].copy().view("<f2").reshape(-1)
-    return d, stream_states(a[:, 2:], k, n)
+    qs = np.ascontiguousarray(a[:, 2:]).reshape(-1, run * k // 8)
+    return d, stream_states(qs, k, run).reshape(-1, n)
 
 
 def stream_states(qs: np.ndarray, k: int, n: int = N) -> np.ndarray:
@@ -149,7 +162,7 @@ def stream_states(qs: np.ndarray, k: int, n: int = N) -> np.ndarray:
 
 
 def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
-    """Quantize and dequantize the last axis of x (a multiple of 64)."""
-    k = bits_of(type_name)
-    d, st = quantize_blocks(np.asarray(x, np.float32).reshape(-1), k)
+    """Quantize and dequantize the last axis of x (a multiple of the type's block: 64, or 128 for tcq*_128)."""
+    k, n = bits_of(type_name), BLOCK[type_name]
+    d, st = quantize_blocks(np.asarray(x, np.float32).reshape(-1), k, n=n, run=N)
     return dequantize_blocks(d, st, k).reshape(np.shape(x))

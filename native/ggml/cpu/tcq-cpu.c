@@ -1,4 +1,4 @@
-// CPU kernels for tcq3_64 / tcq2_64 (native/ggml/tcq.c has the references): the path search of a write with the
+// CPU kernels for tcq3_64 / tcq2_64 and tcq3_128 / tcq2_128 (native/ggml/tcq.c has the references): the path search of a write with the
 // states in eight lanes and a read-back that takes the levels' two tables of 16 by byte shuffles (AVX2; both bit for
 // bit the reference's, which other targets run), and K·Q against q8_0 through the read-back values.
 #if defined(__clang__)
@@ -144,6 +144,22 @@ void quantize_row_tcq2_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y,
 #endif
 }
 
+void quantize_row_tcq3_128(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ3_128, x, y, k, tcq_viterbi_avx2);
+#else
+    quantize_row_tcq3_128_ref(x, (block_tcq3_128 *) y, k);
+#endif
+}
+
+void quantize_row_tcq2_128(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ2_128, x, y, k, tcq_viterbi_avx2);
+#else
+    quantize_row_tcq2_128_ref(x, (block_tcq2_128 *) y, k);
+#endif
+}
+
 #if defined(__AVX2__)
 // the levels of 16 states times d: A[s >> 4] + B[s & 15] by byte shuffles of the tables' low and high bytes, in int16
 // (|A| + |B| < 2^15), times d/4096 (exact: a power of two; so the same product as the reference's d * (level/4096))
@@ -201,7 +217,7 @@ static inline void tcq3_values(const uint8_t * qs, int n, const __m128i tab[4], 
 static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
     static const uint8_t b3[4][16] = { { TCQ3_A(TCQ_LO) }, { TCQ3_A(TCQ_HI) }, { TCQ3_B(TCQ_LO) }, { TCQ3_B(TCQ_HI) } };
     static const uint8_t b2[4][16] = { { TCQ2_A(TCQ_LO) }, { TCQ2_A(TCQ_HI) }, { TCQ2_B(TCQ_LO) }, { TCQ2_B(TCQ_HI) } };
-    const uint8_t (*b)[16] = type == GGML_TYPE_TCQ3_64 ? b3 : b2;
+    const uint8_t (*b)[16] = ggml_kvq_tcq_bits(type) == 3 ? b3 : b2;
     for (int i = 0; i < 4; ++i) {
         tab[i] = _mm_loadu_si128((const __m128i *) b[i]);
     }
@@ -209,19 +225,21 @@ static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
 #endif
 
 #if defined(__AVX2__)
-// rows of blocks of 2 + 8*bits bytes: each block's states, then its levels
+// rows of blocks of 2 + qk*bits/8 bytes: each run of 64's states, then its levels with the block's scale
 static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * y, int64_t k) {
-    const int bits = ggml_kvq_tcq_bits(type);
-    const size_t bs = 2 + QK_TCQ*bits/8;
+    const int bits = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
+    const size_t bs = 2 + qk*bits/8;
     __m128i tab[4];
     tcq_shuffle_tables(type, tab);
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
+    for (int64_t i = 0; i < k/qk; ++i) {
         const uint8_t * b = x + i*bs;
         const __m256 d4096 = _mm256_set1_ps(ggml_kvq_f16_bytes(b)*(1.0f/4096));
-        if (bits == 2) {
-            tcq2_values(b + 2, QK_TCQ, tab, d4096, y + i*QK_TCQ);
-        } else {
-            tcq3_values(b + 2, QK_TCQ, tab, d4096, y + i*QK_TCQ);
+        for (int r = 0; r < qk; r += QK_TCQ) {
+            if (bits == 2) {
+                tcq2_values(b + 2 + r*2/8, QK_TCQ, tab, d4096, y + i*qk + r);
+            } else {
+                tcq3_values(b + 2 + r*3/8, QK_TCQ, tab, d4096, y + i*qk + r);
+            }
         }
     }
 }
@@ -243,21 +261,25 @@ void dequantize_row_tcq2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTR
 #endif
 }
 
-// the read-back values of each block of 64 against q8_0's two blocks of 32
-static float tcq_dot_q8_0(int n, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
+// the read-back values of each block of qk (64 or 128) against q8_0's blocks of 32
+static float tcq_dot_q8_0_qk(int n, int qk, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
     float sum = 0.0f;
-    for (int i = 0; i < n/QK_TCQ; ++i) {
-        float v[QK_TCQ];
-        to_float((const char *) vx + i*bsize, v, QK_TCQ);
-        for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < n/qk; ++i) {
+        float v[QK_TCQ128];
+        to_float((const char *) vx + i*bsize, v, qk);
+        for (int h = 0; h < qk/32; ++h) {
             float s = 0.0f;
             for (int j = 0; j < 32; ++j) {
-                s += v[32*h + j]*(float) y[2*i + h].qs[j];
+                s += v[32*h + j]*(float) y[qk/32*i + h].qs[j];
             }
-            sum += s*ggml_kvq_fp16_to_fp32(y[2*i + h].d);
+            sum += s*ggml_kvq_fp16_to_fp32(y[qk/32*i + h].d);
         }
     }
     return sum;
+}
+
+static float tcq_dot_q8_0(int n, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
+    return tcq_dot_q8_0_qk(n, QK_TCQ, vx, bsize, to_float, y);
 }
 
 void ggml_vec_dot_tcq3_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
@@ -270,6 +292,34 @@ void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const 
                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
     *s = tcq_dot_q8_0(n, vx, sizeof(block_tcq2_64), dequantize_row_tcq2_64_cpu, (const tcq_q8_0 *) vy);
+}
+
+void dequantize_row_tcq3_128_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    tcq_dequantize_rows(GGML_TYPE_TCQ3_128, (const uint8_t *) x, y, k);
+#else
+    dequantize_row_tcq3_128((const block_tcq3_128 *) x, y, k);
+#endif
+}
+
+void dequantize_row_tcq2_128_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    tcq_dequantize_rows(GGML_TYPE_TCQ2_128, (const uint8_t *) x, y, k);
+#else
+    dequantize_row_tcq2_128((const block_tcq2_128 *) x, y, k);
+#endif
+}
+
+void ggml_vec_dot_tcq3_128_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0_qk(n, QK_TCQ128, vx, sizeof(block_tcq3_128), dequantize_row_tcq3_128_cpu, (const tcq_q8_0 *) vy);
+}
+
+void ggml_vec_dot_tcq2_128_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0_qk(n, QK_TCQ128, vx, sizeof(block_tcq2_128), dequantize_row_tcq2_128_cpu, (const tcq_q8_0 *) vy);
 }
 
 // q4t2_64 (family Q53, its second half a 32-value tcq2 block; native/ggml/q53.c has the reference): the write with the
