@@ -1,6 +1,7 @@
-// CPU kernels for tcq3_64 / tcq2_64 and tcq3_128 / tcq2_128 (native/ggml/tcq.c has the references): the path search of a write with the
-// states in eight lanes and a read-back that takes the levels' two tables of 16 by byte shuffles (AVX2; both bit for
-// bit the reference's, which other targets run), and K·Q against q8_0 through the read-back values.
+// CPU kernels for tcq3_64 / tcq2_64 and tcq3_128 / tcq2_128 (native/ggml/tcq.c has the references): the path search
+// of a write with the states in eight lanes and a read-back that takes the levels' two tables of 16 by byte shuffles
+// (AVX2; both bit for bit the reference's, which other targets run), and K·Q against q8_0 through the read-back
+// values.
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
