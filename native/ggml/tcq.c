@@ -170,13 +170,16 @@ void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void *
     }
 }
 
-// a row of tcq*_128 blocks: each run of 64 read as a tcq*_64 block with the shared scale
-static void tcq_dequantize_row_128(const uint8_t * x, int k, const int16_t * t, float * y, int64_t n) {
-    const size_t bs = 2 + QK_TCQ128*k/8;
-    for (int64_t i = 0; i < n/QK_TCQ128; ++i) {
-        const uint8_t * b = x + i*bs;
-        tcq_dequantize_block(b, b + 2, QK_TCQ, k, t, y + i*QK_TCQ128);
-        tcq_dequantize_block(b, b + 2 + QK_TCQ*k/8, QK_TCQ, k, t, y + i*QK_TCQ128 + QK_TCQ);
+// a row of a TCQ type's blocks: each run of 64 read with its block's scale
+static void tcq_dequantize_row(enum ggml_type type, const void * x, float * y, int64_t n) {
+    const int k = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
+    const int16_t * t = ggml_kvq_tcq_tables(type);
+    const size_t bs = 2 + qk*k/8;
+    for (int64_t i = 0; i < n/qk; ++i) {
+        const uint8_t * b = (const uint8_t *) x + i*bs;
+        for (int r = 0; r < qk; r += QK_TCQ) {
+            tcq_dequantize_block(b, b + 2 + r*k/8, QK_TCQ, k, t, y + i*qk + r);
+        }
     }
 }
 
@@ -197,23 +200,19 @@ void quantize_row_tcq2_128_ref(const float * x, block_tcq2_128 * y, int64_t k) {
 }
 
 void dequantize_row_tcq3_128(const block_tcq3_128 * x, float * y, int64_t k) {
-    tcq_dequantize_row_128((const uint8_t *) x, 3, tcq3_tables, y, k);
+    tcq_dequantize_row(GGML_TYPE_TCQ3_128, x, y, k);
 }
 
 void dequantize_row_tcq2_128(const block_tcq2_128 * x, float * y, int64_t k) {
-    tcq_dequantize_row_128((const uint8_t *) x, 2, tcq2_tables, y, k);
+    tcq_dequantize_row(GGML_TYPE_TCQ2_128, x, y, k);
 }
 
 void dequantize_row_tcq3_64(const block_tcq3_64 * x, float * y, int64_t k) {
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        tcq_dequantize_block(x[i].d, x[i].qs, QK_TCQ, 3, tcq3_tables, y + i*QK_TCQ);
-    }
+    tcq_dequantize_row(GGML_TYPE_TCQ3_64, x, y, k);
 }
 
 void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k) {
-    for (int64_t i = 0; i < k/QK_TCQ; ++i) {
-        tcq_dequantize_block(x[i].d, x[i].qs, QK_TCQ, 2, tcq2_tables, y + i*QK_TCQ);
-    }
+    tcq_dequantize_row(GGML_TYPE_TCQ2_64, x, y, k);
 }
 
 // a trellis-coded run of n values inside another type's block (the halves of q4t2_64 and t32_64): the rule and tables

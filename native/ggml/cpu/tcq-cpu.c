@@ -263,7 +263,7 @@ void dequantize_row_tcq2_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTR
 }
 
 // the read-back values of each block of qk (64 or 128) against q8_0's blocks of 32
-static float tcq_dot_q8_0_qk(int n, int qk, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
+static float tcq_dot_q8_0(int n, int qk, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
     float sum = 0.0f;
     for (int i = 0; i < n/qk; ++i) {
         float v[QK_TCQ128];
@@ -279,20 +279,16 @@ static float tcq_dot_q8_0_qk(int n, int qk, const void * vx, size_t bsize, ggml_
     return sum;
 }
 
-static float tcq_dot_q8_0(int n, const void * vx, size_t bsize, ggml_to_float_t to_float, const tcq_q8_0 * y) {
-    return tcq_dot_q8_0_qk(n, QK_TCQ, vx, bsize, to_float, y);
-}
-
 void ggml_vec_dot_tcq3_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
-    *s = tcq_dot_q8_0(n, vx, sizeof(block_tcq3_64), dequantize_row_tcq3_64_cpu, (const tcq_q8_0 *) vy);
+    *s = tcq_dot_q8_0(n, QK_TCQ, vx, sizeof(block_tcq3_64), dequantize_row_tcq3_64_cpu, (const tcq_q8_0 *) vy);
 }
 
 void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
-    *s = tcq_dot_q8_0(n, vx, sizeof(block_tcq2_64), dequantize_row_tcq2_64_cpu, (const tcq_q8_0 *) vy);
+    *s = tcq_dot_q8_0(n, QK_TCQ, vx, sizeof(block_tcq2_64), dequantize_row_tcq2_64_cpu, (const tcq_q8_0 *) vy);
 }
 
 void dequantize_row_tcq3_128_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
@@ -314,13 +310,13 @@ void dequantize_row_tcq2_128_cpu(const void * GGML_RESTRICT x, float * GGML_REST
 void ggml_vec_dot_tcq3_128_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                 const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
-    *s = tcq_dot_q8_0_qk(n, QK_TCQ128, vx, sizeof(block_tcq3_128), dequantize_row_tcq3_128_cpu, (const tcq_q8_0 *) vy);
+    *s = tcq_dot_q8_0(n, QK_TCQ128, vx, sizeof(block_tcq3_128), dequantize_row_tcq3_128_cpu, (const tcq_q8_0 *) vy);
 }
 
 void ggml_vec_dot_tcq2_128_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                 const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
-    *s = tcq_dot_q8_0_qk(n, QK_TCQ128, vx, sizeof(block_tcq2_128), dequantize_row_tcq2_128_cpu, (const tcq_q8_0 *) vy);
+    *s = tcq_dot_q8_0(n, QK_TCQ128, vx, sizeof(block_tcq2_128), dequantize_row_tcq2_128_cpu, (const tcq_q8_0 *) vy);
 }
 
 // q4t2_64 (family Q53, its second half a 32-value tcq2 block; native/ggml/q53.c has the reference): the write with the
@@ -360,7 +356,7 @@ void dequantize_row_q4t2_64_cpu(const void * GGML_RESTRICT vx, float * GGML_REST
 void ggml_vec_dot_q4t2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
-    *s = tcq_dot_q8_0(n, vx, sizeof(block_q4t2_64), dequantize_row_q4t2_64_cpu, (const tcq_q8_0 *) vy);
+    *s = tcq_dot_q8_0(n, QK_Q4T2, vx, sizeof(block_q4t2_64), dequantize_row_q4t2_64_cpu, (const tcq_q8_0 *) vy);
 }
 
 // t32_64 (family Q53, both halves 32-value trellis blocks; native/ggml/q53.c has the reference): as q4t2_64
@@ -392,5 +388,5 @@ void dequantize_row_t32_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
 void ggml_vec_dot_t32_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                               const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
-    *s = tcq_dot_q8_0(n, vx, sizeof(block_t32_64), dequantize_row_t32_64_cpu, (const tcq_q8_0 *) vy);
+    *s = tcq_dot_q8_0(n, QK_T32, vx, sizeof(block_t32_64), dequantize_row_t32_64_cpu, (const tcq_q8_0 *) vy);
 }
