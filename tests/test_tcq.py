@@ -147,3 +147,13 @@ def test_converter_prices_with_the_library_codec():
     x = gaussian(64 * 24, 7).reshape(-1, 128)
     for name in TYPES:
         np.testing.assert_array_equal(codebook.roundtrip(x, name).view(np.uint32), roundtrip(x, name).view(np.uint32))
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_a_head_of_64_refuses_the_128_blocks(smollm2, which):
+    """SmolLM2's heads of 64 cannot hold tcq*_128 rows: a clear error naming the block and the head, no context."""
+    from pykvq.errors import CacheTypeError
+    from pykvq.model import Model
+    kw = {f"cache_type_{which}": "tcq2_128"}
+    with pytest.raises(CacheTypeError, match="blocks of 128 values.*head size 64"):
+        Model(smollm2, n_ctx=256, flash_attn=True, **kw)
