@@ -140,19 +140,61 @@ def kld_sweep(baseline: Evaluation, candidates: dict[str, Evaluation], text: str
               desc: str | None = None) -> dict[str, KLDResult]:
     """KL divergence of several models (cache settings) from one baseline Model
     over the same chunks. The baseline is evaluated once per chunk and shared,
-    so N settings cost N + 1 evaluations instead of 2N."""
+    so N settings cost N + 1 evaluations instead of 2N.
+
+    A chunk whose scored logits outgrow the baseline memo (PYKVQ_BASELINE_MEMO_MB; 4096 tokens of a 150k vocabulary
+    are 1.2 GB, 16384 tokens 5 GB) is not held whole: the baseline and every model decode it side by side, a batch
+    at a time, and each batch's rows are compared before the next (memory: a batch of rows per model)."""
     for m in candidates.values():
         if m.n_vocab != baseline.n_vocab:
             raise PykvqError(f"vocabularies differ ({baseline.n_vocab} vs {m.n_vocab})")
         m._check_eval_ctx(n_ctx)
     tokens, n = baseline._chunks(text, tokens, n_ctx, n_chunks)
     first, last = scored_positions(n_ctx)
+    models = [baseline, *candidates.values()]
+    stream = ((last - first) * baseline.n_vocab * 4 > BASELINE_MEMO_BYTES
+              and len({id(m) for m in models}) == len(models))      # one context per model: side by side
     accs = {name: KLDAccumulator(n_ctx) for name in candidates}
     for i in progress_bar(range(n), desc=desc or f"KLD sweep ({len(candidates)} settings)", enable=progress):
         chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
         targets = chunk[first + 1:last + 1]
+        if stream:
+            for r0, rows in _side_by_side(models, chunk, first, last - first):
+                base = LogDist.of_logits(rows[0])
+                p = base.probs()
+                for acc, x in zip(accs.values(), rows[1:]):
+                    acc.add_rows(base, x, targets[r0:r0 + len(x)], base_probs=p)
+            for acc in accs.values():
+                acc.n_chunks += 1
+            continue
         base = baseline._baseline_chunk(chunk)
         p = base.probs()
         for name, m in candidates.items():
             accs[name].add(base, m._chunk_logits(chunk), targets, base_probs=p)
     return {name: a.result() for name, a in accs.items()}
+
+
+def _side_by_side(models, chunk: np.ndarray, first: int, n_rows: int):
+    """(r0, [rows of each model]): the chunk's logits for positions first.. (n_rows in all) from every model, decoded
+    in step, in blocks of equal rows starting at row r0 (models may batch differently). The rows are views of
+    llama.cpp's buffers, valid until the next block is asked for."""
+    toks = chunk.tolist()
+    its = []
+    for m in models:
+        t = list(toks)
+        if m.add_bos:
+            t[0] = m.bos
+        its.append(m.iter_logits(t, output_from=first, copy=False))
+    cur = [np.empty((0, 0), np.float32)] * len(its)
+    off = [0] * len(its)
+    r0 = 0
+    while r0 < n_rows:
+        for j, it in enumerate(its):
+            if off[j] == len(cur[j]):
+                cur[j], off[j] = next(it), 0
+        k = min(n_rows - r0, *(len(c) - o for c, o in zip(cur, off)))
+        yield r0, [c[o:o + k] for c, o in zip(cur, off)]
+        off = [o + k for o in off]
+        r0 += k
+    for it in its:
+        it.close()

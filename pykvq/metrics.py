@@ -147,11 +147,18 @@ class KLDAccumulator:
         self.nll: list[np.ndarray] = []
         self.nll_base: list[np.ndarray] = []
         self.same: list[np.ndarray] = []
+        self.n_chunks = 0
 
     def add(self, base: LogDist, logits: np.ndarray, targets: np.ndarray, base_valid: np.ndarray | None = None,
             base_probs: np.ndarray | None = None) -> None:
-        """base_valid masks base probabilities to include (llama-perplexity drops p < e^-16); base_probs is
-        base.probs() when the caller has it (shared across models)."""
+        """One whole chunk. base_valid masks base probabilities to include (llama-perplexity drops p < e^-16);
+        base_probs is base.probs() when the caller has it (shared across models)."""
+        self.add_rows(base, logits, targets, base_valid, base_probs)
+        self.n_chunks += 1
+
+    def add_rows(self, base: LogDist, logits: np.ndarray, targets: np.ndarray, base_valid: np.ndarray | None = None,
+                 base_probs: np.ndarray | None = None) -> None:
+        """Some of a chunk's rows (a long chunk taken a batch at a time); the caller counts the chunk (n_chunks)."""
         d = LogDist.of_logits(logits)
         p = base.probs() if base_probs is None else base_probs
         self.kld.append(kl_rows(base, p, d, base_valid))
@@ -168,7 +175,7 @@ class KLDAccumulator:
             ppl=float(np.exp(np.concatenate(self.nll).mean())),
             ppl_base=float(np.exp(np.concatenate(self.nll_base).mean())),
             n_tokens=int(len(kld)),
-            n_chunks=len(self.kld),
+            n_chunks=self.n_chunks,
             n_ctx=self.n_ctx,
             kld=kld,
         )

@@ -67,6 +67,29 @@ def test_baseline_is_evaluated_once_per_chunk(f16_model, q8_model, passage, monk
     assert r1.as_dict() == r2.as_dict()
 
 
+def test_a_chunk_past_the_memo_is_compared_a_batch_at_a_time(f16_model, q8_model, smollm2, passage, monkeypatch):
+    """A chunk whose logits outgrow the baseline memo (16k tokens of a 150k vocabulary: 5 GB) is decoded by the
+    baseline and the models side by side and compared a batch at a time, never held whole: the same per-token
+    figures as the memo path, also for a model that batches differently (blocks realigned), and nothing memoized."""
+    from pykvq.evaluation import kld_sweep
+    import pykvq.evaluation as ev
+    q8_b = Model(smollm2, n_ctx=1024, n_batch=96, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn=True)
+    try:
+        models = {"q8": q8_model, "q8_b": q8_b}
+        ref = kld_sweep(f16_model, models, passage, n_ctx=512, n_chunks=2, progress=False)
+        f16_model.__dict__.pop("_baseline_memo", None)
+        monkeypatch.setattr(ev, "BASELINE_MEMO_BYTES", 0)
+        monkeypatch.setattr(f16_model, "_chunk_logits", lambda chunk: pytest.fail("chunk held whole"))
+        got = kld_sweep(f16_model, models, passage, n_ctx=512, n_chunks=2, progress=False)
+    finally:
+        q8_b.close()
+    assert not f16_model.__dict__.get("_baseline_memo")
+    for name, r in got.items():
+        assert r.n_chunks == 2 and r.n_tokens == 2 * 255
+        np.testing.assert_array_equal(r.kld, ref[name].kld)
+        assert r.as_dict() == ref[name].as_dict()
+
+
 @pytest.fixture(scope="module")
 def perplexity_runs(module_tmp, smollm2, passage):
     """llama-perplexity: f16 base logits, then q8_0 KLD against them."""
