@@ -76,7 +76,9 @@ class Evaluation:
         for i in progress_bar(range(n), desc=f"perplexity {self.cache_type_k}/{self.cache_type_v}",
                               enable=progress):
             chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-            nlls.append(LogDist.of_logits(self._chunk_logits(chunk)).nll(chunk[first + 1:last + 1]))
+            targets = chunk[first + 1:last + 1]
+            for r0, (x,) in _side_by_side([self], chunk, first, last - first):
+                nlls.append(LogDist.of_logits(x).nll(targets[r0:r0 + len(x)]))
         v = np.concatenate(nlls)
         return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
 
@@ -91,10 +93,15 @@ class Evaluation:
         try:
             for i in progress_bar(range(n), desc="baseline logits", enable=progress):
                 chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-                logits = self._chunk_logits(chunk)
+                targets = chunk[first + 1:last + 1]
+                nll = []
+                for r0, (x,) in _side_by_side([self], chunk, first, last - first):
+                    if nll_out is not None:
+                        nll.append(LogDist.of_logits(x).nll(targets[r0:r0 + len(x)]))
+                    w.add_rows(x)
+                w.end_chunk()
                 if nll_out is not None:
-                    nll_out.append(LogDist.of_logits(logits).nll(chunk[first + 1:last + 1]))
-                w.add_chunk(logits)
+                    nll_out.append(np.concatenate(nll))
         except BaseException:
             w.abort()
             raise
@@ -130,8 +137,11 @@ class Evaluation:
         n = f.n_chunk if n_chunks is None else min(n_chunks, f.n_chunk)
         for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}", enable=progress):
             chunk = f.chunk_tokens(i)
-            base, valid = f.chunk_logprobs(i)
-            acc.add(LogDist.of_logprobs(base), self._chunk_logits(chunk), chunk[first + 1:last + 1], base_valid=valid)
+            targets = chunk[first + 1:last + 1]
+            for r0, (x,) in _side_by_side([self], chunk, first, last - first):
+                base, valid = f.chunk_logprobs(i, slice(r0, r0 + len(x)))
+                acc.add_rows(LogDist.of_logprobs(base), x, targets[r0:r0 + len(x)], base_valid=valid)
+            acc.n_chunks += 1
         return acc.result()
 
 
@@ -170,7 +180,10 @@ def kld_sweep(baseline: Evaluation, candidates: dict[str, Evaluation], text: str
         base = baseline._baseline_chunk(chunk)
         p = base.probs()
         for name, m in candidates.items():
-            accs[name].add(base, m._chunk_logits(chunk), targets, base_probs=p)
+            for r0, (x,) in _side_by_side([m], chunk, first, last - first):
+                r = slice(r0, r0 + len(x))
+                accs[name].add_rows(LogDist(base.x[r], base.lse[r]), x, targets[r], base_probs=p[r])
+            accs[name].n_chunks += 1
     return {name: a.result() for name, a in accs.items()}
 
 

@@ -84,8 +84,9 @@ class LogitsFile:
     def chunk_tokens(self, i: int) -> np.ndarray:
         return self.tokens[i * self.n_ctx:(i + 1) * self.n_ctx]
 
-    def chunk_logprobs(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return decode_rows(self._rows[i], self.n_vocab)
+    def chunk_logprobs(self, i: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk i's scored rows (some of them: a long chunk is read a batch at a time)."""
+        return decode_rows(self._rows[i, rows], self.n_vocab)
 
 
 class LogitsWriter:
@@ -102,9 +103,22 @@ class LogitsWriter:
         self._f.write(np.array([n_ctx, n_vocab, n_chunk], dtype="<i4").tobytes())
         self._f.write(np.asarray(tokens[:n_ctx * n_chunk], dtype="<i4").tobytes())
         self._written = 0
+        self._rows_now = 0
+        self.rows_per_chunk = n_ctx - 1 - n_ctx // 2
 
     def add_chunk(self, logits: np.ndarray) -> None:
+        self.add_rows(logits)
+        self.end_chunk()
+
+    def add_rows(self, logits: np.ndarray) -> None:
+        """The next scored rows of the chunk being written (a long chunk goes a batch at a time)."""
         self._f.write(encode_rows(logits).astype("<u2").tobytes())
+        self._rows_now += len(logits)
+
+    def end_chunk(self) -> None:
+        if self._rows_now != self.rows_per_chunk:
+            raise PykvqError(f"a chunk of {self.n_ctx} has {self.rows_per_chunk} scored rows, got {self._rows_now}")
+        self._rows_now = 0
         self._written += 1
 
     def close(self) -> None:
