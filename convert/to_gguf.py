@@ -247,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds its activations to 8 bits before each matmul, which turns any last-bit change in "
                         "attention into a KLD of ~0.003 (SmolLM2 Q4_1 at 4096 tokens, about stock q8_0's whole "
                         "figure); with exact matmuls a KLD against an f16 cache measures the cache's error alone. "
-                        "For measurements (pykvq eval --weights f32), not for use. Transforms then store what they "
-                        "requantize as f32 too, as they do for an input whose weights are all f32")
+                        "For measurements (pykvq eval --weights f32), not for use; with --bits B, that preset's file "
+                        "in f32. Transforms then store what they requantize as f32 too, as they do for an input whose "
+                        "weights are all f32")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("-v", "--verbose", action="store_true")
     g = p.add_argument_group("study transforms (measured in docs/; in no recommended setting)")
@@ -299,6 +300,7 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
     chosen = [f"--{d.replace('_', '-')}" for d in CHOOSING if getattr(args, d) != parser.get_default(d)]
     if args.bits is None and chosen:
         return None
+    chosen = [c for c in chosen if c != "--dequantize"]     # composes: the preset's file with f32 weights
     if chosen:
         raise ConvertError(f"--bits sets the file's cache preparation; drop {', '.join(chosen)} or --bits")
     bits = 4.5 if args.bits is None else args.bits

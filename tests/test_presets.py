@@ -1,6 +1,6 @@
 """The converter's presets (issue 58): no flag that chooses the preparation writes the recommended 4.5-bit file,
 --bits 3.5 one type pair with the window that fits at --ctx cells (up to ~8k), any other --bits B a budget file with its window
-counted at --ctx cells; choosing flags and --bits together are refused,
+counted at --ctx cells; choosing flags and --bits together are refused (--dequantize composes with --bits),
 and --help shows the presets before the study transforms."""
 from __future__ import annotations
 
@@ -63,6 +63,15 @@ def test_chosen_flags_are_left_alone_and_do_not_mix_with_bits():
         _resolve("--bits", "3.5", "--cache-type-k", "q4_0")
     with pytest.raises(ConvertError, match="--ctx must be > 0"):
         _resolve("--bits", "3.5", "--ctx", "0")
+
+
+def test_bits_with_dequantize_is_the_presets_file_with_f32_weights():
+    """--dequantize alone writes the input's weights in f32 and nothing else; beside --bits it keeps the preset (the
+    file whose cache error is measured without the quantized matmuls' floor, as users run its twin)."""
+    flags, a = _resolve("--bits", "3", "--dequantize")
+    assert flags == "--prerope-k --kv-bits 3 --kv-bits-ctx 4096" and a.dequantize and a.kv_bits == 3.0
+    with pytest.raises(ConvertError, match="drop --cache-type-v or --bits"):
+        _resolve("--bits", "3", "--dequantize", "--cache-type-v", "q4_0")
 
 
 def test_help_shows_presets_first():
