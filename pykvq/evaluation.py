@@ -18,7 +18,8 @@ from .progress import progress_bar
 
 # A Model used as a KLD baseline keeps the distributions of the chunks it evaluated, least recently used dropped
 # first past this many bytes (float32 logits: ~50 MB a 512-token chunk of a 50k vocabulary), so that comparing
-# several models one kl_divergence call at a time evaluates the baseline once per chunk, not once per call.
+# several models one kl_divergence call at a time evaluates the baseline once per chunk, not once per call. A chunk
+# past this size is not held at all: the baseline and the models are decoded side by side (kld_sweep).
 BASELINE_MEMO_BYTES = int(os.environ.get("PYKVQ_BASELINE_MEMO_MB", "512")) << 20
 
 
