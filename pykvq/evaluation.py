@@ -78,8 +78,8 @@ class Evaluation:
                               enable=progress):
             chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
             targets = chunk[first + 1:last + 1]
-            for r0, (x,) in _side_by_side([self], chunk, first, last - first):
-                nlls.append(LogDist.of_logits(x).nll(targets[r0:r0 + len(x)]))
+            for r, (x,) in _side_by_side([self], chunk, first, last - first):
+                nlls.append(LogDist.of_logits(x).nll(targets[r]))
         v = np.concatenate(nlls)
         return PerplexityResult(ppl=float(np.exp(v.mean())), n_tokens=len(v), n_chunks=n, n_ctx=n_ctx, nll=v)
 
@@ -96,9 +96,9 @@ class Evaluation:
                 chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
                 targets = chunk[first + 1:last + 1]
                 nll = []
-                for r0, (x,) in _side_by_side([self], chunk, first, last - first):
+                for r, (x,) in _side_by_side([self], chunk, first, last - first):
                     if nll_out is not None:
-                        nll.append(LogDist.of_logits(x).nll(targets[r0:r0 + len(x)]))
+                        nll.append(LogDist.of_logits(x).nll(targets[r]))
                     w.add_rows(x)
                 w.end_chunk()
                 if nll_out is not None:
@@ -139,9 +139,9 @@ class Evaluation:
         for i in progress_bar(range(n), desc=f"KLD {self.cache_type_k}/{self.cache_type_v}", enable=progress):
             chunk = f.chunk_tokens(i)
             targets = chunk[first + 1:last + 1]
-            for r0, (x,) in _side_by_side([self], chunk, first, last - first):
-                base, valid = f.chunk_logprobs(i, slice(r0, r0 + len(x)))
-                acc.add_rows(LogDist.of_logprobs(base), x, targets[r0:r0 + len(x)], base_valid=valid)
+            for r, (x,) in _side_by_side([self], chunk, first, last - first):
+                base, valid = f.chunk_logprobs(i, r)
+                acc.add_rows(LogDist.of_logprobs(base), x, targets[r], base_valid=valid)
             acc.n_chunks += 1
         return acc.result()
 
@@ -170,28 +170,27 @@ def kld_sweep(baseline: Evaluation, candidates: dict[str, Evaluation], text: str
         chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
         targets = chunk[first + 1:last + 1]
         if stream:
-            for r0, rows in _side_by_side(models, chunk, first, last - first):
+            for r, rows in _side_by_side(models, chunk, first, last - first):
                 base = LogDist.of_logits(rows[0])
                 p = base.probs()
                 for acc, x in zip(accs.values(), rows[1:]):
-                    acc.add_rows(base, x, targets[r0:r0 + len(x)], base_probs=p)
+                    acc.add_rows(base, x, targets[r], base_probs=p)
             for acc in accs.values():
                 acc.n_chunks += 1
             continue
         base = baseline._baseline_chunk(chunk)
         p = base.probs()
         for name, m in candidates.items():
-            for r0, (x,) in _side_by_side([m], chunk, first, last - first):
-                r = slice(r0, r0 + len(x))
+            for r, (x,) in _side_by_side([m], chunk, first, last - first):
                 accs[name].add_rows(LogDist(base.x[r], base.lse[r]), x, targets[r], base_probs=p[r])
             accs[name].n_chunks += 1
     return {name: a.result() for name, a in accs.items()}
 
 
 def _side_by_side(models, chunk: np.ndarray, first: int, n_rows: int):
-    """(r0, [rows of each model]): the chunk's logits for positions first.. (n_rows in all) from every model, decoded
-    in step, in blocks of equal rows starting at row r0 (models may batch differently). The rows are views of
-    llama.cpp's buffers, valid until the next block is asked for."""
+    """(r, [rows of each model]): the chunk's logits for positions first.. (n_rows in all) from every model, decoded
+    in step, in blocks of equal rows (models may batch differently), r the block's slice of the scored rows. The rows
+    are views of llama.cpp's buffers, valid until the next block is asked for."""
     toks = chunk.tolist()
     its = []
     for m in models:
@@ -207,7 +206,7 @@ def _side_by_side(models, chunk: np.ndarray, first: int, n_rows: int):
             if off[j] == len(cur[j]):
                 cur[j], off[j] = next(it), 0
         k = min(n_rows - r0, *(len(c) - o for c, o in zip(cur, off)))
-        yield r0, [c[o:o + k] for c, o in zip(cur, off)]
+        yield slice(r0, r0 + k), [c[o:o + k] for c, o in zip(cur, off)]
         off = [o + k for o in off]
         r0 += k
     for it in its:
