@@ -154,7 +154,7 @@ static void tcq_lut(const int16_t * t, float * lut) {
 }
 
 int ggml_kvq_tcq_block(enum ggml_type type) {
-    return type == GGML_TYPE_TCQ3_128 || type == GGML_TYPE_TCQ2_128 ? QK_TCQ128 : QK_TCQ;
+    return ggml_kvq_type_qk(type);          // the type table's qk column (ggml-kvq-types.h)
 }
 
 void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,

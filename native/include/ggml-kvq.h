@@ -540,7 +540,7 @@ GGML_API void dequantize_row_tcq2_128(const block_tcq2_128 * x, float * y, int64
 // a TCQ type's tables: A[16] then B[16], in 1/4096 (NULL for other types); its bits per value k (0 for other types)
 GGML_API const int16_t * ggml_kvq_tcq_tables(enum ggml_type type);
 GGML_API int ggml_kvq_tcq_bits(enum ggml_type type);
-// values per block under one scale (64; 128 for tcq3_128 / tcq2_128, two runs of 64)
+// values per block under one scale, the type table's qk (64; 128 for tcq3_128 / tcq2_128, two runs of 64)
 GGML_API int ggml_kvq_tcq_block(enum ggml_type type);
 // the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[n] (n <= 64) at unit
 // RMS, read from index rot on; o >= 0 the tail-biting overlap, o < 0 a free path; st: the n states (native/ggml/tcq.c)
