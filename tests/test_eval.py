@@ -90,6 +90,20 @@ def test_a_chunk_past_the_memo_is_compared_a_batch_at_a_time(f16_model, q8_model
         assert r.as_dict() == ref[name].as_dict()
 
 
+def test_a_base_file_written_by_rows_refuses_a_short_chunk(tmp_path):
+    """save_logits writes a long chunk a batch of rows at a time: a chunk closed with rows missing is a clear error,
+    and the aborted file leaves nothing behind (rows of a chunk of 16: 16 - 1 - 8 = 7)."""
+    from pykvq.errors import PykvqError
+    from pykvq.logits_file import LogitsWriter
+    w = LogitsWriter(tmp_path / "base.bin", 16, 5, np.arange(16), 1)
+    w.add_rows(np.zeros((4, 5), np.float32))
+    w.add_rows(np.zeros((2, 5), np.float32))
+    with pytest.raises(PykvqError, match="has 7 scored rows, got 6"):
+        w.end_chunk()
+    w.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def perplexity_runs(module_tmp, smollm2, passage):
     """llama-perplexity: f16 base logits, then q8_0 KLD against them."""
