@@ -43,23 +43,14 @@ VALUE_LADDER = ("nuq2o", "nuq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
 # (--kv-bits 3.0 at 4096 tokens: SmolLM2 0.0279 -> 0.0226, Qwen2.5-Coder-1.5B 0.0126 -> 0.0116; 2.5 bits 0.0686 ->
 # 0.0618, 0.0341 -> 0.0307; docs/RESULTS-BY-DATE.md 2026-12-01)
 CPU_VALUE_TYPES = {"nuq2_64": "tcq2_64", "nuq3_64": "tcq3_64"}
+# (their one-byte scale codes make tcq2_64 / tcq3_64 0.125 bits/value cheaper than nuq's, and q4t2_64 / t32_64 0.125 /
+# 0.25 cheaper than q42_64 / q32_64: Qwen2.5-Coder-1.5B --bits 3 --cpu-types 0.0108 -> 0.0088 KLD, 2.5 bits 0.0250 ->
+# 0.0190 when the budget was told the saving; docs/RESULTS-BY-DATE.md, 2026-12-07 fifth session)
 # and the keys' split types with trellis-coded halves at the same bits (q4t2_64: q42_64's 2-bit half; t32_64: both of
 # q32_64's halves; fake-quant keys at 4096 tokens 0.0049 -> 0.0039 and 0.0168 -> 0.0100, docs/RESULTS-BY-DATE.md)
 CPU_KEY_TYPES = {"q42_64": "q4t2_64", "q32_64": "t32_64"}
-# and on a head of 128, where the cache's share is below V128_BELOW bits/value, the trellis values with one scale per
-# head row (0.125 bits/value less, V turned 128-wide). Qwen2.5-Coder-1.5B at 4096 tokens (docs/RESULTS-BY-DATE.md,
-# 2026-12-07 third session): --kv-bits 2.5 0.0331 -> 0.0250 (the saved bits go to the keys); at 3.0 0.0108 -> 0.0119,
-# since the 128-wide turn costs tcq2 values ~0.001 KLD beside quantized keys (not beside q8_0 keys; not understood)
-CPU_VALUE_TYPES_128 = {"tcq2_64": "tcq2_128", "tcq3_64": "tcq3_128"}
-V128_BELOW = 2.625
-
-
-def value_types_for_head(ladder: tuple, head_dim: int, cache_bits: float | None) -> tuple:
-    """A --cpu-types V ladder for this head size and cache share: tcq*_128 in place of tcq*_64 where 128 divides the
-    head and the cache gets fewer than V128_BELOW bits/value."""
-    if head_dim % 128 or cache_bits is None or cache_bits >= V128_BELOW:
-        return ladder
-    return tuple(CPU_VALUE_TYPES_128.get(t, t) for t in ladder)
+# tcq3_128 / tcq2_128 (one f16 scale per head row of 128) stay out of the ladders: since the trellis types store their
+# scale as one byte, tcq*_64 costs the same bits (2.125 / 3.125) without the 128-wide scale's ~9% on real value rows
 
 
 def value_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:

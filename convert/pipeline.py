@@ -68,7 +68,6 @@ class Options:
                                          # command line gives layer_types.DEFAULT_LADDER, V's VALUE_LADDER)
     ladder_k_auto: bool = False          # ladder_k is the pre-RoPE default: dropped where halves types cannot apply
     cpu_types: bool = False              # the default ladders may take CPU-only types (layer_types.CPU_VALUE_TYPES)
-    ladder_v_auto: bool = False          # `ladder` is the default V ladder (--cpu-types widens it on a head of 128)
     prerope_k: bool = False              # pre-RoPE, centred K cache: blk.N.kvq_k_mean / kvq_k_scale (prerope.py)
     prerope_scale: str = prerope.DEFAULT_SCALE   # one of prerope.SCALES ("one": the mean only)
     prerope_power: float | None = None   # the fisher scale's power (None: prerope.fisher_power of the K types)
@@ -249,8 +248,6 @@ def apply(m: GGUFModel, opts: Options, calib: Calib | None, *, progress: bool | 
     from .geometry import geometry as geometry_of
     g = geometry or geometry_of(m)
     check_file(m, opts, g)
-    if opts.cpu_types and opts.ladder_v_auto and opts.kv_bits is not None:
-        opts.ladder = layer_types.value_types_for_head(opts.ladder, g.head_dim, opts.cache_bits())
     rope_scaling = str(m.arch_meta("rope.scaling.type", "none"))
     if opts.smooth_qk and calib is None:
         raise ConvertError("smoothing needs calibration statistics")

@@ -170,10 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "preset take trellis-coded ones (CPU kernels only) at the same bits: values "
                         + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_VALUE_TYPES.items())
                         + "; keys " + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_KEY_TYPES.items())
-                        + "; on a head of 128 below "
-                        f"{pipeline.layer_types.V128_BELOW:g} bits/value in the cache the values take "
-                        + ", ".join(pipeline.layer_types.CPU_VALUE_TYPES_128.values())
-                        + " (one scale per head row; --bits 2.5 on Qwen2.5-Coder-1.5B 0.0331 -> 0.0250)"
+                        + " (their scales one byte each, so 0.125-0.25 bits/value cheaper)"
                         + ". At 4096 tokens, KLD vs f16: --bits 3.5 0.0123 -> 0.0101 (SmolLM2), 0.0079 -> 0.0067 "
                         "(Qwen2.5-Coder-1.5B); --bits 3 0.0279 -> 0.0221, 0.0126 -> 0.0099; CPU decode ~0.7x")
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
@@ -748,7 +745,7 @@ def convert(args) -> dict:
     # the defaults: the pre-RoPE K ladder may drop its split types, and both take their cheap steps below 3 bits
     opts.ladder_k_auto = args.layer_types_k is None and opts.ladder_k == pipeline.layer_types.PREROPE_K_LADDER
     ladder_v_auto = args.layer_types is None
-    opts.cpu_types, opts.ladder_v_auto = args.cpu_types, ladder_v_auto
+    opts.cpu_types = args.cpu_types
     if opts.cpu_types and not (opts.kv_bits is not None and ladder_v_auto) and not args.cpu_types_pair:
         raise ConvertError("--cpu-types changes the default types of a budget or of the 3.5-bit preset: it needs "
                            "--kv-bits B or --bits B other than 4.5, and no --layer-types")

@@ -98,12 +98,15 @@ void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k) {
 }
 
 bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes) {
-    // every type of the family starts with its two f16 scales
+    // every type of the family starts with its f16 scales (two; q4t2_64 one, then its trellis half's code; t32_64 none,
+    // both its scales codes, every one of which is valid)
+    if (type == GGML_TYPE_T32_64) {
+        return true;
+    }
     const size_t size = type == GGML_TYPE_Q42_64  ? sizeof(block_q42_64)
                       : type == GGML_TYPE_Q4T2_64 ? sizeof(block_q4t2_64)
-                      : type == GGML_TYPE_T32_64  ? sizeof(block_t32_64)
                       : type == GGML_TYPE_Q32_64  ? sizeof(block_q32_64) : sizeof(block_q53_64);
-    return ggml_kvq_validate_f16_scales(data, nbytes, size, 2);
+    return ggml_kvq_validate_f16_scales(data, nbytes, size, type == GGML_TYPE_Q4T2_64 ? 1 : 2);
 }
 
 // q42_64: the first half q4_0's rule (half = 8), the second the same rule with 4 levels (half = 2)
@@ -182,7 +185,7 @@ void ggml_kvq_quantize_row_q4t2_64_with(const float * x, block_q4t2_64 * y, int6
         uint8_t q4[QK_Q4T2/2];
         block(xb, 8, b->d4, q4);
         q53_pack4(q4, b->qs4);
-        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_Q4T2/2, QK_Q4T2/2, b->d2, b->qs2, viterbi);
+        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_Q4T2/2, QK_Q4T2/2, &b->d2, b->qs2, viterbi);
     }
 }
 
@@ -195,7 +198,7 @@ void dequantize_row_q4t2_64(const block_q4t2_64 * x, float * y, int64_t k) {
         for (int j = 0; j < 32; ++j) {
             o[j] = (float) (q53_get4(b->qs4, j) - 8)*d4;
         }
-        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, b->d2, b->qs2, QK_Q4T2/2, o + 32);
+        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, &b->d2, b->qs2, QK_Q4T2/2, o + 32);
     }
 }
 
@@ -207,14 +210,14 @@ void quantize_row_t32_64_ref(const float * x, block_t32_64 * y, int64_t k) {
 void ggml_kvq_quantize_row_t32_64_with(const float * x, block_t32_64 * y, int64_t k, ggml_kvq_tcq_viterbi_t viterbi) {
     for (int64_t i = 0; i < k / QK_T32; ++i) {
         const float * xb = x + i*QK_T32;
-        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ3_64, xb, QK_T32/2, y[i].d3, y[i].qs3, viterbi);
-        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_T32/2, QK_T32/2, y[i].d2, y[i].qs2, viterbi);
+        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ3_64, xb, QK_T32/2, &y[i].d3, y[i].qs3, viterbi);
+        ggml_kvq_tcq_quantize_run(GGML_TYPE_TCQ2_64, xb + QK_T32/2, QK_T32/2, &y[i].d2, y[i].qs2, viterbi);
     }
 }
 
 void dequantize_row_t32_64(const block_t32_64 * x, float * y, int64_t k) {
     for (int64_t i = 0; i < k / QK_T32; ++i) {
-        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ3_64, x[i].d3, x[i].qs3, QK_T32/2, y + i*QK_T32);
-        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, x[i].d2, x[i].qs2, QK_T32/2, y + i*QK_T32 + 32);
+        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ3_64, &x[i].d3, x[i].qs3, QK_T32/2, y + i*QK_T32);
+        ggml_kvq_tcq_dequantize_run(GGML_TYPE_TCQ2_64, &x[i].d2, x[i].qs2, QK_T32/2, y + i*QK_T32 + 32);
     }
 }

@@ -91,8 +91,36 @@ static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o,
 // one block of n values under one scale, in runs of `run` (n itself, or 64 of a tcq*_128 block): scaled to unit RMS,
 // for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
 // and the tail-biting path goes through o, then the least-squares scale of the paths' levels
+// the scale code nearest d (>= 0; ties to the lower code): the scale's error adds (d' - d)^2 * sum y^2 to the block's
+static uint8_t tcq_scale_code(double d) {
+    if (!(d > 0.0)) {
+        return 0;
+    }
+    if (d >= (double) ggml_kvq_tcq_scale(255)) {
+        return 255;
+    }
+    int lo = 0, hi = 255;                   // scale(lo) < d <= scale(hi)
+    while (hi - lo > 1) {
+        const int mid = (lo + hi)/2;
+        if ((double) ggml_kvq_tcq_scale((uint8_t) mid) >= d) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    return (uint8_t) (d - (double) ggml_kvq_tcq_scale((uint8_t) lo) <= (double) ggml_kvq_tcq_scale((uint8_t) hi) - d ? lo : hi);
+}
+
+int ggml_kvq_tcq_scale_bytes(enum ggml_type type) {
+    return type == GGML_TYPE_TCQ3_128 || type == GGML_TYPE_TCQ2_128 ? 2 : 1;
+}
+
+static float tcq_scale_read(const uint8_t * d, int sb) {
+    return sb == 1 ? ggml_kvq_tcq_scale(d[0]) : ggml_kvq_f16_bytes(d);
+}
+
 static void tcq_quantize_block(const float * x, int n, int run, int k, const int16_t * t, const float * lut,
-                               uint8_t d_out[2], uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
+                               int sb, uint8_t * d_out, uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
     float v[QK_TCQ128], z[QK_TCQ128];
     double r2 = 0.0;
     for (int j = 0; j < n; ++j) {
@@ -101,7 +129,7 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
     }
     memset(qs, 0, n*k/8);
     if (!(r2 > 0.0)) {
-        d_out[0] = d_out[1] = 0;
+        memset(d_out, 0, (size_t) sb);
         return;
     }
     const float inv = (float) fmin(1.0/sqrt(r2/n), (double) FLT_MAX);
@@ -120,9 +148,13 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
         yy += (double) y*(double) y;
     }
     const double d = yy > 0.0 ? fmax(-65504.0, fmin(65504.0, xy/yy)) : 0.0;
-    const uint16_t h = ggml_kvq_fp32_to_fp16((float) d);
-    d_out[0] = (uint8_t) h;
-    d_out[1] = (uint8_t) (h >> 8);
+    if (sb == 1) {
+        d_out[0] = tcq_scale_code(d);
+    } else {
+        const uint16_t h = ggml_kvq_fp32_to_fp16((float) d);
+        d_out[0] = (uint8_t) h;
+        d_out[1] = (uint8_t) (h >> 8);
+    }
     for (int j = 0; j < n; ++j) {
         const int b = st[j] >> (8 - k), p = k*j;
         qs[p/8] |= (uint8_t) (b << (p % 8));
@@ -133,13 +165,13 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
 }
 
 // one run of n values of a block whose scale is d
-static void tcq_dequantize_block(const uint8_t d[2], const uint8_t * qs, int n, int k, const int16_t * t, float * y) {
+static void tcq_dequantize_block(const uint8_t * d, int sb, const uint8_t * qs, int n, int k, const int16_t * t, float * y) {
     const int nbytes = n*k/8;
     uint8_t ext[QK_TCQ*3/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
     ext[0] = qs[nbytes - 1];
     memcpy(ext + 1, qs, nbytes);
     ext[nbytes + 1] = 0;
-    const float dd = ggml_kvq_f16_bytes(d);
+    const float dd = tcq_scale_read(d, sb);
     for (int j = 0; j < n; ++j) {
         const int p = k*j + k;              // the window [kj + k - 8, kj + k) of the stream is ext's [p, p + 8)
         const int s = ((ext[p/8] | (ext[p/8 + 1] << 8)) >> (p % 8)) & 0xFF;
@@ -161,12 +193,13 @@ void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void *
                                     ggml_kvq_tcq_viterbi_t viterbi) {
     const int k = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
     const int16_t * t = ggml_kvq_tcq_tables(type);
-    const size_t bs = 2 + qk*k/8;
+    const int sb = ggml_kvq_tcq_scale_bytes(type);
+    const size_t bs = sb + qk*k/8;
     float lut[TCQ_STATES];
     tcq_lut(t, lut);
     for (int64_t i = 0; i < n/qk; ++i) {
         uint8_t * b = (uint8_t *) y + i*bs;
-        tcq_quantize_block(x + i*qk, qk, QK_TCQ, k, t, lut, b, b + 2, viterbi);
+        tcq_quantize_block(x + i*qk, qk, QK_TCQ, k, t, lut, sb, b, b + sb, viterbi);
     }
 }
 
@@ -174,11 +207,12 @@ void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void *
 static void tcq_dequantize_row(enum ggml_type type, const void * x, float * y, int64_t n) {
     const int k = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
     const int16_t * t = ggml_kvq_tcq_tables(type);
-    const size_t bs = 2 + qk*k/8;
+    const int sb = ggml_kvq_tcq_scale_bytes(type);
+    const size_t bs = sb + qk*k/8;
     for (int64_t i = 0; i < n/qk; ++i) {
         const uint8_t * b = (const uint8_t *) x + i*bs;
         for (int r = 0; r < qk; r += QK_TCQ) {
-            tcq_dequantize_block(b, b + 2 + r*k/8, QK_TCQ, k, t, y + i*qk + r);
+            tcq_dequantize_block(b, sb, b + sb + r*k/8, QK_TCQ, k, t, y + i*qk + r);
         }
     }
 }
@@ -217,18 +251,19 @@ void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k) {
 
 // a trellis-coded run of n values inside another type's block (the halves of q4t2_64 and t32_64): the rule and tables
 // of the TCQ type tt
-void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t d[2], uint8_t * qs,
+void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t * d, uint8_t * qs,
                                ggml_kvq_tcq_viterbi_t viterbi) {
     const int16_t * t = ggml_kvq_tcq_tables(tt);
     float lut[TCQ_STATES];
     tcq_lut(t, lut);
-    tcq_quantize_block(x, n, n, ggml_kvq_tcq_bits(tt), t, lut, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
+    tcq_quantize_block(x, n, n, ggml_kvq_tcq_bits(tt), t, lut, 1, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
 }
 
-void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const uint8_t * qs, int n, float * y) {
-    tcq_dequantize_block(d, qs, n, ggml_kvq_tcq_bits(tt), ggml_kvq_tcq_tables(tt), y);
+void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t * d, const uint8_t * qs, int n, float * y) {
+    tcq_dequantize_block(d, 1, qs, n, ggml_kvq_tcq_bits(tt), ggml_kvq_tcq_tables(tt), y);
 }
 
 bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {
-    return ggml_kvq_validate_f16_scales(data, nbytes, 2 + ggml_kvq_tcq_block(type)*ggml_kvq_tcq_bits(type)/8, 1);
+    const int sb = ggml_kvq_tcq_scale_bytes(type);
+    return sb == 1 || ggml_kvq_validate_f16_scales(data, nbytes, sb + ggml_kvq_tcq_block(type)*ggml_kvq_tcq_bits(type)/8, 1);
 }

@@ -168,19 +168,22 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2_64) == 18, "block_nuq2_64 size");
 // So a value's level depends on its predecessors' bits too: the encoder picks the whole block's path through the
 // 256 states (Viterbi) with the least squared error, which a scalar code of the same bits cannot reach (~1.4x less
 // squared error than nuq2_64 / nuq3_64 on Gaussian values). Encoding costs two passes of 256 states x 64 steps.
+// The scale is one byte c (ggml_kvq_tcq_scale: 2^((c - 159)/8), 0 for c = 0; 1/8 octave apart over 2^-19.75 ..
+// 2^12): a trellis run's scale is positive, and rounding it to the nearest step costs ~1% of a 2-bit block's squared
+// error where an f16 scale costs 0.125 bits/value (Qwen2.5-Coder-1.5B, 3 bits: 0.0108 -> 0.0088 KLD).
 #define QK_TCQ 64
 typedef struct {
-    uint8_t d[2];             // f16 scale
+    uint8_t d;                // scale code (ggml_kvq_tcq_scale)
     uint8_t qs[QK_TCQ*3/8];   // the 3-bit stream
-} block_tcq3_64;              // 26 bytes per 64 values: 3.25 bits/value
+} block_tcq3_64;              // 25 bytes per 64 values: 3.125 bits/value
 
 typedef struct {
-    uint8_t d[2];
+    uint8_t d;
     uint8_t qs[QK_TCQ*2/8];   // the 2-bit stream
-} block_tcq2_64;              // 18 bytes per 64 values: 2.25 bits/value
+} block_tcq2_64;              // 17 bytes per 64 values: 2.125 bits/value
 
-GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq3_64) == 26, "block_tcq3_64 size");
-GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq2_64) == 18, "block_tcq2_64 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq3_64) == 25, "block_tcq3_64 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq2_64) == 17, "block_tcq2_64 size");
 
 // tcq3_128 / tcq2_128: a head row of 128 as two runs of 64, each a tail-biting path and stream of tcq3_64's / tcq2_64's
 // rule and tables, under one f16 scale (the unit-RMS factor and the least-squares scale taken over all 128). A 128-wide
@@ -253,13 +256,13 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_q32_64) == 24, "block_q32_64 size");
 #define QK_Q4T2 64
 
 typedef struct {
-    uint8_t d4[2];            // scale of values 0..31: x = d4 * (q4 - 8)
-    uint8_t d2[2];            // scale of values 32..63: x = d2 * level(state)
+    uint8_t d4[2];            // f16 scale of values 0..31: x = d4 * (q4 - 8)
+    uint8_t d2;               // scale code of values 32..63 (ggml_kvq_tcq_scale): x = d2 * level(state)
     uint8_t qs4[16];          // byte j: q4(j) (low nibble), q4(j+16) (high)
     uint8_t qs2[8];           // the 2-bit stream of values 32..63, value 32 + j's bits at 2j
-} block_q4t2_64;              // 28 bytes per 64 values: 3.5 bits/value
+} block_q4t2_64;              // 27 bytes per 64 values: 3.375 bits/value
 
-GGML_KVQ_STATIC_ASSERT(sizeof(block_q4t2_64) == 28, "block_q4t2_64 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_q4t2_64) == 27, "block_q4t2_64 size");
 
 // t32_64: q32_64's split with both halves trellis-coded, 3.0 bits/value: the first 32 values one tail-biting block of
 // tcq3_64's rule and tables over 32 values, the last 32 one of tcq2_64's (as q4t2_64's second half). SmolLM2's keys
@@ -267,13 +270,13 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_q4t2_64) == 28, "block_q4t2_64 size");
 #define QK_T32 64
 
 typedef struct {
-    uint8_t d3[2];            // scale of values 0..31: x = d3 * level3(state)
-    uint8_t d2[2];            // scale of values 32..63: x = d2 * level2(state)
+    uint8_t d3;               // scale code of values 0..31 (ggml_kvq_tcq_scale): x = d3 * level3(state)
+    uint8_t d2;               // scale code of values 32..63: x = d2 * level2(state)
     uint8_t qs3[12];          // the 3-bit stream of values 0..31, value j's bits at 3j
     uint8_t qs2[8];           // the 2-bit stream of values 32..63, value 32 + j's bits at 2j
-} block_t32_64;               // 24 bytes per 64 values: 3.0 bits/value
+} block_t32_64;               // 22 bytes per 64 values: 2.75 bits/value
 
-GGML_KVQ_STATIC_ASSERT(sizeof(block_t32_64) == 24, "block_t32_64 size");
+GGML_KVQ_STATIC_ASSERT(sizeof(block_t32_64) == 22, "block_t32_64 size");
 
 // Fallback codebooks (pykvq/ref/nuq.py FALLBACK): Lloyd-Max centroids of Gaussian
 // blocks of 32 normalised by their absmax to [-127, 127], rounded.
@@ -548,11 +551,15 @@ typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int n, int k, const floa
 GGML_API void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
                                             ggml_kvq_tcq_viterbi_t viterbi);
 // n values (n <= 64, n*k a multiple of 8) as one tail-biting block of the TCQ type tt's rule and tables (k its bits):
-// the f16 scale d and the k-bit stream qs[n*k/8] (the halves of q4t2_64 and t32_64); viterbi NULL: the reference search
-GGML_API void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t d[2], uint8_t * qs,
+// the scale code d (one byte) and the k-bit stream qs[n*k/8] (the halves of q4t2_64 and t32_64); viterbi NULL: the
+// reference search
+GGML_API void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t * d, uint8_t * qs,
                                         ggml_kvq_tcq_viterbi_t viterbi);
-GGML_API void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t d[2], const uint8_t * qs, int n, float * y);
-// Row validation (the type registration seam): every block's scale finite (tcq3_64, tcq2_64, tcq3_128, tcq2_128).
+GGML_API void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t * d, const uint8_t * qs, int n, float * y);
+// a TCQ type's scale bytes: 1 (the code ggml_kvq_tcq_scale reads) for tcq*_64 and the runs inside q4t2_64 / t32_64,
+// 2 (f16) for tcq*_128
+GGML_API int ggml_kvq_tcq_scale_bytes(enum ggml_type type);
+// Row validation (the type registration seam): tcq3_128 / tcq2_128's f16 scales finite (every scale code is valid).
 GGML_API bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes);
 // Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64,
 // q42_64, q32_64).
@@ -651,6 +658,16 @@ GGML_KVQ_HD float ggml_kvq_fp16_to_fp32(uint16_t h) {
 
 static inline float ggml_kvq_f16_bytes(const uint8_t * p) {
     return ggml_kvq_fp16_to_fp32((uint16_t) (p[0] | (p[1] << 8)));
+}
+
+// a trellis run's one-byte scale code (block_tcq*_64, the halves of q4t2_64 / t32_64): 2^((c - 159)/8) for c = 1..255,
+// built from the float bits of 2^(i/8) and an exponent step, so every target reads the same float; 0 for c = 0
+#define GGML_KVQ_TCQ_SCALE_BIAS 159
+GGML_KVQ_HD float ggml_kvq_tcq_scale(uint8_t c) {
+    const uint32_t m[8] = { 0x3f800000u, 0x3f8b95c2u, 0x3f9837f0u, 0x3fa5fed7u, 0x3fb504f3u, 0x3fc5672au, 0x3fd744fdu, 0x3feac0c7u };
+    const int e = (int) c - GGML_KVQ_TCQ_SCALE_BIAS;
+    union { uint32_t u; float f; } v = { m[e & 7] + (uint32_t) ((e >> 3) * (1 << 23)) };
+    return c == 0 ? 0.0f : v.f;
 }
 
 // Entries for ggml.c's type_traits table (the type registration seam), one per row of ggml-kvq-types.h.

@@ -209,22 +209,23 @@ def q32_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     return d3, q3.astype(np.uint8), d2, q2.astype(np.uint8)
 
 
-# q4t2_64: q42_64 with its 2-bit half trellis-coded, 3.5 bits/value. The first half is q42_64's (q4_0's levels, a
-# least-squares scale); the second is tcq2_64's rule over 32 values (pykvq/ref/tcq.py: unit RMS, the tail-biting
-# Viterbi path through tcq2's tables, the least-squares f16 scale; value j's state is the 8-bit window of the 64-bit
-# stream ending at its bits, around the half). Storage (28 bytes, q42_64's sizes):
-#   d4[2] d2[2]  qs4[16]  qs2[8]
+# q4t2_64: q42_64 with its 2-bit half trellis-coded, 3.375 bits/value. The first half is q42_64's (q4_0's levels, a
+# least-squares f16 scale); the second is tcq2_64's rule over 32 values (pykvq/ref/tcq.py: unit RMS, the tail-biting
+# Viterbi path through tcq2's tables, the least-squares scale as tcq's one-byte code; value j's state is the 8-bit
+# window of the 64-bit stream ending at its bits, around the half). Storage (27 bytes):
+#   d4[2] d2  qs4[16]  qs2[8]
 #   qs4 byte j: q4(j) (low nibble), q4(j+16) (high)     (as q4_0)
 #   qs2: the 2-bit stream of values 32..63, value j's bits at 2j (as tcq2_64's)
 # Fake quantization of SmolLM2's pre-RoPE keys at 4096 tokens (scripts/longctx_study.py, V q8_0, window 64 + sinks 4):
 # 0.0039 KLD against q42_64's 0.0049 (docs/RESULTS-BY-DATE.md, 2026-12-01).
-Q4T2_TYPE_SIZE = 28
+Q4T2_TYPE_SIZE = 27
 TRELLIS_HALVES = ("q4t2_64", "t32_64")              # the halves types with a trellis-coded half (numpy's search is slow)
 TRELLIS_HALF_BITS = 2
 
 
 def q4t2_quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(d4, q4, d2, states) of the last axis of x (a multiple of 64): [nb] f16, [nb, 32] uint8, [nb] f16, [nb, 32]."""
+    """(d4, q4, d2, states) of the last axis of x (a multiple of 64): [nb] f16, [nb, 32] uint8, [nb] scale codes
+    (uint8, tcq.scales), [nb, 32]."""
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % QK:
         raise ValueError(f"q4t2_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
@@ -249,7 +250,7 @@ def q4t2_roundtrip(x: np.ndarray) -> np.ndarray:
 def q4t2_pack(d4, q4, d2, st) -> bytes:
     nb = q4.shape[0]
     qs4 = (q4[:, :16] & 15) | ((q4[:, 16:] & 15) << 4)
-    parts = [d4.view(np.uint8).reshape(nb, 2), d2.astype("<f2").view(np.uint8).reshape(nb, 2), qs4,
+    parts = [d4.view(np.uint8).reshape(nb, 2), tcq.scale_bytes_of(d2), qs4,
              tcq.stream(st, TRELLIS_HALF_BITS)]
     out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
     assert out.shape[1] == Q4T2_TYPE_SIZE
@@ -262,21 +263,22 @@ def q4t2_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
         raise ValueError(f"q4t2_64: {a.size} bytes is not a whole number of {Q4T2_TYPE_SIZE}-byte blocks")
     a = a.reshape(-1, Q4T2_TYPE_SIZE)
     d4 = a[:, 0:2].copy().view(np.float16)[:, 0]
-    d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
-    qs4 = a[:, 4:20]
+    d2 = a[:, 2].copy()
+    qs4 = a[:, 3:19]
     q4 = np.concatenate([qs4 & 15, qs4 >> 4], axis=1)
-    return d4, q4.astype(np.uint8), d2, tcq.stream_states(a[:, 20:28], TRELLIS_HALF_BITS, HALF)
+    return d4, q4.astype(np.uint8), d2, tcq.stream_states(a[:, 19:27], TRELLIS_HALF_BITS, HALF)
 
 
-# t32_64: q32_64's split with both halves trellis-coded, 3.0 bits/value: values 0..31 one 32-value block of tcq3_64's
-# rule and tables, values 32..63 one of tcq2_64's (as q4t2_64's second half). Storage (24 bytes, q32_64's size):
-#   d3[2] d2[2]  qs3[12]  qs2[8]      (the 3-bit stream of values 0..31, then the 2-bit stream of 32..63)
+# t32_64: q32_64's split with both halves trellis-coded, 2.75 bits/value: values 0..31 one 32-value block of tcq3_64's
+# rule and tables, values 32..63 one of tcq2_64's (as q4t2_64's second half), each with tcq's one-byte scale code.
+# Storage (22 bytes):
+#   d3 d2  qs3[12]  qs2[8]      (the 3-bit stream of values 0..31, then the 2-bit stream of 32..63)
 # Fake quantization of SmolLM2's keys at 4096 tokens: 0.0100 KLD against q32_64's 0.0168.
-T32_TYPE_SIZE = 24
+T32_TYPE_SIZE = 22
 
 
 def t32_quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(d3, states3, d2, states2) of the last axis of x (a multiple of 64): [nb] f16 and [nb, 32] states."""
+    """(d3, states3, d2, states2) of the last axis of x (a multiple of 64): [nb] scale codes and [nb, 32] states."""
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % QK:
         raise ValueError(f"t32_64: the last dimension {x.shape[-1]} is not a multiple of {QK}")
@@ -297,7 +299,7 @@ def t32_roundtrip(x: np.ndarray) -> np.ndarray:
 
 def t32_pack(d3, s3, d2, s2) -> bytes:
     nb = s3.shape[0]
-    parts = [d3.astype("<f2").view(np.uint8).reshape(nb, 2), d2.astype("<f2").view(np.uint8).reshape(nb, 2),
+    parts = [tcq.scale_bytes_of(d3), tcq.scale_bytes_of(d2),
              tcq.stream(s3, 3), tcq.stream(s2, 2)]
     out = np.concatenate([p.astype(np.uint8) for p in parts], axis=1)
     assert out.shape[1] == T32_TYPE_SIZE
@@ -309,9 +311,8 @@ def t32_unpack(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     if a.size % T32_TYPE_SIZE:
         raise ValueError(f"t32_64: {a.size} bytes is not a whole number of {T32_TYPE_SIZE}-byte blocks")
     a = a.reshape(-1, T32_TYPE_SIZE)
-    d3 = a[:, 0:2].copy().view(np.float16)[:, 0]
-    d2 = a[:, 2:4].copy().view(np.float16)[:, 0]
-    return d3, tcq.stream_states(a[:, 4:16], 3, HALF), d2, tcq.stream_states(a[:, 16:24], 2, HALF)
+    d3, d2 = a[:, 0].copy(), a[:, 1].copy()
+    return d3, tcq.stream_states(a[:, 2:14], 3, HALF), d2, tcq.stream_states(a[:, 14:22], 2, HALF)
 
 
 def importance_layout(importance: np.ndarray) -> np.ndarray:

@@ -4,11 +4,18 @@ A block of 64 values stores an f16 scale d and k bits per value (k = 3, 2) as a 
 bits at [kj, kj + k). Value j reads the 8-bit window of the stream that ends with its own bits, [kj + k - 8, kj + k)
 taken around the block (tail-biting), as its state s (0..255), and is d * (A[s >> 4] + B[s & 15]) / 4096.
 
-  tcq3_64 (64): d[2] qs[24]   26 B  3.25 bits/value
-  tcq2_64 (64): d[2] qs[16]   18 B  2.25 bits/value
+  tcq3_64 (64): d qs[24]   25 B  3.125 bits/value
+  tcq2_64 (64): d qs[16]   17 B  2.125 bits/value
+
+d is one byte, a scale code c: the scale is 2^((c - 159)/8) for c = 1..255 (1/8 octave apart, 2^-19.75 .. 2^12; the
+float32 of 2^(i/8) times 2^e, SCALE_STEPS below) and 0 for c = 0. A block stores the code nearest its least-squares
+scale (step 4; ties to the lower code; codes 0 and 255 take what lies beyond). The same code is the scale of each
+trellis half of q4t2_64 / t32_64 (ref/q53.py). Against an f16 scale it costs ~1% of a 2-bit block's squared error and
+saves 0.125 bits/value.
 
 tcq3_128 / tcq2_128 hold a head row of 128 as two such runs of 64 (each its own tail-biting path and stream) under one
-f16 scale: the step 1 and 4 sums below run over all 128 values, steps 2-3 over each run. The online Hadamard spreads
+f16 scale (two bytes, unlike tcq*_64's code): the step 1 and 4 sums below run over all 128 values, steps 2-3 over each
+run. The online Hadamard spreads
 a 128-wide head evenly, so one scale serves both runs and 2 bytes per 128 values are saved (0.125 bits/value):
 
   tcq3_128 (128): d[2] qs[48]   50 B  3.125 bits/value
@@ -25,8 +32,8 @@ least squared error. Encoding (native/ggml/tcq.c is held to this bit for bit):
    ends in one whose high 8 - k bits are o. Costs are float32: cost_j(s) = min over the predecessors
    ((s << k) & 255) | i, i = 0 .. 2^k - 1 (the first of equals), plus (z_j - level(s))^2, the square rounded before
    the sum; the end state is the first of the least cost.
-4. d = float16(clip(sum v*y / sum y*y, +-65504)) over the path's levels y (double sums in order), and
-   b_j = state_j >> (8 - k).
+4. d = clip(sum v*y / sum y*y, +-65504) over the path's levels y (double sums in order), stored as its scale code
+   (tcq*_64, the halves) or float16(d) (tcq*_128), and b_j = state_j >> (8 - k).
 """
 from __future__ import annotations
 
@@ -44,6 +51,36 @@ TABLES = {
         933, 2483, -2738, -5195, 4052, -1380, -1332, 1487, -991, 4290, 1273, -3988, 345, -368, 4341, -3213),
 }
 FORMATS = {"tcq3_64": 3, "tcq2_64": 2, "tcq3_128": 3, "tcq2_128": 2}
+SCALE_BYTES = {"tcq3_64": 1, "tcq2_64": 1, "tcq3_128": 2, "tcq2_128": 2}   # a code byte, or f16
+SCALE_BIAS = 159
+# the float32 bits of 2^(i/8), i = 0..7 (native/include/ggml-kvq.h's ggml_kvq_tcq_scale)
+SCALE_STEPS = np.array([0x3f800000, 0x3f8b95c2, 0x3f9837f0, 0x3fa5fed7, 0x3fb504f3, 0x3fc5672a, 0x3fd744fd,
+                        0x3feac0c7], np.uint32).view(np.float32)
+
+
+def scales() -> np.ndarray:
+    """float32 [256]: the scale of each code."""
+    e = np.arange(256) - SCALE_BIAS
+    t = np.ldexp(SCALE_STEPS[e % 8], e // 8).astype(np.float32)
+    t[0] = 0
+    return t
+
+
+def scale_codes(d: np.ndarray) -> np.ndarray:
+    """The code nearest each scale d (float64; <= 0 or NaN: code 0), ties to the lower code."""
+    t = scales().astype(np.float64)
+    d = np.asarray(d, np.float64)
+    hi = np.clip(np.searchsorted(t, d, side="left"), 1, 255)
+    lo = hi - 1
+    c = np.where(d - t[lo] <= t[hi] - d, lo, hi)
+    c = np.where(d >= t[255], 255, c)
+    return np.where(d > 0, c, 0).astype(np.uint8)
+
+
+def scale_values(d: np.ndarray) -> np.ndarray:
+    """float32 scales of stored d: codes (uint8) or float16."""
+    d = np.asarray(d)
+    return scales()[d] if d.dtype == np.uint8 else d.astype(np.float32)
 BLOCK = {"tcq3_64": 64, "tcq2_64": 64, "tcq3_128": 128, "tcq2_128": 128}     # values under one scale (runs of 64)
 
 
@@ -51,8 +88,8 @@ def bits_of(type_name: str) -> int:
     return FORMATS[type_name]
 
 
-def block_bytes(k: int, n: int = N) -> int:
-    return 2 + n * k // 8
+def block_bytes(k: int, n: int = N, scale_bytes: int = 1) -> int:
+    return scale_bytes + n * k // 8
 
 
 def levels(k: int, tables=None) -> np.ndarray:
@@ -94,10 +131,11 @@ def viterbi(z: np.ndarray, k: int, lut: np.ndarray, o: np.ndarray | None, rot: i
     return st
 
 
-def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N, run: int | None = None
+def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N, run: int | None = None, scale_bytes: int = 1
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """x [m*n] -> (d [m] float16, states [m, n]): blocks of n values (64; q4t2_64's trellis half: 32; tcq*_128: 128)
-    under one scale, each run of `run` values (default n) its own tail-biting path."""
+    """x [m*n] -> (d [m], states [m, n]): blocks of n values (64; q4t2_64's trellis half: 32; tcq*_128: 128)
+    under one scale, each run of `run` values (default n) its own tail-biting path; d the scale codes (uint8) or, with
+    scale_bytes=2, float16."""
     run = n if run is None else run
     v = np.asarray(x, np.float32).reshape(-1, n)
     v = np.where(np.isnan(v), np.float32(0), np.clip(v, -FLT_MAX, FLT_MAX)).astype(np.float32)
@@ -107,7 +145,7 @@ def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N, run: int | N
         r2 += vd[:, j] * vd[:, j]
     live = r2 > 0
     lut = levels(k, tables)
-    d = np.zeros(len(v), np.float16)
+    d = np.zeros(len(v), np.uint8 if scale_bytes == 1 else np.float16)
     st = np.zeros((len(v), n), np.int64)
     if live.any():
         vl = v[live]
@@ -123,18 +161,24 @@ def quantize_blocks(x: np.ndarray, k: int, tables=None, n: int = N, run: int | N
             xy += vd[:, j] * y[:, j]
             yy += y[:, j] * y[:, j]
         dd = np.where(yy > 0, np.clip(xy / np.where(yy > 0, yy, 1), -65504.0, 65504.0), 0.0)
-        d[live] = dd.astype(np.float32).astype(np.float16)
+        d[live] = scale_codes(dd) if scale_bytes == 1 else dd.astype(np.float32).astype(np.float16)
         st[live] = path
     return d, st
 
 
 def dequantize_blocks(d: np.ndarray, st: np.ndarray, k: int, tables=None) -> np.ndarray:
-    return (d.astype(np.float32)[:, None] * levels(k, tables)[st]).reshape(-1)
+    return (scale_values(d)[:, None] * levels(k, tables)[st]).reshape(-1)
+
+
+def scale_bytes_of(d: np.ndarray) -> np.ndarray:
+    """[m, 1] codes or [m, 2] little-endian f16 bytes."""
+    d = np.asarray(d)
+    return d.reshape(-1, 1) if d.dtype == np.uint8 else d.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def pack(d: np.ndarray, st: np.ndarray, k: int) -> bytes:
-    """The blocks' bytes: d (f16, little-endian), then the k-bit stream of b_j = state_j >> (8 - k)."""
-    out = np.concatenate([d.astype("<f2").view(np.uint8).reshape(-1, 2), stream(st, k)], axis=1)
+    """The blocks' bytes: d (its code, or f16 little-endian), then the k-bit stream of b_j = state_j >> (8 - k)."""
+    out = np.concatenate([scale_bytes_of(d), stream(st, k)], axis=1)
     return out.tobytes()
 
 
@@ -145,12 +189,13 @@ def stream(st: np.ndarray, k: int) -> np.ndarray:
     return np.packbits(bits, axis=1, bitorder="little")
 
 
-def unpack(raw: bytes, k: int, n: int = N, run: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def unpack(raw: bytes, k: int, n: int = N, run: int | None = None, scale_bytes: int = 1
+           ) -> tuple[np.ndarray, np.ndarray]:
     """(d, states) of packed blocks of n values, each state read as its window of its run's stream around the run."""
     run = n if run is None else run
-    a = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes(k, n))
-    d = a[:, :2].copy().view("<f2").reshape(-1)
-    qs = np.ascontiguousarray(a[:, 2:]).reshape(-1, run * k // 8)
+    a = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes(k, n, scale_bytes))
+    d = a[:, 0].copy() if scale_bytes == 1 else a[:, :2].copy().view("<f2").reshape(-1)
+    qs = np.ascontiguousarray(a[:, scale_bytes:]).reshape(-1, run * k // 8)
     return d, stream_states(qs, k, run).reshape(-1, n)
 
 
@@ -164,5 +209,5 @@ def stream_states(qs: np.ndarray, k: int, n: int = N) -> np.ndarray:
 def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
     """Quantize and dequantize the last axis of x (a multiple of the type's block: 64, or 128 for tcq*_128)."""
     k, n = bits_of(type_name), BLOCK[type_name]
-    d, st = quantize_blocks(np.asarray(x, np.float32).reshape(-1), k, n=n, run=N)
+    d, st = quantize_blocks(np.asarray(x, np.float32).reshape(-1), k, n=n, run=N, scale_bytes=SCALE_BYTES[type_name])
     return dequantize_blocks(d, st, k).reshape(np.shape(x))

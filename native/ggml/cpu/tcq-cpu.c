@@ -226,20 +226,22 @@ static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
 #endif
 
 #if defined(__AVX2__)
-// rows of blocks of 2 + qk*bits/8 bytes: each run of 64's states, then its levels with the block's scale
+// rows of blocks of (scale bytes) + qk*bits/8 bytes: each run of 64's states, then its levels with the block's scale
 static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * y, int64_t k) {
     const int bits = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
-    const size_t bs = 2 + qk*bits/8;
+    const int sb = ggml_kvq_tcq_scale_bytes(type);
+    const size_t bs = sb + qk*bits/8;
     __m128i tab[4];
     tcq_shuffle_tables(type, tab);
     for (int64_t i = 0; i < k/qk; ++i) {
         const uint8_t * b = x + i*bs;
-        const __m256 d4096 = _mm256_set1_ps(ggml_kvq_f16_bytes(b)*(1.0f/4096));
+        const float d = sb == 1 ? ggml_kvq_tcq_scale(b[0]) : ggml_kvq_f16_bytes(b);
+        const __m256 d4096 = _mm256_set1_ps(d*(1.0f/4096));
         for (int r = 0; r < qk; r += QK_TCQ) {
             if (bits == 2) {
-                tcq2_values(b + 2 + r*2/8, QK_TCQ, tab, d4096, y + i*qk + r);
+                tcq2_values(b + sb + r*2/8, QK_TCQ, tab, d4096, y + i*qk + r);
             } else {
-                tcq3_values(b + 2 + r*3/8, QK_TCQ, tab, d4096, y + i*qk + r);
+                tcq3_values(b + sb + r*3/8, QK_TCQ, tab, d4096, y + i*qk + r);
             }
         }
     }
@@ -346,7 +348,7 @@ void dequantize_row_q4t2_64_cpu(const void * GGML_RESTRICT vx, float * GGML_REST
             _mm256_storeu_ps(o + 16*h,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h])), d4));
             _mm256_storeu_ps(o + 16*h + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8))), d4));
         }
-        tcq2_values(b->qs2, QK_Q4T2/2, tab, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
+        tcq2_values(b->qs2, QK_Q4T2/2, tab, _mm256_set1_ps(ggml_kvq_tcq_scale(b->d2)*(1.0f/4096)), o + 32);
     }
 #else
     dequantize_row_q4t2_64((const block_q4t2_64 *) vx, y, k);
@@ -377,8 +379,8 @@ void dequantize_row_t32_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
     for (int64_t i = 0; i < k/QK_T32; ++i) {
         const block_t32_64 * b = x + i;
         float * o = y + i*QK_T32;
-        tcq3_values(b->qs3, QK_T32/2, tab3, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d3)*(1.0f/4096)), o);
-        tcq2_values(b->qs2, QK_T32/2, tab2, _mm256_set1_ps(ggml_kvq_f16_bytes(b->d2)*(1.0f/4096)), o + 32);
+        tcq3_values(b->qs3, QK_T32/2, tab3, _mm256_set1_ps(ggml_kvq_tcq_scale(b->d3)*(1.0f/4096)), o);
+        tcq2_values(b->qs2, QK_T32/2, tab2, _mm256_set1_ps(ggml_kvq_tcq_scale(b->d2)*(1.0f/4096)), o + 32);
     }
 #else
     dequantize_row_t32_64((const block_t32_64 *) vx, y, k);
