@@ -306,10 +306,8 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
     if bits == 4.5:
         flags = list(PRESET_45)
         args.prerope_k, args.cache_type_k, args.cache_type_v = True, PRESET_45[2], PRESET_45[4]
-    elif bits == 3.5 and (win := _pair_window(bits, PRESET_35, args, parser)) is not None:
-        k, v = PRESET_35[2], PRESET_35[4]
-        if args.cpu_types:         # the same bits with trellis-coded halves / values (CPU kernels only)
-            k, v = pipeline.layer_types.CPU_KEY_TYPES[k], pipeline.layer_types.CPU_VALUE_TYPES[v]
+    elif bits == 3.5 and (win := _pair_window(bits, *(kv := _pair_35(args.cpu_types)), args, parser)) is not None:
+        k, v = kv
         flags = [*PRESET_35[:2], k, PRESET_35[3], v, "--kv-window", str(win)]
         args.prerope_k, args.cache_type_k, args.cache_type_v, args.kv_window = True, k, v, win
         args.cpu_types_pair = args.cpu_types
@@ -319,7 +317,16 @@ def apply_preset(args, parser: argparse.ArgumentParser) -> str | None:
     return " ".join(flags)
 
 
-def _pair_window(bits: float, preset: tuple, args, parser: argparse.ArgumentParser) -> int | None:
+def _pair_35(cpu_types: bool) -> tuple[str, str]:
+    """--bits 3.5's pair: PRESET_35's, or with --cpu-types its trellis-coded twins (CPU kernels only; their scale codes
+    make them 0.125 bits/value cheaper, so the window gets longer)."""
+    k, v = PRESET_35[2], PRESET_35[4]
+    if cpu_types:
+        return pipeline.layer_types.CPU_KEY_TYPES[k], pipeline.layer_types.CPU_VALUE_TYPES[v]
+    return k, v
+
+
+def _pair_window(bits: float, type_k: str, type_v: str, args, parser: argparse.ArgumentParser) -> int | None:
     """The exact window a one-pair preset takes at --ctx cells (the longest whose rows fit beside the pair in bits),
     or None for the budget: past PAIR_CTX cells of the window's row type (at 16384 on Qwen2.5-Coder-1.5B the pair
     won with q8_0 rows, 0.00750 against 0.00789, and lost with f16 rows, 0.00863 against 0.00782), where no window
@@ -328,7 +335,7 @@ def _pair_window(bits: float, preset: tuple, args, parser: argparse.ArgumentPars
     if args.kv_window != parser.get_default("kv_window") or args.ctx > PAIR_CTX[args.kv_window_type]:
         return None
     bpv = pipeline.layer_types.bits_per_value
-    pair = (bpv(preset[2]) + bpv(preset[4])) / 2
+    pair = (bpv(type_k) + bpv(type_v)) / 2
     return longest_window(bits - pair, args.kv_sinks, args.ctx, args.kv_window_type)
 
 

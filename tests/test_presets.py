@@ -96,8 +96,8 @@ def test_cpu_types_take_the_trellis_types(smollm2, tmp_path):
                                                                  "q8_0")
     parser = to_gguf.build_parser()
     args = parser.parse_args([str(smollm2), "-o", str(tmp_path / "out.gguf"), "--cpu-types", "--bits", "3.5"])
-    assert "--cache-type-k q4t2_64 --cache-type-v tcq3_64" in to_gguf.apply_preset(args, parser)
-    assert args.cpu_types_pair
+    assert "--cache-type-k q4t2_64 --cache-type-v tcq3_64 --kv-window 115" in to_gguf.apply_preset(args, parser)
+    assert args.cpu_types_pair      # the window that fits beside their 3.25 bits (the scale codes), where q42 / nuq3 get 55
     for argv in ([], ["--prerope-k", "--kv-bits", "3", "--layer-types", "nuq2o,nuq4"]):
         args = parser.parse_args([str(smollm2), "-o", str(tmp_path / "out.gguf"), "--cpu-types", *argv])
         to_gguf.apply_preset(args, parser)
