@@ -98,8 +98,8 @@ void dequantize_row_q53_64(const block_q53_64 * x, float * y, int64_t k) {
 }
 
 bool ggml_kvq_validate_row_q53(enum ggml_type type, const void * data, size_t nbytes) {
-    // every type of the family starts with its f16 scales (two; q4t2_64 one, then its trellis half's code; t32_64 none,
-    // both its scales codes, every one of which is valid)
+    // every type of the family starts with two f16 scales, but q4t2_64 (one, then its trellis half's scale code) and
+    // t32_64 (two codes); every code is a finite scale
     if (type == GGML_TYPE_T32_64) {
         return true;
     }

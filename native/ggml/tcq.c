@@ -88,10 +88,8 @@ static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o,
     }
 }
 
-// one block of n values under one scale, in runs of `run` (n itself, or 64 of a tcq*_128 block): scaled to unit RMS,
-// for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
-// and the tail-biting path goes through o, then the least-squares scale of the paths' levels
-// the scale code nearest d (>= 0; ties to the lower code): the scale's error adds (d' - d)^2 * sum y^2 to the block's
+// the scale code nearest d (>= 0; ties to the lower code): with the path fixed, a scale d' adds (d' - d)^2 * sum y^2
+// to the block's squared error, so the nearest code is the best one
 static uint8_t tcq_scale_code(double d) {
     if (!(d > 0.0)) {
         return 0;
@@ -119,6 +117,10 @@ static float tcq_scale_read(const uint8_t * d, int sb) {
     return sb == 1 ? ggml_kvq_tcq_scale(d[0]) : ggml_kvq_f16_bytes(d);
 }
 
+// one block of n values under one scale, in runs of `run` (n itself, or 64 of a tcq*_128 block): scaled to unit RMS,
+// for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
+// and the tail-biting path goes through o, then the least-squares scale of the paths' levels
+// (stored as its code when sb is 1, as f16 when 2)
 static void tcq_quantize_block(const float * x, int n, int run, int k, const int16_t * t, const float * lut,
                                int sb, uint8_t * d_out, uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
     float v[QK_TCQ128], z[QK_TCQ128];

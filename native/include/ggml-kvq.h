@@ -170,7 +170,7 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_nuq2_64) == 18, "block_nuq2_64 size");
 // squared error than nuq2_64 / nuq3_64 on Gaussian values). Encoding costs two passes of 256 states x 64 steps.
 // The scale is one byte c (ggml_kvq_tcq_scale: 2^((c - 159)/8), 0 for c = 0; 1/8 octave apart over 2^-19.75 ..
 // 2^12): a trellis run's scale is positive, and rounding it to the nearest step costs ~1% of a 2-bit block's squared
-// error where an f16 scale costs 0.125 bits/value (Qwen2.5-Coder-1.5B, 3 bits: 0.0108 -> 0.0088 KLD).
+// error where an f16 scale costs 0.125 bits/value (Qwen2.5-Coder-1.5B, --bits 3 --cpu-types: 0.0108 -> 0.0092 KLD).
 #define QK_TCQ 64
 typedef struct {
     uint8_t d;                // scale code (ggml_kvq_tcq_scale)
