@@ -171,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_VALUE_TYPES.items())
                         + "; keys " + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_KEY_TYPES.items())
                         + " (their scales one byte each, so 0.125-0.25 bits/value cheaper)"
-                        + ". At 4096 tokens, KLD vs f16: --bits 3.5 0.0123 -> 0.0101 (SmolLM2), 0.0079 -> 0.0067 "
-                        "(Qwen2.5-Coder-1.5B); --bits 3 0.0279 -> 0.0221, 0.0126 -> 0.0099; CPU decode ~0.7x")
+                        + ". At 4096 tokens, KLD vs f16: --bits 3.5 0.0123 -> 0.0102 (SmolLM2), 0.0079 -> 0.0059 "
+                        "(Qwen2.5-Coder-1.5B); --bits 3 0.0279 -> 0.0204, 0.0126 -> 0.0092; --bits 2.5 0.0686 -> 0.0404, "
+                        "0.0341 -> 0.0214; CPU decode ~0.7x")
     g.add_argument("--kv-bits-weights", choices=("window", "uniform"), default="window",
                    help="with --kv-bits and a --prerope-k window: which errors the budget counts. window (default): "
                         "only those of reads the file's window and sinks leave quantized (the backward pass takes "
