@@ -39,7 +39,7 @@ K2_BELOW = 2.625
 VALUE_LADDER = ("nuq2o", "nuq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
 
 
-# with --cpu-types, below 3 bits: the trellis-coded values (CPU kernels only) in place of nuq's at the same bits
+# with --cpu-types, below 3 bits: the trellis-coded values (CPU kernels only) in place of nuq's
 # (--kv-bits 3.0 at 4096 tokens: SmolLM2 0.0279 -> 0.0226, Qwen2.5-Coder-1.5B 0.0126 -> 0.0116; 2.5 bits 0.0686 ->
 # 0.0618, 0.0341 -> 0.0307; docs/RESULTS-BY-DATE.md 2026-12-01)
 CPU_VALUE_TYPES = {"nuq2_64": "tcq2_64", "nuq3_64": "tcq3_64"}
@@ -47,7 +47,7 @@ CPU_VALUE_TYPES = {"nuq2_64": "tcq2_64", "nuq3_64": "tcq3_64"}
 # 0.25 cheaper than q42_64 / q32_64: --bits 3 --cpu-types at 4096 tokens 0.0108 -> 0.0092 KLD on Qwen2.5-Coder-1.5B,
 # 0.0221 -> 0.0204 on SmolLM2; 2.5 bits 0.0250 -> 0.0214, 0.0571 -> 0.0404; docs/RESULTS-BY-DATE.md, 2026-12-07 fifth
 # session)
-# and the keys' split types with trellis-coded halves at the same bits (q4t2_64: q42_64's 2-bit half; t32_64: both of
+# and the keys' split types with trellis-coded halves (q4t2_64: q42_64's 2-bit half; t32_64: both of
 # q32_64's halves; fake-quant keys at 4096 tokens 0.0049 -> 0.0039 and 0.0168 -> 0.0100, docs/RESULTS-BY-DATE.md)
 CPU_KEY_TYPES = {"q42_64": "q4t2_64", "q32_64": "t32_64"}
 # tcq3_128 / tcq2_128 (one f16 scale per head row of 128) stay out of the ladders: since the trellis types store their

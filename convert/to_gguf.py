@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         + ",".join(pipeline.layer_types.DEFAULT_LADDER))
     g.add_argument("--cpu-types", action="store_true",
                    help="for a file whose cache stays on the CPU: the default types of a budget and of the 3.5-bit "
-                        "preset take trellis-coded ones (CPU kernels only) at the same bits: values "
+                        "preset take trellis-coded ones (CPU kernels only) in place of the scalar ones: values "
                         + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_VALUE_TYPES.items())
                         + "; keys " + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_KEY_TYPES.items())
                         + " (their scales one byte each, so 0.125-0.25 bits/value cheaper)"
