@@ -113,10 +113,6 @@ int ggml_kvq_tcq_scale_bytes(enum ggml_type type) {
     return type == GGML_TYPE_TCQ3_128 || type == GGML_TYPE_TCQ2_128 ? 2 : 1;
 }
 
-static float tcq_scale_read(const uint8_t * d, int sb) {
-    return sb == 1 ? ggml_kvq_tcq_scale(d[0]) : ggml_kvq_f16_bytes(d);
-}
-
 // one block of n values under one scale, in runs of `run` (n itself, or 64 of a tcq*_128 block): scaled to unit RMS,
 // for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
 // and the tail-biting path goes through o, then the least-squares scale of the paths' levels
@@ -173,7 +169,7 @@ static void tcq_dequantize_block(const uint8_t * d, int sb, const uint8_t * qs, 
     ext[0] = qs[nbytes - 1];
     memcpy(ext + 1, qs, nbytes);
     ext[nbytes + 1] = 0;
-    const float dd = tcq_scale_read(d, sb);
+    const float dd = ggml_kvq_tcq_scale_read(d, sb);
     for (int j = 0; j < n; ++j) {
         const int p = k*j + k;              // the window [kj + k - 8, kj + k) of the stream is ext's [p, p + 8)
         const int s = ((ext[p/8] | (ext[p/8 + 1] << 8)) >> (p % 8)) & 0xFF;

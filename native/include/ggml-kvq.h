@@ -249,7 +249,7 @@ typedef struct {
 
 GGML_KVQ_STATIC_ASSERT(sizeof(block_q32_64) == 24, "block_q32_64 size");
 
-// q4t2_64: q42_64 with its 2-bit half trellis-coded, 3.5 bits/value: the first 32 values as q42_64's (q4_0's levels,
+// q4t2_64: q42_64 with its 2-bit half trellis-coded, 3.375 bits/value: the first 32 values as q42_64's (q4_0's levels,
 // a least-squares scale), the last 32 as one tail-biting block of tcq2_64's rule and tables over 32 values (value j's
 // state is the 8-bit window of the half's 64-bit stream ending at its bits). Keys split by importance: SmolLM2's at
 // 4096 tokens 0.0039 KLD against q42_64's 0.0049 in the fake-quant study (docs/RESULTS-BY-DATE.md, 2026-12-01).
@@ -264,7 +264,7 @@ typedef struct {
 
 GGML_KVQ_STATIC_ASSERT(sizeof(block_q4t2_64) == 27, "block_q4t2_64 size");
 
-// t32_64: q32_64's split with both halves trellis-coded, 3.0 bits/value: the first 32 values one tail-biting block of
+// t32_64: q32_64's split with both halves trellis-coded, 2.75 bits/value: the first 32 values one tail-biting block of
 // tcq3_64's rule and tables over 32 values, the last 32 one of tcq2_64's (as q4t2_64's second half). SmolLM2's keys
 // at 4096 tokens: 0.0100 KLD against q32_64's 0.0168 in the fake-quant study (docs/RESULTS-BY-DATE.md, 2026-12-01).
 #define QK_T32 64
@@ -668,6 +668,11 @@ GGML_KVQ_HD float ggml_kvq_tcq_scale(uint8_t c) {
     const int e = (int) c - GGML_KVQ_TCQ_SCALE_BIAS;
     union { uint32_t u; float f; } v = { m[e & 7] + (uint32_t) ((e >> 3) * (1 << 23)) };
     return c == 0 ? 0.0f : v.f;
+}
+
+// a TCQ block's scale at d: its code (sb = 1) or f16 (sb = 2, tcq*_128), sb from ggml_kvq_tcq_scale_bytes
+static inline float ggml_kvq_tcq_scale_read(const uint8_t * d, int sb) {
+    return sb == 1 ? ggml_kvq_tcq_scale(d[0]) : ggml_kvq_f16_bytes(d);
 }
 
 // Entries for ggml.c's type_traits table (the type registration seam), one per row of ggml-kvq-types.h.

@@ -1,6 +1,6 @@
 """Trellis-coded quantization (tcq3_64, tcq2_64; tcq3_128, tcq2_128): the reference rule.
 
-A block of 64 values stores an f16 scale d and k bits per value (k = 3, 2) as a little-endian bit stream, value j's
+A block of 64 values stores a scale d (a one-byte code, below) and k bits per value (k = 3, 2) as a little-endian bit stream, value j's
 bits at [kj, kj + k). Value j reads the 8-bit window of the stream that ends with its own bits, [kj + k - 8, kj + k)
 taken around the block (tail-biting), as its state s (0..255), and is d * (A[s >> 4] + B[s & 15]) / 4096.
 

@@ -235,8 +235,7 @@ static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * 
     tcq_shuffle_tables(type, tab);
     for (int64_t i = 0; i < k/qk; ++i) {
         const uint8_t * b = x + i*bs;
-        const float d = sb == 1 ? ggml_kvq_tcq_scale(b[0]) : ggml_kvq_f16_bytes(b);
-        const __m256 d4096 = _mm256_set1_ps(d*(1.0f/4096));
+        const __m256 d4096 = _mm256_set1_ps(ggml_kvq_tcq_scale_read(b, sb)*(1.0f/4096));
         for (int r = 0; r < qk; r += QK_TCQ) {
             if (bits == 2) {
                 tcq2_values(b + sb + r*2/8, QK_TCQ, tab, d4096, y + i*qk + r);
