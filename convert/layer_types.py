@@ -50,6 +50,9 @@ CPU_VALUE_TYPES = {"nuq2_64": "tcq2_64", "nuq3_64": "tcq3_64"}
 # and the keys' split types with trellis-coded halves (q4t2_64: q42_64's 2-bit half; t32_64: both of
 # q32_64's halves; fake-quant keys at 4096 tokens 0.0049 -> 0.0039 and 0.0168 -> 0.0100, docs/RESULTS-BY-DATE.md)
 CPU_KEY_TYPES = {"q42_64": "q4t2_64", "q32_64": "t32_64"}
+# and between tcq2_64 and tcq3_64 the trellis with 3 and 2 bits by turns (2.625 bits/value; on Gaussian blocks 0.82x
+# the squared error of the two in equal parts)
+CPU_VALUE_MID = "tcq25_64"
 # tcq3_128 / tcq2_128 (one f16 scale per head row of 128) stay out of the ladders: since the trellis types store their
 # scale as one byte, tcq*_64 costs the same bits (2.125 / 3.125) without the 128-wide scale's ~9% on real value rows
 
@@ -59,7 +62,7 @@ def value_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:
     a file for the CPU may take types without CUDA kernels (measured below 3 bits only)."""
     if cache_bits is not None and cache_bits < Q32_BELOW:
         ladder = ("nuq2_64",) + VALUE_LADDER
-        return tuple(CPU_VALUE_TYPES.get(t, t) for t in ladder) if cpu_types else ladder
+        return ("tcq2_64", CPU_VALUE_MID) + tuple(CPU_VALUE_TYPES.get(t, t) for t in ladder[1:]) if cpu_types else ladder
     return VALUE_LADDER
 
 

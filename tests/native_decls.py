@@ -83,12 +83,14 @@ void quantize_row_tcq3_128_ref(const float * x, void * y, int64_t k);
 void quantize_row_tcq2_128_ref(const float * x, void * y, int64_t k);
 void dequantize_row_tcq3_128(const void * x, float * y, int64_t k);
 void dequantize_row_tcq2_128(const void * x, float * y, int64_t k);
+void quantize_row_tcq25_64_ref(const float * x, void * y, int64_t k);
+void dequantize_row_tcq25_64(const void * x, float * y, int64_t k);
 void quantize_row_q4t2_64_ref(const float * x, void * y, int64_t k);
 void dequantize_row_q4t2_64(const void * x, float * y, int64_t k);
 void quantize_row_t32_64_ref(const float * x, void * y, int64_t k);
 void dequantize_row_t32_64(const void * x, float * y, int64_t k);
-const int16_t * ggml_kvq_tcq_tables(int type);
-int ggml_kvq_tcq_bits(int type);
+const int16_t * ggml_kvq_tcq_tables(int type, int j);
+int ggml_kvq_tcq_bits(int type, int j);
 int ggml_kvq_tcq_block(int type);
 void quantize_row_q8_0_ref(const float * x, void * y, int64_t k);
 

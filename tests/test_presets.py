@@ -84,10 +84,11 @@ def test_help_shows_presets_first():
 def test_cpu_types_take_the_trellis_types(smollm2, tmp_path):
     """--cpu-types: below 3 bits/value in the cache the default V candidates take tcq2_64 / tcq3_64 in place of
     nuq2_64 / nuq3_64 (the ladder measured on 2026-12-01: `--bits 3 --cpu-types` on SmolLM2 wrote the same bytes as the
-    explicit ladder), the pre-RoPE K candidates q4t2_64 / t32_64 in place of q42_64 / q32_64 at any budget, and the
+    explicit ladder) and tcq25_64 between them, the pre-RoPE K candidates q4t2_64 / t32_64 in place of q42_64 / q32_64 at any budget, and the
     3.5-bit preset's pair is q4t2_64 / tcq3_64; it is refused where it would change nothing."""
     from convert import layer_types
-    assert layer_types.value_ladder(2.8, cpu_types=True) == ("tcq2_64", "nuq2o", "tcq3_64", "nuq3", "nuq3o", "nuq4", "q8_0")
+    assert layer_types.value_ladder(2.8, cpu_types=True) == ("tcq2_64", "tcq25_64", "nuq2o", "tcq3_64", "nuq3", "nuq3o",
+                                                             "nuq4", "q8_0")
     assert layer_types.value_ladder(2.8) == ("nuq2_64",) + layer_types.VALUE_LADDER
     assert layer_types.value_ladder(3.2, cpu_types=True) == layer_types.VALUE_LADDER
     assert layer_types.prerope_k_ladder(2.8, cpu_types=True) == ("nuq2o", "t32_64", "nuq3", "q4t2_64", "nuq3o", "nuq4",

@@ -1,4 +1,4 @@
-// tcq3_64 / tcq2_64 level tables (in 1/4096), in one place for the reference (tcq.c) and the CPU kernels
+// tcq3_64 / tcq2_64 / tcq25_64 level tables (in 1/4096), in one place for the reference (tcq.c) and the CPU kernels
 // (cpu/tcq-cpu.c): trained by scripts/tcq_tables.py on Gaussian blocks, each scaled to unit RMS as the encoder
 // scales them, alternating the Viterbi paths with a least-squares fit of A and B. A value's level is
 // A[s >> 4] + B[s & 15]: two lookups of 16, which SIMD decoders take with byte shuffles of the levels' low and
@@ -15,6 +15,16 @@
                   X( 5043) X(  962) X(  305) X( -113) X(-3288) X(-2157) X(  220) X( 2979)
 #define TCQ2_B(X) X(  933) X( 2483) X(-2738) X(-5195) X( 4052) X(-1380) X(-1332) X( 1487) \
                   X( -991) X( 4290) X( 1273) X(-3988) X(  345) X( -368) X( 4341) X(-3213)
+
+// tcq25_64: its even values' (3-bit steps) tables, then its odd values' (2-bit steps), trained together
+#define TCQ25_A3(X) X( 3196) X(-5611) X( 1048) X(-2035) X( -788) X( 1185) X(-5480) X( 5265) \
+                    X( 6343) X(  242) X(  901) X( 3265) X(-3876) X(-2032) X(-1886) X( 1664)
+#define TCQ25_B3(X) X( -111) X( 2888) X(-2664) X(-5549) X( 3494) X( -609) X(-3367) X( 1462) \
+                    X(-1338) X( 5302) X( 1151) X(-1839) X( -698) X( 1522) X( 3740) X(-3384)
+#define TCQ25_A2(X) X(-5669) X( 1310) X( 3975) X(  -84) X( 2907) X( 2140) X(  659) X( 4370) \
+                    X(  173) X(-2328) X(-2159) X( 2346) X(-1466) X( 6215) X(-4335) X(-2033)
+#define TCQ25_B2(X) X( -525) X( 1093) X(-4629) X( 4090) X( 5911) X(  700) X(-1778) X( 2765) \
+                    X(-4014) X( 2552) X(  573) X(-2219) X(-5629) X(  -49) X(-1808) X( 2967)
 
 #define TCQ_LEVEL(v) (int16_t) (v),
 #define TCQ_LO(v)    (uint8_t) ((uint16_t) (int16_t) (v) & 0xFF),

@@ -1,5 +1,5 @@
-// tcq3_64 / tcq2_64 (and tcq3_128 / tcq2_128: two runs under one scale): trellis-coded quantization (ggml-kvq.h has
-// the format): the reference quantizer and dequantizer (ggml-base). The rule is pykvq/ref/tcq.py's; the tests hold
+// tcq3_64 / tcq2_64 (and tcq3_128 / tcq2_128: two runs under one scale; tcq25_64: 3 and 2 bits by turns):
+// trellis-coded quantization (ggml-kvq.h has the format): the reference quantizer and dequantizer (ggml-base). The rule is pykvq/ref/tcq.py's; the tests hold
 // this file to it bit for bit, so every product is rounded before it is added (no fused multiply-add) and sums run in
 // double, in order.
 #if defined(__clang__)
@@ -20,40 +20,68 @@
 // The tables (tcq-tables.h)
 static const int16_t tcq3_tables[32] = { TCQ3_A(TCQ_LEVEL) TCQ3_B(TCQ_LEVEL) };
 static const int16_t tcq2_tables[32] = { TCQ2_A(TCQ_LEVEL) TCQ2_B(TCQ_LEVEL) };
+static const int16_t tcq25_tables[64] = { TCQ25_A3(TCQ_LEVEL) TCQ25_B3(TCQ_LEVEL) TCQ25_A2(TCQ_LEVEL) TCQ25_B2(TCQ_LEVEL) };
 
-const int16_t * ggml_kvq_tcq_tables(enum ggml_type type) {
+const int16_t * ggml_kvq_tcq_tables(enum ggml_type type, int j) {
     switch (type) {
         case GGML_TYPE_TCQ3_64: case GGML_TYPE_TCQ3_128: return tcq3_tables;
         case GGML_TYPE_TCQ2_64: case GGML_TYPE_TCQ2_128: return tcq2_tables;
+        case GGML_TYPE_TCQ25_64: return tcq25_tables + 32*(j & 1);
         default:                return NULL;
     }
 }
 
-int ggml_kvq_tcq_bits(enum ggml_type type) {
+int ggml_kvq_tcq_bits(enum ggml_type type, int j) {
     switch (type) {
         case GGML_TYPE_TCQ3_64: case GGML_TYPE_TCQ3_128: return 3;
         case GGML_TYPE_TCQ2_64: case GGML_TYPE_TCQ2_128: return 2;
+        case GGML_TYPE_TCQ25_64: return (j & 1) ? 2 : 3;
         default:                return 0;
     }
+}
+
+// a run's stream: even values take k[0] bits, odd ones k[1] (equal but for tcq25_64); t[p], lut + 256*p: the
+// tables and levels of parity p
+typedef struct {
+    int k[2];
+    const int16_t * t[2];
+} tcq_code;
+
+static tcq_code tcq_code_of(enum ggml_type type) {
+    const tcq_code c = { { ggml_kvq_tcq_bits(type, 0), ggml_kvq_tcq_bits(type, 1) },
+                         { ggml_kvq_tcq_tables(type, 0), ggml_kvq_tcq_tables(type, 1) } };
+    return c;
+}
+
+// value j's first bit in its run's stream, and the stream's bytes for n values
+static inline int tcq_pos(const int k[2], int j) {
+    return (j/2)*(k[0] + k[1]) + (j & 1)*k[0];
+}
+
+static inline int tcq_stream_bytes(const int k[2], int n) {
+    return n/2*(k[0] + k[1])/8;
 }
 
 static inline float tcq_level(const int16_t * t, int s) {
     return (float) (t[s >> 4] + t[16 + (s & 15)]) * (1.0f/4096);
 }
 
-// The least-squared-error path for z[0..n) (n <= 64) read from index rot on (around the block), k bits per step:
-// state_j = (b_j << (8 - k)) | (state_{j-1} >> k). o >= 0: the path must start in a state whose low 8 - k bits
-// are o and end in one whose high 8 - k bits are o (tail-biting); o < 0: any start and end. Ties: the first.
+// The least-squared-error path for z[0..n) (n <= 64, even) read from index rot (even) on, around the block; step
+// i takes k = kk[i & 1] bits and the levels lut + 256*(i & 1): state_i = (b_i << (8 - k)) | (state_{i-1} >> k).
+// o >= 0: the path must start in a state whose low 8 - kk[0] bits are o and end in one whose high 8 - kk[0] bits are
+// o (tail-biting); o < 0: any start and end. Ties: the first.
 // (ggml_kvq_tcq_viterbi_t: the CPU's SIMD search returns the same states.)
-static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st) {
-    const int K = 1 << k, ml = (1 << (8 - k)) - 1;
+static void tcq_viterbi(const float * z, int n, const int kk[2], const float * lut, int o, int rot, uint8_t * st) {
+    const int k0 = kk[0], ml0 = (1 << (8 - k0)) - 1;
     float cost[TCQ_STATES], minc[TCQ_STATES];
     uint8_t bp[QK_TCQ][TCQ_STATES/4];   // per step, each predecessor group's best member (2^(8-k) <= 64 groups; state s reads group s & ml)
     for (int s = 0; s < TCQ_STATES; ++s) {
         const float e = z[rot % n] - lut[s];
-        cost[s] = (o < 0 || (s & ml) == o) ? e*e : INFINITY;
+        cost[s] = (o < 0 || (s & ml0) == o) ? e*e : INFINITY;
     }
     for (int i = 1; i < n; ++i) {
+        const int k = kk[i & 1], K = 1 << k, ml = (1 << (8 - k)) - 1;
+        const float * li = lut + TCQ_STATES*(i & 1);
         for (int m = 0; m <= ml; ++m) {     // a state's predecessors are the K states m*K .. m*K + K - 1
             float b = cost[m*K];
             int bj = 0;
@@ -68,7 +96,7 @@ static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o,
         }
         const float zi = z[(i + rot) % n];
         for (int s = 0; s < TCQ_STATES; ++s) {
-            const float e = zi - lut[s];
+            const float e = zi - li[s];
             const float e2 = e*e;
             cost[s] = minc[s & ml] + e2;
         }
@@ -76,14 +104,15 @@ static void tcq_viterbi(const float * z, int n, int k, const float * lut, int o,
     int s = -1;
     float b = INFINITY;
     for (int q = 0; q < TCQ_STATES; ++q) {
-        if ((o < 0 || (q >> k) == o) && (s < 0 || cost[q] < b)) {
+        if ((o < 0 || (q >> k0) == o) && (s < 0 || cost[q] < b)) {
             b = cost[q];
             s = q;
         }
     }
     st[n - 1] = (uint8_t) s;
     for (int i = n - 1; i > 0; --i) {
-        s = ((s << k) & 0xFF) | bp[i][s & ml];
+        const int k = kk[i & 1];
+        s = ((s << k) & 0xFF) | bp[i][s & ((1 << (8 - k)) - 1)];
         st[i - 1] = (uint8_t) s;
     }
 }
@@ -117,7 +146,7 @@ int ggml_kvq_tcq_scale_bytes(enum ggml_type type) {
 // for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
 // and the tail-biting path goes through o, then the least-squares scale of the paths' levels
 // (stored as its code when sb is 1, as f16 when 2)
-static void tcq_quantize_block(const float * x, int n, int run, int k, const int16_t * t, const float * lut,
+static void tcq_quantize_block(const float * x, int n, int run, const tcq_code * c, const float * lut,
                                int sb, uint8_t * d_out, uint8_t * qs, ggml_kvq_tcq_viterbi_t viterbi) {
     float v[QK_TCQ128], z[QK_TCQ128];
     double r2 = 0.0;
@@ -125,7 +154,7 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
         v[j] = isnan(x[j]) ? 0.0f : fmaxf(-FLT_MAX, fminf(FLT_MAX, x[j]));
         r2 += (double) v[j]*(double) v[j];
     }
-    memset(qs, 0, n*k/8);
+    memset(qs, 0, n/run*tcq_stream_bytes(c->k, run));
     if (!(r2 > 0.0)) {
         memset(d_out, 0, (size_t) sb);
         return;
@@ -136,12 +165,12 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
     }
     uint8_t st[QK_TCQ128];
     for (int r = 0; r < n; r += run) {
-        viterbi(z + r, run, k, lut, -1, run/2, st + r);
-        viterbi(z + r, run, k, lut, st[r + run/2 - 1] >> k, 0, st + r);
+        viterbi(z + r, run, c->k, lut, -1, run/2, st + r);
+        viterbi(z + r, run, c->k, lut, st[r + run/2 - 1] >> c->k[0], 0, st + r);
     }
     double xy = 0.0, yy = 0.0;
     for (int j = 0; j < n; ++j) {
-        const float y = tcq_level(t, st[j]);
+        const float y = tcq_level(c->t[j & 1], st[j]);
         xy += (double) v[j]*(double) y;
         yy += (double) y*(double) y;
     }
@@ -153,8 +182,9 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
         d_out[0] = (uint8_t) h;
         d_out[1] = (uint8_t) (h >> 8);
     }
+    const int rb = tcq_stream_bytes(c->k, run);
     for (int j = 0; j < n; ++j) {
-        const int b = st[j] >> (8 - k), p = k*j;
+        const int k = c->k[j & 1], b = st[j] >> (8 - k), p = 8*rb*(j/run) + tcq_pos(c->k, j % run);
         qs[p/8] |= (uint8_t) (b << (p % 8));
         if (p % 8 + k > 8) {
             qs[p/8 + 1] |= (uint8_t) (b >> (8 - p % 8));
@@ -163,23 +193,26 @@ static void tcq_quantize_block(const float * x, int n, int run, int k, const int
 }
 
 // one run of n values of a block whose scale is d
-static void tcq_dequantize_block(const uint8_t * d, int sb, const uint8_t * qs, int n, int k, const int16_t * t, float * y) {
-    const int nbytes = n*k/8;
+static void tcq_dequantize_block(const uint8_t * d, int sb, const uint8_t * qs, int n, const tcq_code * c, float * y) {
+    const int nbytes = tcq_stream_bytes(c->k, n);
     uint8_t ext[QK_TCQ*3/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
     ext[0] = qs[nbytes - 1];
     memcpy(ext + 1, qs, nbytes);
     ext[nbytes + 1] = 0;
     const float dd = ggml_kvq_tcq_scale_read(d, sb);
     for (int j = 0; j < n; ++j) {
-        const int p = k*j + k;              // the window [kj + k - 8, kj + k) of the stream is ext's [p, p + 8)
+        const int p = tcq_pos(c->k, j) + c->k[j & 1];   // the window [p_j + k_j - 8, p_j + k_j) of the stream is ext's [p, p + 8)
         const int s = ((ext[p/8] | (ext[p/8 + 1] << 8)) >> (p % 8)) & 0xFF;
-        y[j] = dd*tcq_level(t, s);
+        y[j] = dd*tcq_level(c->t[j & 1], s);
     }
 }
 
-static void tcq_lut(const int16_t * t, float * lut) {
-    for (int s = 0; s < TCQ_STATES; ++s) {
-        lut[s] = tcq_level(t, s);
+// the levels of both parities, lut[256*p + s]
+static void tcq_lut(const tcq_code * c, float * lut) {
+    for (int p = 0; p < 2; ++p) {
+        for (int s = 0; s < TCQ_STATES; ++s) {
+            lut[TCQ_STATES*p + s] = tcq_level(c->t[p], s);
+        }
     }
 }
 
@@ -189,28 +222,26 @@ int ggml_kvq_tcq_block(enum ggml_type type) {
 
 void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
                                     ggml_kvq_tcq_viterbi_t viterbi) {
-    const int k = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
-    const int16_t * t = ggml_kvq_tcq_tables(type);
-    const int sb = ggml_kvq_tcq_scale_bytes(type);
-    const size_t bs = sb + qk*k/8;
-    float lut[TCQ_STATES];
-    tcq_lut(t, lut);
+    const tcq_code c = tcq_code_of(type);
+    const int qk = ggml_kvq_tcq_block(type), sb = ggml_kvq_tcq_scale_bytes(type);
+    const size_t bs = sb + qk/QK_TCQ*tcq_stream_bytes(c.k, QK_TCQ);
+    float lut[2*TCQ_STATES];
+    tcq_lut(&c, lut);
     for (int64_t i = 0; i < n/qk; ++i) {
         uint8_t * b = (uint8_t *) y + i*bs;
-        tcq_quantize_block(x + i*qk, qk, QK_TCQ, k, t, lut, sb, b, b + sb, viterbi);
+        tcq_quantize_block(x + i*qk, qk, QK_TCQ, &c, lut, sb, b, b + sb, viterbi);
     }
 }
 
 // a row of a TCQ type's blocks: each run of 64 read with its block's scale
 static void tcq_dequantize_row(enum ggml_type type, const void * x, float * y, int64_t n) {
-    const int k = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
-    const int16_t * t = ggml_kvq_tcq_tables(type);
-    const int sb = ggml_kvq_tcq_scale_bytes(type);
-    const size_t bs = sb + qk*k/8;
+    const tcq_code c = tcq_code_of(type);
+    const int qk = ggml_kvq_tcq_block(type), sb = ggml_kvq_tcq_scale_bytes(type), rb = tcq_stream_bytes(c.k, QK_TCQ);
+    const size_t bs = sb + qk/QK_TCQ*rb;
     for (int64_t i = 0; i < n/qk; ++i) {
         const uint8_t * b = (const uint8_t *) x + i*bs;
         for (int r = 0; r < qk; r += QK_TCQ) {
-            tcq_dequantize_block(b, sb, b + sb + r*k/8, QK_TCQ, k, t, y + i*qk + r);
+            tcq_dequantize_block(b, sb, b + sb + r/QK_TCQ*rb, QK_TCQ, &c, y + i*qk + r);
         }
     }
 }
@@ -247,21 +278,31 @@ void dequantize_row_tcq2_64(const block_tcq2_64 * x, float * y, int64_t k) {
     tcq_dequantize_row(GGML_TYPE_TCQ2_64, x, y, k);
 }
 
+void quantize_row_tcq25_64_ref(const float * x, block_tcq25_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ25_64, x, y, k, tcq_viterbi);
+}
+
+void dequantize_row_tcq25_64(const block_tcq25_64 * x, float * y, int64_t k) {
+    tcq_dequantize_row(GGML_TYPE_TCQ25_64, x, y, k);
+}
+
 // a trellis-coded run of n values inside another type's block (the halves of q4t2_64 and t32_64): the rule and tables
 // of the TCQ type tt
 void ggml_kvq_tcq_quantize_run(enum ggml_type tt, const float * x, int n, uint8_t * d, uint8_t * qs,
                                ggml_kvq_tcq_viterbi_t viterbi) {
-    const int16_t * t = ggml_kvq_tcq_tables(tt);
-    float lut[TCQ_STATES];
-    tcq_lut(t, lut);
-    tcq_quantize_block(x, n, n, ggml_kvq_tcq_bits(tt), t, lut, 1, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
+    const tcq_code c = tcq_code_of(tt);
+    float lut[2*TCQ_STATES];
+    tcq_lut(&c, lut);
+    tcq_quantize_block(x, n, n, &c, lut, 1, d, qs, viterbi != NULL ? viterbi : tcq_viterbi);
 }
 
 void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t * d, const uint8_t * qs, int n, float * y) {
-    tcq_dequantize_block(d, 1, qs, n, ggml_kvq_tcq_bits(tt), ggml_kvq_tcq_tables(tt), y);
+    const tcq_code c = tcq_code_of(tt);
+    tcq_dequantize_block(d, 1, qs, n, &c, y);
 }
 
 bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {
     const int sb = ggml_kvq_tcq_scale_bytes(type);
-    return sb == 1 || ggml_kvq_validate_f16_scales(data, nbytes, sb + ggml_kvq_tcq_block(type)*ggml_kvq_tcq_bits(type)/8, 1);
+    const tcq_code c = tcq_code_of(type);
+    return sb == 1 || ggml_kvq_validate_f16_scales(data, nbytes, sb + ggml_kvq_tcq_block(type)/QK_TCQ*tcq_stream_bytes(c.k, QK_TCQ), 1);
 }

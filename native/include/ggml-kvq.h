@@ -185,6 +185,17 @@ typedef struct {
 GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq3_64) == 25, "block_tcq3_64 size");
 GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq2_64) == 17, "block_tcq2_64 size");
 
+// tcq25_64: one trellis whose even values take 3 bits and odd values 2 (value j's bits start at 5(j/2) + 3(j%2) of a
+// 160-bit stream; its state is still the 8-bit window ending with its bits, its level from its parity's own two
+// tables). A trellis between tcq2_64 and tcq3_64 in bits, not a mix of them: on unit Gaussian blocks 0.045 squared
+// error, where tcq2_64 and tcq3_64 in equal parts (the same bits) give 0.052.
+typedef struct {
+    uint8_t d;                // scale code (ggml_kvq_tcq_scale)
+    uint8_t qs[QK_TCQ*5/16];  // the stream: 3 + 2 bits per pair of values
+} block_tcq25_64;             // 21 bytes per 64 values: 2.625 bits/value
+
+GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq25_64) == 21, "block_tcq25_64 size");
+
 // tcq3_128 / tcq2_128: a head row of 128 as two runs of 64, each a tail-biting path and stream of tcq3_64's / tcq2_64's
 // rule and tables, under one f16 scale (the unit-RMS factor and the least-squares scale taken over all 128). A 128-wide
 // Hadamard spreads the row evenly, so the second scale buys little: 0.125 bits/value less for ~2-3% more squared
@@ -540,14 +551,18 @@ GGML_API void quantize_row_tcq3_128_ref(const float * x, block_tcq3_128 * y, int
 GGML_API void quantize_row_tcq2_128_ref(const float * x, block_tcq2_128 * y, int64_t k);
 GGML_API void dequantize_row_tcq3_128(const block_tcq3_128 * x, float * y, int64_t k);
 GGML_API void dequantize_row_tcq2_128(const block_tcq2_128 * x, float * y, int64_t k);
-// a TCQ type's tables: A[16] then B[16], in 1/4096 (NULL for other types); its bits per value k (0 for other types)
-GGML_API const int16_t * ggml_kvq_tcq_tables(enum ggml_type type);
-GGML_API int ggml_kvq_tcq_bits(enum ggml_type type);
+GGML_API void quantize_row_tcq25_64_ref(const float * x, block_tcq25_64 * y, int64_t k);
+GGML_API void dequantize_row_tcq25_64(const block_tcq25_64 * x, float * y, int64_t k);
+// a TCQ type's tables for value j of a run: A[16] then B[16], in 1/4096 (NULL for other types); its bits k_j (0 for
+// other types). Only tcq25_64's depend on j (its parity).
+GGML_API const int16_t * ggml_kvq_tcq_tables(enum ggml_type type, int j);
+GGML_API int ggml_kvq_tcq_bits(enum ggml_type type, int j);
 // values per block under one scale, the type table's qk (64; 128 for tcq3_128 / tcq2_128, two runs of 64)
 GGML_API int ggml_kvq_tcq_block(enum ggml_type type);
-// the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[n] (n <= 64) at unit
-// RMS, read from index rot on; o >= 0 the tail-biting overlap, o < 0 a free path; st: the n states (native/ggml/tcq.c)
-typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st);
+// the rows of a TCQ type with another implementation of the path search (the CPU's SIMD one): z[n] (n <= 64, even) at
+// unit RMS, read from index rot (even) on; step i takes k[i & 1] bits and the levels lut[256*(i & 1) ..]; o >= 0 the
+// tail-biting overlap, o < 0 a free path; st: the n states (native/ggml/tcq.c)
+typedef void (*ggml_kvq_tcq_viterbi_t)(const float * z, int n, const int k[2], const float * lut, int o, int rot, uint8_t * st);
 GGML_API void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void * y, int64_t n,
                                             ggml_kvq_tcq_viterbi_t viterbi);
 // n values (n <= 64, n*k a multiple of 8) as one tail-biting block of the TCQ type tt's rule and tables (k its bits):

@@ -13,6 +13,7 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
                                        : type == GGML_TYPE_T32_64  ? dequantize_row_t32_64_cpu : dequantize_row_q32_64_cpu;
         case GGML_KVQ_FAMILY_TCQ: return type == GGML_TYPE_TCQ3_64  ? dequantize_row_tcq3_64_cpu
                                        : type == GGML_TYPE_TCQ2_64  ? dequantize_row_tcq2_64_cpu
+                                       : type == GGML_TYPE_TCQ25_64 ? dequantize_row_tcq25_64_cpu
                                        : type == GGML_TYPE_TCQ3_128 ? dequantize_row_tcq3_128_cpu : dequantize_row_tcq2_128_cpu;
         default:                  return NULL;
     }

@@ -29,8 +29,8 @@ GGML_KVQ_STATIC_ASSERT(sizeof(tcq_q8_0) == 34, "block_q8_0 size");
 // operations in the same order, so the same states. A state's predecessors are K = 2^k consecutive states; their
 // least cost is taken by transposing K vectors of them so that each lane holds one group and comparing in order
 // (strictly less: the first of equals). The new costs read those minima in order (state s takes group s & ml).
-static void tcq_viterbi_avx2(const float * z, int n, int k, const float * lut, int o, int rot, uint8_t * st) {
-    const int ml = (1 << (8 - k)) - 1, ng = ml + 1;
+static void tcq_viterbi_avx2(const float * z, int n, const int kk[2], const float * lut, int o, int rot, uint8_t * st) {
+    const int k0 = kk[0], ml0 = (1 << (8 - k0)) - 1;
     float cost[256] __attribute__((aligned(32)));
     float minc[64] __attribute__((aligned(32)));
     int32_t arg[64] __attribute__((aligned(32)));
@@ -44,7 +44,7 @@ static void tcq_viterbi_avx2(const float * z, int n, int k, const float * lut, i
             __m256 c = _mm256_mul_ps(e, e);
             if (o >= 0) {
                 const __m256i sv = _mm256_add_epi32(_mm256_set1_epi32(v), iota);
-                const __m256i ok = _mm256_cmpeq_epi32(_mm256_and_si256(sv, _mm256_set1_epi32(ml)), _mm256_set1_epi32(o));
+                const __m256i ok = _mm256_cmpeq_epi32(_mm256_and_si256(sv, _mm256_set1_epi32(ml0)), _mm256_set1_epi32(o));
                 c = _mm256_blendv_ps(inf, c, _mm256_castsi256_ps(ok));
             }
             _mm256_store_ps(cost + v, c);
@@ -52,6 +52,8 @@ static void tcq_viterbi_avx2(const float * z, int n, int k, const float * lut, i
     }
     const __m256i perm4 = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int i = 1; i < n; ++i) {
+        const int k = kk[i & 1], ml = (1 << (8 - k)) - 1, ng = ml + 1;
+        const float * li = lut + 256*(i & 1);
         if (k == 2) {              // groups of 4: eight per 32 costs, a 4 x 4 transpose in each 128-bit lane
             for (int g = 0; g < 8; ++g) {
                 const float * c = cost + 32*g;
@@ -109,21 +111,22 @@ static void tcq_viterbi_avx2(const float * z, int n, int k, const float * lut, i
         }
         const __m256 zi = _mm256_set1_ps(z[(i + rot) % n]);
         for (int v = 0; v < 256; v += 8) {
-            const __m256 e = _mm256_sub_ps(zi, _mm256_loadu_ps(lut + v));
+            const __m256 e = _mm256_sub_ps(zi, _mm256_loadu_ps(li + v));
             _mm256_store_ps(cost + v, _mm256_add_ps(_mm256_load_ps(minc + (v & ml)), _mm256_mul_ps(e, e)));
         }
     }
     int s = -1;
     float b = INFINITY;
     for (int q = 0; q < 256; ++q) {
-        if ((o < 0 || (q >> k) == o) && (s < 0 || cost[q] < b)) {
+        if ((o < 0 || (q >> k0) == o) && (s < 0 || cost[q] < b)) {
             b = cost[q];
             s = q;
         }
     }
     st[n - 1] = (uint8_t) s;
     for (int i = n - 1; i > 0; --i) {
-        s = ((s << k) & 0xFF) | bp[i][s & ml];
+        const int k = kk[i & 1];
+        s = ((s << k) & 0xFF) | bp[i][s & ((1 << (8 - k)) - 1)];
         st[i - 1] = (uint8_t) s;
     }
 }
@@ -214,11 +217,40 @@ static inline void tcq3_values(const uint8_t * qs, int n, const __m128i tab[4], 
     }
 }
 
-// A's and B's low and high bytes, as shuffle tables (constants: the FA loop reads a row at a time)
-static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
+// tcq25_64's 64 values, sixteen at a time as tcq3_values does: value 16g + r's window starts at bit 40g + e_r of e =
+// (the stream's last byte, the stream), e_r = 3, 5, 8, 10, ... (5 bits a pair of values); each group reads bytes 5g ..
+// 5g + 5 of e. Even values read the 3-bit steps' tables, odd ones the 2-bit steps' (a byte blend of both lookups).
+static inline void tcq25_values(const uint8_t * qs, const __m128i tab3[4], const __m128i tab2[4], __m256 d4096, float * y) {
+    const __m256i idx = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3,
+                                         2, 3, 3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6);
+    const __m256i mul = _mm256_setr_epi16(32, 8, 256, 64, 8, 2, 64, 16, 2, 128, 16, 4, 128, 32, 4, 256);
+    const __m128i odd = _mm_set1_epi16((short) 0xFF00);   // byte lanes 1, 3, ... of the 16 states
+    for (int g = 0; g < 4; ++g) {
+        const __m128i e = g == 0 ? _mm_or_si128(_mm_slli_epi64(_mm_loadl_epi64((const __m128i *) qs), 8), _mm_cvtsi32_si128(qs[19]))
+                                 : _mm_srli_epi64(_mm_loadl_epi64((const __m128i *) (qs + 5*g - 3)), 16);
+        const __m256i w = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(e), idx), mul), 8);
+        const __m128i st = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(st, 4), m4), lo = _mm_and_si128(st, m4);
+        __m128i t[4];
+        for (int i = 0; i < 4; ++i) {
+            t[i] = _mm_blendv_epi8(_mm_shuffle_epi8(tab3[i], i < 2 ? hi : lo), _mm_shuffle_epi8(tab2[i], i < 2 ? hi : lo), odd);
+        }
+        const __m128i l0 = _mm_add_epi16(_mm_unpacklo_epi8(t[0], t[1]), _mm_unpacklo_epi8(t[2], t[3]));
+        const __m128i l1 = _mm_add_epi16(_mm_unpackhi_epi8(t[0], t[1]), _mm_unpackhi_epi8(t[2], t[3]));
+        _mm256_storeu_ps(y + 16*g,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l0)), d4096));
+        _mm256_storeu_ps(y + 16*g + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), d4096));
+    }
+}
+
+// A's and B's low and high bytes, as shuffle tables (constants: the FA loop reads a row at a time), for value j of a
+// run (tcq25_64's depend on its parity)
+static inline void tcq_shuffle_tables(enum ggml_type type, int j, __m128i tab[4]) {
     static const uint8_t b3[4][16] = { { TCQ3_A(TCQ_LO) }, { TCQ3_A(TCQ_HI) }, { TCQ3_B(TCQ_LO) }, { TCQ3_B(TCQ_HI) } };
     static const uint8_t b2[4][16] = { { TCQ2_A(TCQ_LO) }, { TCQ2_A(TCQ_HI) }, { TCQ2_B(TCQ_LO) }, { TCQ2_B(TCQ_HI) } };
-    const uint8_t (*b)[16] = ggml_kvq_tcq_bits(type) == 3 ? b3 : b2;
+    static const uint8_t b25[2][4][16] = { { { TCQ25_A3(TCQ_LO) }, { TCQ25_A3(TCQ_HI) }, { TCQ25_B3(TCQ_LO) }, { TCQ25_B3(TCQ_HI) } },
+                                           { { TCQ25_A2(TCQ_LO) }, { TCQ25_A2(TCQ_HI) }, { TCQ25_B2(TCQ_LO) }, { TCQ25_B2(TCQ_HI) } } };
+    const uint8_t (*b)[16] = type == GGML_TYPE_TCQ25_64 ? b25[j & 1] : ggml_kvq_tcq_bits(type, j) == 3 ? b3 : b2;
     for (int i = 0; i < 4; ++i) {
         tab[i] = _mm_loadu_si128((const __m128i *) b[i]);
     }
@@ -228,16 +260,19 @@ static inline void tcq_shuffle_tables(enum ggml_type type, __m128i tab[4]) {
 #if defined(__AVX2__)
 // rows of blocks of (scale bytes) + qk*bits/8 bytes: each run of 64's states, then its levels with the block's scale
 static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * y, int64_t k) {
-    const int bits = ggml_kvq_tcq_bits(type), qk = ggml_kvq_tcq_block(type);
+    const int bits = ggml_kvq_tcq_bits(type, 0) + ggml_kvq_tcq_bits(type, 1), qk = ggml_kvq_tcq_block(type);
     const int sb = ggml_kvq_tcq_scale_bytes(type);
-    const size_t bs = sb + qk*bits/8;
-    __m128i tab[4];
-    tcq_shuffle_tables(type, tab);
+    const size_t bs = sb + qk*bits/16;
+    __m128i tab[4], tab_odd[4];
+    tcq_shuffle_tables(type, 0, tab);
+    tcq_shuffle_tables(type, 1, tab_odd);
     for (int64_t i = 0; i < k/qk; ++i) {
         const uint8_t * b = x + i*bs;
         const __m256 d4096 = _mm256_set1_ps(ggml_kvq_tcq_scale_read(b, sb)*(1.0f/4096));
         for (int r = 0; r < qk; r += QK_TCQ) {
-            if (bits == 2) {
+            if (bits == 5) {
+                tcq25_values(b + sb, tab, tab_odd, d4096, y + i*qk);
+            } else if (bits == 4) {
                 tcq2_values(b + sb + r*2/8, QK_TCQ, tab, d4096, y + i*qk + r);
             } else {
                 tcq3_values(b + sb + r*3/8, QK_TCQ, tab, d4096, y + i*qk + r);
@@ -308,6 +343,28 @@ void dequantize_row_tcq2_128_cpu(const void * GGML_RESTRICT x, float * GGML_REST
 #endif
 }
 
+void quantize_row_tcq25_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ25_64, x, y, k, tcq_viterbi_avx2);
+#else
+    quantize_row_tcq25_64_ref(x, (block_tcq25_64 *) y, k);
+#endif
+}
+
+void dequantize_row_tcq25_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    tcq_dequantize_rows(GGML_TYPE_TCQ25_64, (const uint8_t *) x, y, k);
+#else
+    dequantize_row_tcq25_64((const block_tcq25_64 *) x, y, k);
+#endif
+}
+
+void ggml_vec_dot_tcq25_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0(n, QK_TCQ, vx, sizeof(block_tcq25_64), dequantize_row_tcq25_64_cpu, (const tcq_q8_0 *) vy);
+}
+
 void ggml_vec_dot_tcq3_128_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                 const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
@@ -334,7 +391,7 @@ void dequantize_row_q4t2_64_cpu(const void * GGML_RESTRICT vx, float * GGML_REST
 #if defined(__AVX2__)
     const block_q4t2_64 * x = (const block_q4t2_64 *) vx;
     __m128i tab[4];
-    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, tab);
+    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, 0, tab);
     for (int64_t i = 0; i < k/QK_Q4T2; ++i) {
         const block_q4t2_64 * b = x + i;
         float * o = y + i*QK_Q4T2;
@@ -373,8 +430,8 @@ void dequantize_row_t32_64_cpu(const void * GGML_RESTRICT vx, float * GGML_RESTR
 #if defined(__AVX2__)
     const block_t32_64 * x = (const block_t32_64 *) vx;
     __m128i tab3[4], tab2[4];
-    tcq_shuffle_tables(GGML_TYPE_TCQ3_64, tab3);
-    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, tab2);
+    tcq_shuffle_tables(GGML_TYPE_TCQ3_64, 0, tab3);
+    tcq_shuffle_tables(GGML_TYPE_TCQ2_64, 0, tab2);
     for (int64_t i = 0; i < k/QK_T32; ++i) {
         const block_t32_64 * b = x + i;
         float * o = y + i*QK_T32;
