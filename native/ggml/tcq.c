@@ -1,7 +1,7 @@
 // tcq3_64 / tcq2_64 (and tcq3_128 / tcq2_128: two runs under one scale; tcq25_64: 3 and 2 bits by turns):
-// trellis-coded quantization (ggml-kvq.h has the format): the reference quantizer and dequantizer (ggml-base). The rule is pykvq/ref/tcq.py's; the tests hold
-// this file to it bit for bit, so every product is rounded before it is added (no fused multiply-add) and sums run in
-// double, in order.
+// trellis-coded quantization (ggml-kvq.h has the format): the reference quantizer and dequantizer (ggml-base). The
+// rule is pykvq/ref/tcq.py's; the tests hold this file to it bit for bit, so every product is rounded before it is
+// added (no fused multiply-add) and sums run in double, in order.
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
