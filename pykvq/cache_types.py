@@ -51,6 +51,7 @@ KVQ_TYPES: dict[str, KVQType] = {t.name: t for t in (
     KVQType("tcq3_128", 60, 128, "tcq", "q8_0", False, 0, False, 3.125),
     KVQType("tcq2_128", 61, 128, "tcq", "q8_0", False, 0, False, 2.125),
     KVQType("tcq25_64", 62, 64, "tcq", "q8_0", False, 0, False, 2.625),
+    KVQType("tcq35_64", 63, 64, "tcq", "q8_0", False, 0, False, 3.625),
 )}
 
 # upstream's -ctk/-ctv types: (ggml id, values per block, bits per value)

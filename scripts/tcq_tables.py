@@ -2,9 +2,10 @@
 """Train the trellis tables (pykvq/ref/tcq.py TABLES, native/ggml/tcq-tables.h): levels A[s >> 4] + B[s & 15] for
 the 256 trellis states, fitted to unit-RMS Gaussian blocks (what the online Hadamard makes of a cache row).
 
-    python scripts/tcq_tables.py [2 | 3 | 25 ...]      (default: all three)
+    python scripts/tcq_tables.py [2 | 3 | 25 | 35 ...]      (default: all four)
 
-25 is tcq25_64, whose even values take 3 bits and odd values 2: one pair of tables per parity, fitted together.
+25 is tcq25_64, whose even values take 3 bits and odd values 2 (35: tcq35_64, 4 and 3): one pair of tables per
+parity, fitted together.
 Lloyd's alternation on the trellis: the encoder's paths for the current levels (the rule's two Viterbi passes), then
 new levels from the values each state took: five rounds with all levels free (from a random Gaussian start),
 then twenty fitting A and B by least squares. The tables are rounded to 1/4096, which a float32 holds exactly.
@@ -20,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pykvq.ref import tcq  # noqa: E402
 
-KINDS = {"2": 2, "3": 3, "25": (3, 2)}
+KINDS = {"2": 2, "3": 3, "25": (3, 2), "35": (4, 3)}
 
 
 def paths(z: np.ndarray, k, lut: np.ndarray) -> np.ndarray:

@@ -85,6 +85,8 @@ void dequantize_row_tcq3_128(const void * x, float * y, int64_t k);
 void dequantize_row_tcq2_128(const void * x, float * y, int64_t k);
 void quantize_row_tcq25_64_ref(const float * x, void * y, int64_t k);
 void dequantize_row_tcq25_64(const void * x, float * y, int64_t k);
+void quantize_row_tcq35_64_ref(const float * x, void * y, int64_t k);
+void dequantize_row_tcq35_64(const void * x, float * y, int64_t k);
 void quantize_row_q4t2_64_ref(const float * x, void * y, int64_t k);
 void dequantize_row_q4t2_64(const void * x, float * y, int64_t k);
 void quantize_row_t32_64_ref(const float * x, void * y, int64_t k);

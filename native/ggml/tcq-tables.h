@@ -1,4 +1,4 @@
-// tcq3_64 / tcq2_64 / tcq25_64 level tables (in 1/4096), in one place for the reference (tcq.c) and the CPU kernels
+// tcq3_64 / tcq2_64 / tcq25_64 / tcq35_64 level tables (in 1/4096), in one place for the reference (tcq.c) and the CPU kernels
 // (cpu/tcq-cpu.c): trained by scripts/tcq_tables.py on Gaussian blocks, each scaled to unit RMS as the encoder
 // scales them, alternating the Viterbi paths with a least-squares fit of A and B. A value's level is
 // A[s >> 4] + B[s & 15]: two lookups of 16, which SIMD decoders take with byte shuffles of the levels' low and
@@ -25,6 +25,16 @@
                     X(  173) X(-2328) X(-2159) X( 2346) X(-1466) X( 6215) X(-4335) X(-2033)
 #define TCQ25_B2(X) X( -525) X( 1093) X(-4629) X( 4090) X( 5911) X(  700) X(-1778) X( 2765) \
                     X(-4014) X( 2552) X(  573) X(-2219) X(-5629) X(  -49) X(-1808) X( 2967)
+
+// tcq35_64: its even values' (4-bit steps) tables, then its odd values' (3-bit steps)
+#define TCQ35_A4(X) X( 2633) X(-4669) X( -510) X(-2422) X(  338) X( -628) X(-6672) X( 6218) \
+                    X( 3957) X(-1037) X(  508) X( 1875) X(-1940) X(-3117) X( 1622) X( 1103)
+#define TCQ35_B4(X) X( -125) X( 2289) X(-2114) X(-4572) X( 4312) X(-1195) X(  292) X( 1027) \
+                    X(-1461) X( 5288) X(  -90) X(-5253) X( 1390) X(  347) X( 2808) X(-2943)
+#define TCQ35_A3(X) X(-5415) X(  727) X( 4287) X( 1932) X( 2463) X( -359) X( 1031) X( 5514) \
+                    X( -337) X(-1825) X(-1585) X(  641) X(  887) X( 3089) X(-2906) X(-2413)
+#define TCQ35_B3(X) X(-1106) X(  906) X(-1567) X( 2995) X( 4150) X( 1534) X( -391) X( 6581) \
+                    X(-6332) X(  281) X( -467) X(-2429) X(-4218) X(  375) X(-2746) X( 2435)
 
 #define TCQ_LEVEL(v) (int16_t) (v),
 #define TCQ_LO(v)    (uint8_t) ((uint16_t) (int16_t) (v) & 0xFF),

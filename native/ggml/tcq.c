@@ -21,12 +21,14 @@
 static const int16_t tcq3_tables[32] = { TCQ3_A(TCQ_LEVEL) TCQ3_B(TCQ_LEVEL) };
 static const int16_t tcq2_tables[32] = { TCQ2_A(TCQ_LEVEL) TCQ2_B(TCQ_LEVEL) };
 static const int16_t tcq25_tables[64] = { TCQ25_A3(TCQ_LEVEL) TCQ25_B3(TCQ_LEVEL) TCQ25_A2(TCQ_LEVEL) TCQ25_B2(TCQ_LEVEL) };
+static const int16_t tcq35_tables[64] = { TCQ35_A4(TCQ_LEVEL) TCQ35_B4(TCQ_LEVEL) TCQ35_A3(TCQ_LEVEL) TCQ35_B3(TCQ_LEVEL) };
 
 const int16_t * ggml_kvq_tcq_tables(enum ggml_type type, int j) {
     switch (type) {
         case GGML_TYPE_TCQ3_64: case GGML_TYPE_TCQ3_128: return tcq3_tables;
         case GGML_TYPE_TCQ2_64: case GGML_TYPE_TCQ2_128: return tcq2_tables;
         case GGML_TYPE_TCQ25_64: return tcq25_tables + 32*(j & 1);
+        case GGML_TYPE_TCQ35_64: return tcq35_tables + 32*(j & 1);
         default:                return NULL;
     }
 }
@@ -36,11 +38,12 @@ int ggml_kvq_tcq_bits(enum ggml_type type, int j) {
         case GGML_TYPE_TCQ3_64: case GGML_TYPE_TCQ3_128: return 3;
         case GGML_TYPE_TCQ2_64: case GGML_TYPE_TCQ2_128: return 2;
         case GGML_TYPE_TCQ25_64: return (j & 1) ? 2 : 3;
+        case GGML_TYPE_TCQ35_64: return (j & 1) ? 3 : 4;
         default:                return 0;
     }
 }
 
-// a run's stream: even values take k[0] bits, odd ones k[1] (equal but for tcq25_64); t[p], lut + 256*p: the
+// a run's stream: even values take k[0] bits, odd ones k[1] (equal but for tcq25_64 / tcq35_64); t[p], lut + 256*p: the
 // tables and levels of parity p
 typedef struct {
     int k[2];
@@ -195,7 +198,7 @@ static void tcq_quantize_block(const float * x, int n, int run, const tcq_code *
 // one run of n values of a block whose scale is d
 static void tcq_dequantize_block(const uint8_t * d, int sb, const uint8_t * qs, int n, const tcq_code * c, float * y) {
     const int nbytes = tcq_stream_bytes(c->k, n);
-    uint8_t ext[QK_TCQ*3/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
+    uint8_t ext[QK_TCQ*4/8 + 2];            // the stream's last byte, the stream, a zero: every window in one read
     ext[0] = qs[nbytes - 1];
     memcpy(ext + 1, qs, nbytes);
     ext[nbytes + 1] = 0;
@@ -284,6 +287,14 @@ void quantize_row_tcq25_64_ref(const float * x, block_tcq25_64 * y, int64_t k) {
 
 void dequantize_row_tcq25_64(const block_tcq25_64 * x, float * y, int64_t k) {
     tcq_dequantize_row(GGML_TYPE_TCQ25_64, x, y, k);
+}
+
+void quantize_row_tcq35_64_ref(const float * x, block_tcq35_64 * y, int64_t k) {
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ35_64, x, y, k, tcq_viterbi);
+}
+
+void dequantize_row_tcq35_64(const block_tcq35_64 * x, float * y, int64_t k) {
+    tcq_dequantize_row(GGML_TYPE_TCQ35_64, x, y, k);
 }
 
 // a trellis-coded run of n values inside another type's block (the halves of q4t2_64 and t32_64): the rule and tables

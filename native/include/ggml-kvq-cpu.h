@@ -63,6 +63,10 @@ void ggml_vec_dot_tcq2_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const 
 void quantize_row_tcq25_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void dequantize_row_tcq25_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
 void ggml_vec_dot_tcq25_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+// tcq35_64 (cpu/tcq-cpu.c): 4- and 3-bit steps by turns
+void quantize_row_tcq35_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void dequantize_row_tcq35_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference
+void ggml_vec_dot_tcq35_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 // tcq3_128 / tcq2_128 (cpu/tcq-cpu.c): two runs of 64 under one scale, the same kernels per run
 void quantize_row_tcq3_128(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void dequantize_row_tcq3_128_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k); // = the reference

@@ -37,7 +37,8 @@
     X(t32_64,  T32_64,  59, 64, Q53, q8_0,    Q8_0,    0,  0, 0, 2750, __VA_ARGS__)     \
     X(tcq3_128, TCQ3_128, 60, 128, TCQ, q8_0,  Q8_0,    0,  0, 0, 3125, __VA_ARGS__)    \
     X(tcq2_128, TCQ2_128, 61, 128, TCQ, q8_0,  Q8_0,    0,  0, 0, 2125, __VA_ARGS__)    \
-    X(tcq25_64, TCQ25_64, 62, 64, TCQ, q8_0,   Q8_0,    0,  0, 0, 2625, __VA_ARGS__)
+    X(tcq25_64, TCQ25_64, 62, 64, TCQ, q8_0,   Q8_0,    0,  0, 0, 2625, __VA_ARGS__)    \
+    X(tcq35_64, TCQ35_64, 63, 64, TCQ, q8_0,   Q8_0,    0,  0, 0, 3625, __VA_ARGS__)
 
 // what the rows expand to in the upstream files the patches touch (one macro use each)
 #define GGML_KVQ_CASE(name, NAME, ...)       case GGML_TYPE_##NAME:

@@ -1,4 +1,4 @@
-"""Trellis-coded quantization (tcq3_64, tcq2_64, tcq25_64; tcq3_128, tcq2_128): the reference rule.
+"""Trellis-coded quantization (tcq3_64, tcq2_64, tcq25_64, tcq35_64; tcq3_128, tcq2_128): the reference rule.
 
 A block of 64 values stores a scale d (a one-byte code, below) and k bits per value (k = 3, 2) as a little-endian bit stream, value j's
 bits at [kj, kj + k). Value j reads the 8-bit window of the stream that ends with its own bits, [kj + k - 8, kj + k)
@@ -19,6 +19,10 @@ around it, and its level reads its parity's own tables A, B (TABLES[(3, 2)]: the
 values'). Every rule below holds with k_j in place of k (the overlap o and the tail-biting ends take k_0 = 3):
 
   tcq25_64 (64): d qs[20]   21 B  2.625 bits/value
+
+tcq35_64 is the same with k = 4 and 3 by turns (TABLES[(4, 3)]; p_j = 7(j // 2) + 4(j % 2), a 224-bit stream):
+
+  tcq35_64 (64): d qs[28]   29 B  3.625 bits/value
 
 One path shares its bits across both parities, so on unit Gaussian blocks it reads back with 0.82x the squared error
 of tcq3_64 and tcq2_64 in equal parts (the same bits).
@@ -63,9 +67,13 @@ TABLES = {
              -111, 2888, -2664, -5549, 3494, -609, -3367, 1462, -1338, 5302, 1151, -1839, -698, 1522, 3740, -3384,
              -5669, 1310, 3975, -84, 2907, 2140, 659, 4370, 173, -2328, -2159, 2346, -1466, 6215, -4335, -2033,
              -525, 1093, -4629, 4090, 5911, 700, -1778, 2765, -4014, 2552, 573, -2219, -5629, -49, -1808, 2967),
+    (4, 3): (2633, -4669, -510, -2422, 338, -628, -6672, 6218, 3957, -1037, 508, 1875, -1940, -3117, 1622, 1103,
+             -125, 2289, -2114, -4572, 4312, -1195, 292, 1027, -1461, 5288, -90, -5253, 1390, 347, 2808, -2943,
+             -5415, 727, 4287, 1932, 2463, -359, 1031, 5514, -337, -1825, -1585, 641, 887, 3089, -2906, -2413,
+             -1106, 906, -1567, 2995, 4150, 1534, -391, 6581, -6332, 281, -467, -2429, -4218, 375, -2746, 2435),
 }
-FORMATS = {"tcq3_64": 3, "tcq2_64": 2, "tcq3_128": 3, "tcq2_128": 2, "tcq25_64": (3, 2)}
-SCALE_BYTES = {"tcq3_64": 1, "tcq2_64": 1, "tcq3_128": 2, "tcq2_128": 2, "tcq25_64": 1}   # a code byte, or f16
+FORMATS = {"tcq3_64": 3, "tcq2_64": 2, "tcq3_128": 3, "tcq2_128": 2, "tcq25_64": (3, 2), "tcq35_64": (4, 3)}
+SCALE_BYTES = {"tcq3_64": 1, "tcq2_64": 1, "tcq3_128": 2, "tcq2_128": 2, "tcq25_64": 1, "tcq35_64": 1}   # a code byte, or f16
 SCALE_BIAS = 159
 # the float32 bits of 2^(i/8), i = 0..7 (native/include/ggml-kvq.h's ggml_kvq_tcq_scale)
 SCALE_STEPS = np.array([0x3f800000, 0x3f8b95c2, 0x3f9837f0, 0x3fa5fed7, 0x3fb504f3, 0x3fc5672a, 0x3fd744fd,
@@ -95,7 +103,7 @@ def scale_values(d: np.ndarray) -> np.ndarray:
     """float32 scales of stored d: codes (uint8) or float16."""
     d = np.asarray(d)
     return scales()[d] if d.dtype == np.uint8 else d.astype(np.float32)
-BLOCK = {"tcq3_64": 64, "tcq2_64": 64, "tcq3_128": 128, "tcq2_128": 128, "tcq25_64": 64}     # values under one scale (runs of 64)
+BLOCK = {"tcq3_64": 64, "tcq2_64": 64, "tcq3_128": 128, "tcq2_128": 128, "tcq25_64": 64, "tcq35_64": 64}     # values under one scale (runs of 64)
 
 
 def bits_of(type_name: str) -> int:

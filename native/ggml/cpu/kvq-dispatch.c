@@ -14,6 +14,7 @@ ggml_to_float_t ggml_kvq_cpu_to_float(enum ggml_type type) {
         case GGML_KVQ_FAMILY_TCQ: return type == GGML_TYPE_TCQ3_64  ? dequantize_row_tcq3_64_cpu
                                        : type == GGML_TYPE_TCQ2_64  ? dequantize_row_tcq2_64_cpu
                                        : type == GGML_TYPE_TCQ25_64 ? dequantize_row_tcq25_64_cpu
+                                       : type == GGML_TYPE_TCQ35_64 ? dequantize_row_tcq35_64_cpu
                                        : type == GGML_TYPE_TCQ3_128 ? dequantize_row_tcq3_128_cpu : dequantize_row_tcq2_128_cpu;
         default:                  return NULL;
     }

@@ -25,6 +25,38 @@ typedef struct {
 GGML_KVQ_STATIC_ASSERT(sizeof(tcq_q8_0) == 34, "block_q8_0 size");
 
 #if defined(__AVX2__)
+// rows r[j] (j = 0..7) -> c[j] whose lane m is r[m]'s element j
+static inline void tcq_transpose8(const __m256 r[8], __m256 c[8]) {
+    __m256 u[8], w[8];
+    for (int j = 0; j < 8; j += 2) {
+        u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+        u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        w[j]     = _mm256_shuffle_ps(u[j],     u[j + 2], 0x44);
+        w[j + 1] = _mm256_shuffle_ps(u[j],     u[j + 2], 0xEE);
+        w[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0x44);
+        w[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {
+        c[j]     = _mm256_permute2f128_ps(w[j], w[j + 4], 0x20);
+        c[j + 4] = _mm256_permute2f128_ps(w[j], w[j + 4], 0x31);
+    }
+}
+
+// the least of n candidate vectors c[0..n) lane by lane, and which (the first of equals)
+static inline void tcq_min_arg(const __m256 * c, int n, float * minc, int32_t * arg) {
+    __m256 b = c[0];
+    __m256i bj = _mm256_setzero_si256();
+    for (int j = 1; j < n; ++j) {
+        const __m256 lt = _mm256_cmp_ps(c[j], b, _CMP_LT_OQ);
+        b = _mm256_blendv_ps(b, c[j], lt);
+        bj = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bj), _mm256_castsi256_ps(_mm256_set1_epi32(j)), lt));
+    }
+    _mm256_store_ps(minc, b);
+    _mm256_store_si256((__m256i *) arg, bj);
+}
+
 // ggml_kvq_tcq_viterbi_t (native/ggml/tcq.c's tcq_viterbi) with the 256 states in eight lanes: the same float
 // operations in the same order, so the same states. A state's predecessors are K = 2^k consecutive states; their
 // least cost is taken by transposing K vectors of them so that each lane holds one group and comparing in order
@@ -73,37 +105,25 @@ static void tcq_viterbi_avx2(const float * z, int n, const int kk[2], const floa
                 _mm256_store_ps(minc + 8*g, _mm256_permutevar8x32_ps(b, perm4));
                 _mm256_store_si256((__m256i *) (arg + 8*g), _mm256_permutevar8x32_epi32(bj, perm4));
             }
-        } else {                   // k == 3, groups of 8: an 8 x 8 transpose per eight groups
+        } else if (k == 3) {       // groups of 8: an 8 x 8 transpose per eight groups
             for (int g = 0; g < 4; ++g) {
-                const float * c = cost + 64*g;
-                __m256 r[8], u[8], w[8];
+                __m256 r[8], cj[8];
                 for (int j = 0; j < 8; ++j) {
-                    r[j] = _mm256_load_ps(c + 8*j);
+                    r[j] = _mm256_load_ps(cost + 64*g + 8*j);
                 }
-                for (int j = 0; j < 8; j += 2) {
-                    u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-                    u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+                tcq_transpose8(r, cj);
+                tcq_min_arg(cj, 8, minc + 8*g, arg + 8*g);
+            }
+        } else {                   // k == 4 (tcq35_64's even steps), groups of 16: members 0-7 and 8-15 transposed apart
+            for (int g = 0; g < 2; ++g) {
+                __m256 lo[8], hi[8], cj[16];
+                for (int m = 0; m < 8; ++m) {
+                    lo[m] = _mm256_load_ps(cost + 128*g + 16*m);
+                    hi[m] = _mm256_load_ps(cost + 128*g + 16*m + 8);
                 }
-                for (int j = 0; j < 8; j += 4) {
-                    w[j]     = _mm256_shuffle_ps(u[j],     u[j + 2], 0x44);
-                    w[j + 1] = _mm256_shuffle_ps(u[j],     u[j + 2], 0xEE);
-                    w[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0x44);
-                    w[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
-                }
-                __m256 cj[8];
-                for (int j = 0; j < 4; ++j) {
-                    cj[j]     = _mm256_permute2f128_ps(w[j], w[j + 4], 0x20);
-                    cj[j + 4] = _mm256_permute2f128_ps(w[j], w[j + 4], 0x31);
-                }
-                __m256 b = cj[0];
-                __m256i bj = _mm256_setzero_si256();
-                for (int j = 1; j < 8; ++j) {
-                    const __m256 lt = _mm256_cmp_ps(cj[j], b, _CMP_LT_OQ);
-                    b = _mm256_blendv_ps(b, cj[j], lt);
-                    bj = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bj), _mm256_castsi256_ps(_mm256_set1_epi32(j)), lt));
-                }
-                _mm256_store_ps(minc + 8*g, b);
-                _mm256_store_si256((__m256i *) (arg + 8*g), bj);
+                tcq_transpose8(lo, cj);
+                tcq_transpose8(hi, cj + 8);
+                tcq_min_arg(cj, 16, minc + 8*g, arg + 8*g);
             }
         }
         for (int m = 0; m < ng; ++m) {
@@ -217,6 +237,21 @@ static inline void tcq3_values(const uint8_t * qs, int n, const __m128i tab[4], 
     }
 }
 
+// the levels of 16 states times d as tcq_levels16 takes them, the even states' from tab_e and the odd ones' from tab_o
+// (both lookups, then a byte blend)
+static inline void tcq_levels16_alt(__m128i s, const __m128i tab_e[4], const __m128i tab_o[4], __m256 d4096, float * y) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), odd = _mm_set1_epi16((short) 0xFF00);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(s, 4), m4), lo = _mm_and_si128(s, m4);
+    __m128i t[4];
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm_blendv_epi8(_mm_shuffle_epi8(tab_e[i], i < 2 ? hi : lo), _mm_shuffle_epi8(tab_o[i], i < 2 ? hi : lo), odd);
+    }
+    const __m128i l0 = _mm_add_epi16(_mm_unpacklo_epi8(t[0], t[1]), _mm_unpacklo_epi8(t[2], t[3]));
+    const __m128i l1 = _mm_add_epi16(_mm_unpackhi_epi8(t[0], t[1]), _mm_unpackhi_epi8(t[2], t[3]));
+    _mm256_storeu_ps(y,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l0)), d4096));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), d4096));
+}
+
 // tcq25_64's 64 values, sixteen at a time as tcq3_values does: value 16g + r's window starts at bit 40g + e_r of e =
 // (the stream's last byte, the stream), e_r = 3, 5, 8, 10, ... (5 bits a pair of values); each group reads bytes 5g ..
 // 5g + 5 of e. Even values read the 3-bit steps' tables, odd ones the 2-bit steps' (a byte blend of both lookups).
@@ -224,22 +259,29 @@ static inline void tcq25_values(const uint8_t * qs, const __m128i tab3[4], const
     const __m256i idx = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3,
                                          2, 3, 3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6);
     const __m256i mul = _mm256_setr_epi16(32, 8, 256, 64, 8, 2, 64, 16, 2, 128, 16, 4, 128, 32, 4, 256);
-    const __m128i odd = _mm_set1_epi16((short) 0xFF00);   // byte lanes 1, 3, ... of the 16 states
     for (int g = 0; g < 4; ++g) {
         const __m128i e = g == 0 ? _mm_or_si128(_mm_slli_epi64(_mm_loadl_epi64((const __m128i *) qs), 8), _mm_cvtsi32_si128(qs[19]))
                                  : _mm_srli_epi64(_mm_loadl_epi64((const __m128i *) (qs + 5*g - 3)), 16);
         const __m256i w = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(e), idx), mul), 8);
-        const __m128i st = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-        const __m128i m4 = _mm_set1_epi8(0x0F);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(st, 4), m4), lo = _mm_and_si128(st, m4);
-        __m128i t[4];
-        for (int i = 0; i < 4; ++i) {
-            t[i] = _mm_blendv_epi8(_mm_shuffle_epi8(tab3[i], i < 2 ? hi : lo), _mm_shuffle_epi8(tab2[i], i < 2 ? hi : lo), odd);
-        }
-        const __m128i l0 = _mm_add_epi16(_mm_unpacklo_epi8(t[0], t[1]), _mm_unpacklo_epi8(t[2], t[3]));
-        const __m128i l1 = _mm_add_epi16(_mm_unpackhi_epi8(t[0], t[1]), _mm_unpackhi_epi8(t[2], t[3]));
-        _mm256_storeu_ps(y + 16*g,     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l0)), d4096));
-        _mm256_storeu_ps(y + 16*g + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(l1)), d4096));
+        tcq_levels16_alt(_mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)), tab3, tab2, d4096, y + 16*g);
+    }
+}
+
+// tcq35_64's 64 values, sixteen at a time: value 16g + r's window starts at bit 56g + e_r of e = (the stream's last
+// byte, the stream), e_r = 4, 7, 11, 14, ... (7 bits a pair of values), so each group reads bytes 7g .. 7g + 8 of e
+// (16-byte loads that stay inside the block, shifted); the levels as tcq25_values takes them
+static inline void tcq35_values(const uint8_t * qs, const __m128i tab4[4], const __m128i tab3[4], __m256 d4096, float * y) {
+    const __m256i idx = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 2, 3, 2, 3, 3, 4, 3, 4,
+                                         4, 5, 4, 5, 4, 5, 5, 6, 5, 6, 6, 7, 6, 7, 7, 8);
+    const __m256i mul = _mm256_setr_epi16(16, 2, 32, 4, 64, 8, 128, 16, 256, 32, 2, 64, 4, 128, 8, 256);
+    const __m128i tail = _mm_loadu_si128((const __m128i *) (qs + 12));                 // bytes 12 .. 27
+    const __m128i e[4] = { _mm_or_si128(_mm_slli_si128(_mm_loadu_si128((const __m128i *) qs), 1), _mm_cvtsi32_si128(qs[27])),
+                           _mm_loadu_si128((const __m128i *) (qs + 6)),                 // e's bytes 7 .. from 6 on
+                           _mm_srli_si128(tail, 1),                                     // 14 .. from 13 on
+                           _mm_srli_si128(tail, 8) };                                   // 21 .. from 20 on
+    for (int g = 0; g < 4; ++g) {
+        const __m256i w = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(e[g]), idx), mul), 8);
+        tcq_levels16_alt(_mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)), tab4, tab3, d4096, y + 16*g);
     }
 }
 
@@ -250,7 +292,10 @@ static inline void tcq_shuffle_tables(enum ggml_type type, int j, __m128i tab[4]
     static const uint8_t b2[4][16] = { { TCQ2_A(TCQ_LO) }, { TCQ2_A(TCQ_HI) }, { TCQ2_B(TCQ_LO) }, { TCQ2_B(TCQ_HI) } };
     static const uint8_t b25[2][4][16] = { { { TCQ25_A3(TCQ_LO) }, { TCQ25_A3(TCQ_HI) }, { TCQ25_B3(TCQ_LO) }, { TCQ25_B3(TCQ_HI) } },
                                            { { TCQ25_A2(TCQ_LO) }, { TCQ25_A2(TCQ_HI) }, { TCQ25_B2(TCQ_LO) }, { TCQ25_B2(TCQ_HI) } } };
-    const uint8_t (*b)[16] = type == GGML_TYPE_TCQ25_64 ? b25[j & 1] : ggml_kvq_tcq_bits(type, j) == 3 ? b3 : b2;
+    static const uint8_t b35[2][4][16] = { { { TCQ35_A4(TCQ_LO) }, { TCQ35_A4(TCQ_HI) }, { TCQ35_B4(TCQ_LO) }, { TCQ35_B4(TCQ_HI) } },
+                                           { { TCQ35_A3(TCQ_LO) }, { TCQ35_A3(TCQ_HI) }, { TCQ35_B3(TCQ_LO) }, { TCQ35_B3(TCQ_HI) } } };
+    const uint8_t (*b)[16] = type == GGML_TYPE_TCQ25_64 ? b25[j & 1] : type == GGML_TYPE_TCQ35_64 ? b35[j & 1]
+                           : ggml_kvq_tcq_bits(type, j) == 3 ? b3 : b2;
     for (int i = 0; i < 4; ++i) {
         tab[i] = _mm_loadu_si128((const __m128i *) b[i]);
     }
@@ -270,7 +315,9 @@ static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * 
         const uint8_t * b = x + i*bs;
         const __m256 d4096 = _mm256_set1_ps(ggml_kvq_tcq_scale_read(b, sb)*(1.0f/4096));
         for (int r = 0; r < qk; r += QK_TCQ) {
-            if (bits == 5) {
+            if (bits == 7) {
+                tcq35_values(b + sb, tab, tab_odd, d4096, y + i*qk);
+            } else if (bits == 5) {
                 tcq25_values(b + sb, tab, tab_odd, d4096, y + i*qk);
             } else if (bits == 4) {
                 tcq2_values(b + sb + r*2/8, QK_TCQ, tab, d4096, y + i*qk + r);
@@ -363,6 +410,28 @@ void ggml_vec_dot_tcq25_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const
                                 const void * GGML_RESTRICT vy, size_t by, int nrc) {
     (void) bs; (void) bx; (void) by; (void) nrc;
     *s = tcq_dot_q8_0(n, QK_TCQ, vx, sizeof(block_tcq25_64), dequantize_row_tcq25_64_cpu, (const tcq_q8_0 *) vy);
+}
+
+void quantize_row_tcq35_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    ggml_kvq_quantize_row_tcq_with(GGML_TYPE_TCQ35_64, x, y, k, tcq_viterbi_avx2);
+#else
+    quantize_row_tcq35_64_ref(x, (block_tcq35_64 *) y, k);
+#endif
+}
+
+void dequantize_row_tcq35_64_cpu(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+#if defined(__AVX2__)
+    tcq_dequantize_rows(GGML_TYPE_TCQ35_64, (const uint8_t *) x, y, k);
+#else
+    dequantize_row_tcq35_64((const block_tcq35_64 *) x, y, k);
+#endif
+}
+
+void ggml_vec_dot_tcq35_64_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    (void) bs; (void) bx; (void) by; (void) nrc;
+    *s = tcq_dot_q8_0(n, QK_TCQ, vx, sizeof(block_tcq35_64), dequantize_row_tcq35_64_cpu, (const tcq_q8_0 *) vy);
 }
 
 void ggml_vec_dot_tcq3_128_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
