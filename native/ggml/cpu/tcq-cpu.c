@@ -58,9 +58,10 @@ static inline void tcq_min_arg(const __m256 * c, int n, float * minc, int32_t * 
 }
 
 // ggml_kvq_tcq_viterbi_t (native/ggml/tcq.c's tcq_viterbi) with the 256 states in eight lanes: the same float
-// operations in the same order, so the same states. A state's predecessors are K = 2^k consecutive states; their
-// least cost is taken by transposing K vectors of them so that each lane holds one group and comparing in order
-// (strictly less: the first of equals). The new costs read those minima in order (state s takes group s & ml).
+// operations in the same order, so the same states. A state's predecessors are K = 2^k consecutive states (k by the
+// step's parity: 2, 3 or 4); their least cost is taken by transposing K vectors of them so that each lane holds one
+// group and comparing in order (strictly less: the first of equals). The new costs read those minima in order (state
+// s takes group s & ml).
 static void tcq_viterbi_avx2(const float * z, int n, const int kk[2], const float * lut, int o, int rot, uint8_t * st) {
     const int k0 = kk[0], ml0 = (1 << (8 - k0)) - 1;
     float cost[256] __attribute__((aligned(32)));
@@ -276,9 +277,9 @@ static inline void tcq35_values(const uint8_t * qs, const __m128i tab4[4], const
     const __m256i mul = _mm256_setr_epi16(16, 2, 32, 4, 64, 8, 128, 16, 256, 32, 2, 64, 4, 128, 8, 256);
     const __m128i tail = _mm_loadu_si128((const __m128i *) (qs + 12));                 // bytes 12 .. 27
     const __m128i e[4] = { _mm_or_si128(_mm_slli_si128(_mm_loadu_si128((const __m128i *) qs), 1), _mm_cvtsi32_si128(qs[27])),
-                           _mm_loadu_si128((const __m128i *) (qs + 6)),                 // e's bytes 7 .. from 6 on
-                           _mm_srli_si128(tail, 1),                                     // 14 .. from 13 on
-                           _mm_srli_si128(tail, 8) };                                   // 21 .. from 20 on
+                           _mm_loadu_si128((const __m128i *) (qs + 6)),                 // e's bytes 7 ..: qs[6 ..]
+                           _mm_srli_si128(tail, 1),                                     // 14 ..: qs[13 ..]
+                           _mm_srli_si128(tail, 8) };                                   // 21 ..: qs[20 .. 27], 0
     for (int g = 0; g < 4; ++g) {
         const __m256i w = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(e[g]), idx), mul), 8);
         tcq_levels16_alt(_mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)), tab4, tab3, d4096, y + 16*g);
@@ -286,7 +287,7 @@ static inline void tcq35_values(const uint8_t * qs, const __m128i tab4[4], const
 }
 
 // A's and B's low and high bytes, as shuffle tables (constants: the FA loop reads a row at a time), for value j of a
-// run (tcq25_64's depend on its parity)
+// run (tcq25_64's and tcq35_64's depend on its parity)
 static inline void tcq_shuffle_tables(enum ggml_type type, int j, __m128i tab[4]) {
     static const uint8_t b3[4][16] = { { TCQ3_A(TCQ_LO) }, { TCQ3_A(TCQ_HI) }, { TCQ3_B(TCQ_LO) }, { TCQ3_B(TCQ_HI) } };
     static const uint8_t b2[4][16] = { { TCQ2_A(TCQ_LO) }, { TCQ2_A(TCQ_HI) }, { TCQ2_B(TCQ_LO) }, { TCQ2_B(TCQ_HI) } };
@@ -303,7 +304,8 @@ static inline void tcq_shuffle_tables(enum ggml_type type, int j, __m128i tab[4]
 #endif
 
 #if defined(__AVX2__)
-// rows of blocks of (scale bytes) + qk*bits/8 bytes: each run of 64's states, then its levels with the block's scale
+// rows of blocks of (scale bytes) + qk*(k_even + k_odd)/16 bytes: each run of 64's states, then its levels with the
+// block's scale (tcq25_64 / tcq35_64: blocks of one run)
 static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * y, int64_t k) {
     const int bits = ggml_kvq_tcq_bits(type, 0) + ggml_kvq_tcq_bits(type, 1), qk = ggml_kvq_tcq_block(type);
     const int sb = ggml_kvq_tcq_scale_bytes(type);
