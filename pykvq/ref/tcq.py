@@ -20,12 +20,11 @@ values'). Every rule below holds with k_j in place of k (the overlap o and the t
 
   tcq25_64 (64): d qs[20]   21 B  2.625 bits/value
 
-tcq35_64 is the same with k = 4 and 3 by turns (TABLES[(4, 3)]; p_j = 7(j // 2) + 4(j % 2), a 224-bit stream):
+One path shares its bits across both parities, so on unit Gaussian blocks it reads back with 0.82x the squared error
+of tcq3_64 and tcq2_64 in equal parts (the same bits). tcq35_64 is the same with k = 4 and 3 by turns
+(TABLES[(4, 3)]; p_j = 7(j // 2) + 4(j % 2), a 224-bit stream; 0.79x tcq3_64 and nuq4 mixed to its bits):
 
   tcq35_64 (64): d qs[28]   29 B  3.625 bits/value
-
-One path shares its bits across both parities, so on unit Gaussian blocks it reads back with 0.82x the squared error
-of tcq3_64 and tcq2_64 in equal parts (the same bits).
 
 tcq3_128 / tcq2_128 hold a head row of 128 as two such runs of 64 (each its own tail-biting path and stream) under one
 f16 scale (two bytes, unlike tcq*_64's code): the step 1 and 4 sums below run over all 128 values, steps 2-3 over each
@@ -115,8 +114,8 @@ def block_bytes(k, n: int = N, scale_bytes: int = 1) -> int:
 
 
 def levels(k, tables=None) -> np.ndarray:
-    """level(s) for every state s, float32 (exact: integers over 4096): [256], or [2, 256] for tcq25_64 (its even
-    values' table, then its odd values')."""
+    """level(s) for every state s, float32 (exact: integers over 4096): [256], or [2, 256] for tcq25_64 / tcq35_64 (their
+    even values' table, then their odd values')."""
     t = np.asarray(TABLES[k] if tables is None else tables, np.int64).reshape(-1, 32)
     s = np.arange(STATES)
     lv = (t[:, s >> 4] + t[:, 16 + (s & 15)]).astype(np.float32) * np.float32(1 / 4096)
@@ -125,7 +124,7 @@ def levels(k, tables=None) -> np.ndarray:
 
 def steps(k, n: int = N) -> tuple[np.ndarray, np.ndarray]:
     """(k_j, p_j) [n]: each value's bits and where they start in its run's stream. k is an int, or (k_even, k_odd)
-    for tcq25_64's alternating steps."""
+    for tcq25_64's / tcq35_64's alternating steps."""
     ks = np.array([k[j % 2] for j in range(n)] if isinstance(k, tuple) else [k] * n, np.int64)
     return ks, np.concatenate([[0], np.cumsum(ks)[:-1]]).astype(np.int64)
 
@@ -135,7 +134,7 @@ def stream_bits(k, n: int = N) -> int:
 
 
 def step_levels(k, lut: np.ndarray, n: int) -> np.ndarray:
-    """[n, 256]: the levels each value of a run reads (one table, or tcq25_64's one per parity)."""
+    """[n, 256]: the levels each value of a run reads (one table, or one per parity)."""
     lut = np.asarray(lut)
     return np.stack([lut[j % 2] if lut.ndim == 2 else lut for j in range(n)])
 
