@@ -62,7 +62,10 @@ def value_ladder(cache_bits: float | None, cpu_types: bool = False) -> tuple:
     a file for the CPU may take types without CUDA kernels (measured below 3 bits only)."""
     if cache_bits is not None and cache_bits < Q32_BELOW:
         ladder = ("nuq2_64",) + VALUE_LADDER
-        return ("tcq2_64", CPU_VALUE_MID) + tuple(CPU_VALUE_TYPES.get(t, t) for t in ladder[1:]) if cpu_types else ladder
+        if not cpu_types:
+            return ladder
+        cpu = tuple(CPU_VALUE_TYPES.get(t, t) for t in ladder)
+        return cpu[:1] + (CPU_VALUE_MID,) + cpu[1:]
     return VALUE_LADDER
 
 

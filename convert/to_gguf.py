@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for a file whose cache stays on the CPU: the default types of a budget and of the 3.5-bit "
                         "preset take trellis-coded ones (CPU kernels only) in place of the scalar ones: values "
                         + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_VALUE_TYPES.items())
-                        + f" and {pipeline.layer_types.CPU_VALUE_MID} (3 and 2 bits by turns) between them; keys " + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_KEY_TYPES.items())
+                        + f" and {pipeline.layer_types.CPU_VALUE_MID} (3 and 2 bits by turns) between them; keys "
+                        + ", ".join(f"{v} for {n}" for n, v in pipeline.layer_types.CPU_KEY_TYPES.items())
                         + " (their scales one byte each, so 0.125-0.25 bits/value cheaper)"
                         + ". At 4096 tokens, KLD vs f16: --bits 3.5 0.0123 -> 0.0102 (SmolLM2), 0.0079 -> 0.0059 "
                         "(Qwen2.5-Coder-1.5B); --bits 3 0.0279 -> 0.0206, 0.0126 -> 0.0087; --bits 2.5 0.0686 -> 0.0404, "

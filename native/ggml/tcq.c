@@ -145,6 +145,11 @@ int ggml_kvq_tcq_scale_bytes(enum ggml_type type) {
     return type == GGML_TYPE_TCQ3_128 || type == GGML_TYPE_TCQ2_128 ? 2 : 1;
 }
 
+size_t ggml_kvq_tcq_block_bytes(enum ggml_type type) {
+    const tcq_code c = tcq_code_of(type);
+    return ggml_kvq_tcq_scale_bytes(type) + ggml_kvq_tcq_block(type)/QK_TCQ*tcq_stream_bytes(c.k, QK_TCQ);
+}
+
 // one block of n values under one scale, in runs of `run` (n itself, or 64 of a tcq*_128 block): scaled to unit RMS,
 // for each run a free path read from its middle names the overlap o (the high bits of the last value's state there)
 // and the tail-biting path goes through o, then the least-squares scale of the paths' levels
@@ -227,7 +232,7 @@ void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void *
                                     ggml_kvq_tcq_viterbi_t viterbi) {
     const tcq_code c = tcq_code_of(type);
     const int qk = ggml_kvq_tcq_block(type), sb = ggml_kvq_tcq_scale_bytes(type);
-    const size_t bs = sb + qk/QK_TCQ*tcq_stream_bytes(c.k, QK_TCQ);
+    const size_t bs = ggml_kvq_tcq_block_bytes(type);
     float lut[2*TCQ_STATES];
     tcq_lut(&c, lut);
     for (int64_t i = 0; i < n/qk; ++i) {
@@ -240,7 +245,7 @@ void ggml_kvq_quantize_row_tcq_with(enum ggml_type type, const float * x, void *
 static void tcq_dequantize_row(enum ggml_type type, const void * x, float * y, int64_t n) {
     const tcq_code c = tcq_code_of(type);
     const int qk = ggml_kvq_tcq_block(type), sb = ggml_kvq_tcq_scale_bytes(type), rb = tcq_stream_bytes(c.k, QK_TCQ);
-    const size_t bs = sb + qk/QK_TCQ*rb;
+    const size_t bs = ggml_kvq_tcq_block_bytes(type);
     for (int64_t i = 0; i < n/qk; ++i) {
         const uint8_t * b = (const uint8_t *) x + i*bs;
         for (int r = 0; r < qk; r += QK_TCQ) {
@@ -314,6 +319,5 @@ void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t * d, const uin
 
 bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes) {
     const int sb = ggml_kvq_tcq_scale_bytes(type);
-    const tcq_code c = tcq_code_of(type);
-    return sb == 1 || ggml_kvq_validate_f16_scales(data, nbytes, sb + ggml_kvq_tcq_block(type)/QK_TCQ*tcq_stream_bytes(c.k, QK_TCQ), 1);
+    return sb == 1 || ggml_kvq_validate_f16_scales(data, nbytes, ggml_kvq_tcq_block_bytes(type), 1);
 }

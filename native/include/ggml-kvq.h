@@ -187,7 +187,7 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq2_64) == 17, "block_tcq2_64 size");
 
 // tcq25_64: one trellis whose even values take 3 bits and odd values 2 (value j's bits start at 5(j/2) + 3(j%2) of a
 // 160-bit stream; its state is still the 8-bit window ending with its bits, its level from its parity's own two
-// tables). A trellis between tcq2_64 and tcq3_64 in bits, not a mix of them: on unit Gaussian blocks 0.045 squared
+// tables). A trellis between tcq2_64 and tcq3_64 in bits, not a mix of them: on unit Gaussian blocks 0.043 squared
 // error, where tcq2_64 and tcq3_64 in equal parts (the same bits) give 0.052.
 typedef struct {
     uint8_t d;                // scale code (ggml_kvq_tcq_scale)
@@ -198,7 +198,7 @@ GGML_KVQ_STATIC_ASSERT(sizeof(block_tcq25_64) == 21, "block_tcq25_64 size");
 
 // tcq35_64: the same with 4 and 3 bits by turns (value j's bits start at 7(j/2) + 4(j%2) of a 224-bit stream).
 // A 4-bit step's window remembers only the value before it, so 4 bits in every step would read back no better than
-// q4_0; by turns with 3 the path keeps its memory: 0.0134 squared error on unit Gaussian blocks (tcq3_64: 0.0227).
+// q4_0; by turns with 3 the path keeps its memory: 0.0133 squared error on unit Gaussian blocks (tcq3_64: 0.0227).
 typedef struct {
     uint8_t d;                // scale code (ggml_kvq_tcq_scale)
     uint8_t qs[QK_TCQ*7/16];  // the stream: 4 + 3 bits per pair of values
@@ -586,6 +586,8 @@ GGML_API void ggml_kvq_tcq_dequantize_run(enum ggml_type tt, const uint8_t * d, 
 // a TCQ type's scale bytes: 1 (the code ggml_kvq_tcq_scale reads) for tcq*_64 and the runs inside q4t2_64 / t32_64,
 // 2 (f16) for tcq*_128
 GGML_API int ggml_kvq_tcq_scale_bytes(enum ggml_type type);
+// a TCQ type's bytes per block of ggml_kvq_tcq_block values (its scale, then each run's stream)
+GGML_API size_t ggml_kvq_tcq_block_bytes(enum ggml_type type);
 // Row validation (the type registration seam): tcq3_128 / tcq2_128's f16 scales finite (every scale code is valid).
 GGML_API bool ggml_kvq_validate_row_tcq(enum ggml_type type, const void * data, size_t nbytes);
 // Row validation for ggml_validate_row_data (the type registration seam): both scales of every block finite (q53_64,

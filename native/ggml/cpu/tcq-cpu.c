@@ -309,7 +309,7 @@ static inline void tcq_shuffle_tables(enum ggml_type type, int j, __m128i tab[4]
 static void tcq_dequantize_rows(enum ggml_type type, const uint8_t * x, float * y, int64_t k) {
     const int bits = ggml_kvq_tcq_bits(type, 0) + ggml_kvq_tcq_bits(type, 1), qk = ggml_kvq_tcq_block(type);
     const int sb = ggml_kvq_tcq_scale_bytes(type);
-    const size_t bs = sb + qk*bits/16;
+    const size_t bs = ggml_kvq_tcq_block_bytes(type);
     __m128i tab[4], tab_odd[4];
     tcq_shuffle_tables(type, 0, tab);
     tcq_shuffle_tables(type, 1, tab_odd);
